@@ -1,0 +1,69 @@
+"""Transports for the compressed collectives: build one by name, or let `resolve` pick.
+
+Each backend lives in its own module and is imported only when asked for, so that optional
+dependencies (mpi4py, cupy) are never needed by `import compcomm`.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from .base import Backend
+
+_REGISTRY = {
+    "local": ("local", "LocalBackend"),
+    "gloo": ("gloo", "GlooBackend"),
+    "nccl": ("nccl", "NcclBackend"),
+    "mpi": ("mpi", "MPIBackend"),
+}
+_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+_defaults: dict[str, Backend] = {}
+
+__all__ = ["Backend", "get", "resolve", "names", "launched_by_mpi"]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get(name: str, **options) -> Backend:
+    """A new backend by name ("gloo", "nccl", "mpi", "local"); options go to its constructor,
+    e.g. `group=` (a torch.distributed sub-group) or `comm=` (an MPI communicator)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(_REGISTRY)} or pass a Backend")
+    module, cls = _REGISTRY[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(**options)
+
+
+def launched_by_mpi() -> bool:
+    """Whether this process was started by mpirun/mpiexec (Open MPI, MPICH or a PMIx launcher)."""
+    return any(v in os.environ for v in _MPI_LAUNCH_VARS)
+
+
+def resolve(backend: Backend | str | None, tensor: torch.Tensor | None = None) -> Backend:
+    """The backend a collective on `tensor` uses.
+
+    An object is used as is; a name gives a cached default instance of that backend; None
+    picks: an initialized torch.distributed default group (nccl for CUDA tensors, gloo for
+    the rest), else MPI when launched by mpirun, else the single-process backend.
+    """
+    if isinstance(backend, Backend):
+        return backend
+    if backend is None:
+        backend = _auto_name(tensor)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a name, a compcomm Backend or None, got {type(backend).__name__}")
+    if backend not in _defaults:
+        _defaults[backend] = get(backend)
+    return _defaults[backend]
+
+
+def _auto_name(tensor: torch.Tensor | None) -> str:
+    on_cuda = isinstance(tensor, torch.Tensor) and tensor.is_cuda
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "nccl" if on_cuda else "gloo"
+    if launched_by_mpi():
+        return "mpi"
+    return "local"

@@ -1,0 +1,94 @@
+"""The transport interface: a backend moves bytes and counts them, it never decides numerics."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+REDUCE_OPS = ("sum", "mean")
+
+
+class Backend(ABC):
+    """Collectives over one group of ranks, on uint8 buffers of this backend's `device`.
+
+    `bytes_sent` counts the payload bytes this rank handed to the transport for its peers
+    (its own block excluded): (n-1) * L for an all-gather or all-to-all of L-byte blocks, and
+    2 (n-1)/n * size for an uncompressed ring all-reduce. Subclasses implement the `_`-methods.
+    """
+
+    name = "backend"
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+
+    @property
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    def serves(self, device: torch.device) -> bool:
+        """Whether tensors on `device` can go through this backend."""
+        return device.type == self.device.type
+
+    def all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """recv[r] <- rank r's `send`, for `send` of shape (L,) and `recv` of shape (n, L)."""
+        self._check_bytes(send, recv)
+        if recv.shape != (self.world_size, send.numel()):
+            raise ValueError(f"all_gather: recv shape {tuple(recv.shape)} != ({self.world_size}, {send.numel()})")
+        self.bytes_sent += (self.world_size - 1) * send.numel()
+        self._all_gather(send, recv)
+
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """recv[r] <- rank r's send[self.rank], for `send` and `recv` of shape (n, L)."""
+        self._check_bytes(send, recv)
+        if send.dim() != 2 or send.shape != recv.shape or send.shape[0] != self.world_size:
+            raise ValueError(f"all_to_all: send {tuple(send.shape)} / recv {tuple(recv.shape)} "
+                             f"must both be ({self.world_size}, L)")
+        self.bytes_sent += (self.world_size - 1) * send.shape[1]
+        self._all_to_all(send, recv)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Uncompressed in-place all-reduce (warm-up phases, baselines); returns `tensor`."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce needs a contiguous tensor")
+        n = self.world_size
+        self.bytes_sent += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+        if n > 1:
+            self._all_reduce_sum(tensor)
+        if op == "mean" and n > 1:
+            tensor.div_(n)
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group reaches this point."""
+        if self.world_size > 1:
+            self._barrier()
+
+    def _check_bytes(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        for t in (send, recv):
+            if t.dtype != torch.uint8 or not t.is_contiguous() or t.device != send.device:
+                raise ValueError(f"{self.name}: collectives take contiguous uint8 buffers on one device")
+
+    @abstractmethod
+    def _all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _barrier(self) -> None: ...
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank {self.rank} of {self.world_size} on {self.device}>"

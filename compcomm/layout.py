@@ -1,0 +1,155 @@
+"""Padded sizes, chunk ranges, flattening and bucketing for the compressed allreduce.
+
+The padded length M is a multiple of 8 * world_size so that every rank serves a chunk of
+C = M / world_size elements that packs into whole bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def padded_size(numel: int, world_size: int) -> int:
+    """M = ceil(numel / (8 n)) * 8 n."""
+    if numel < 0 or world_size < 1:
+        raise ValueError(f"need numel >= 0 and world_size >= 1, got {numel}, {world_size}")
+    unit = 8 * world_size
+    return -(-numel // unit) * unit
+
+
+def chunk_size(numel: int, world_size: int) -> int:
+    """C = M / n: the number of padded elements each rank serves."""
+    return padded_size(numel, world_size) // world_size
+
+
+def chunk_range(rank: int, numel: int, world_size: int) -> tuple[int, int]:
+    """[start, stop) of the padded elements served by `rank`."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world of size {world_size}")
+    c = chunk_size(numel, world_size)
+    return rank * c, (rank + 1) * c
+
+
+def real_count(rank: int, numel: int, world_size: int) -> int:
+    """k = clamp(N - jC, 0, C): how many elements of rank j's chunk are real, not padding."""
+    start, stop = chunk_range(rank, numel, world_size)
+    return max(0, min(numel, stop) - start)
+
+
+def flatten(tensors: Sequence[torch.Tensor], numel: int | None = None) -> torch.Tensor:
+    """Copy same-dtype, same-device tensors into one new contiguous 1-D buffer.
+
+    `numel` (>= the total) sizes the buffer larger, zero-filled, e.g. to a padded size.
+    """
+    if not tensors:
+        raise ValueError("flatten needs at least one tensor")
+    _check_uniform(tensors)
+    total = sum(t.numel() for t in tensors)
+    buffer = torch.zeros(total if numel is None else numel, dtype=tensors[0].dtype,
+                         device=tensors[0].device)
+    if buffer.numel() < total:
+        raise ValueError(f"numel {buffer.numel()} is smaller than the tensors' total {total}")
+    for view, t in zip(unflatten(buffer, [t.shape for t in tensors]), tensors):
+        view.copy_(t)
+    return buffer
+
+
+def unflatten(buffer: torch.Tensor, shapes: Iterable[torch.Size | Sequence[int]]) -> list[torch.Tensor]:
+    """Views of consecutive stretches of a 1-D buffer, shaped as given (no copy)."""
+    views, offset = [], 0
+    for shape in shapes:
+        n = int(torch.Size(shape).numel())
+        if offset + n > buffer.numel():
+            raise ValueError("shapes need more elements than the buffer holds")
+        views.append(buffer[offset:offset + n].view(shape))
+        offset += n
+    return views
+
+
+def _check_uniform(tensors: Sequence[torch.Tensor]) -> None:
+    first = tensors[0]
+    for t in tensors[1:]:
+        if t.dtype != first.dtype or t.device != first.device:
+            raise ValueError("tensors to flatten together must share dtype and device, got "
+                             f"{first.dtype}/{first.device} and {t.dtype}/{t.device}")
+
+
+@dataclass
+class Bucket:
+    """Tensors that travel together in one collective, through one flat buffer.
+
+    `buffer` has `padded_numel` elements; `flat` is its first `numel` (the real data) and
+    `views[i]` is tensor i's slot in it.
+    """
+
+    indices: list[int]
+    shapes: list[torch.Size]
+    numel: int
+    padded_numel: int
+    buffer: torch.Tensor
+    views: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.buffer[:self.numel]
+
+    def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Copy this bucket's tensors (from the full list) into the buffer; return `flat`."""
+        for view, i in zip(self.views, self.indices):
+            view.copy_(tensors[i])
+        return self.flat
+
+    def scatter(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the buffer back into this bucket's tensors (from the full list)."""
+        for view, i in zip(self.views, self.indices):
+            tensors[i].copy_(view)
+
+
+class Bucketer:
+    """Groups tensors, in order, into buckets of at most `bucket_bytes` each.
+
+    Tensors of different dtype or device never share a bucket; a tensor larger than
+    `bucket_bytes` gets a bucket of its own. Buffers are padded for `world_size` ranks,
+    so an optimizer can make one collective per bucket instead of one per parameter.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 world_size: int = 1, dtype: torch.dtype | None = None) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.bucket_bytes = bucket_bytes
+        self.world_size = world_size
+        groups: list[list[int]] = []
+        keys: list[tuple[torch.dtype, torch.device]] = []
+        sizes: list[int] = []
+        for i, t in enumerate(tensors):
+            key = (dtype or t.dtype, t.device)
+            nbytes = t.numel() * key[0].itemsize
+            if groups and keys[-1] == key and sizes[-1] + nbytes <= bucket_bytes:
+                groups[-1].append(i)
+                sizes[-1] += nbytes
+            else:
+                groups.append([i])
+                keys.append(key)
+                sizes.append(nbytes)
+        self.buckets: list[Bucket] = [self._make_bucket(tensors, idx, dtype) for idx in groups]
+
+    def _make_bucket(self, tensors: Sequence[torch.Tensor], idx: list[int],
+                     dtype: torch.dtype | None) -> Bucket:
+        first = tensors[idx[0]]
+        shapes = [tensors[i].shape for i in idx]
+        numel = sum(tensors[i].numel() for i in idx)
+        padded = padded_size(numel, self.world_size)
+        buffer = torch.zeros(padded, dtype=dtype or first.dtype, device=first.device)
+        return Bucket(indices=list(idx), shapes=shapes, numel=numel, padded_numel=padded,
+                      buffer=buffer, views=unflatten(buffer, shapes))
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __iter__(self):
+        return iter(self.buckets)

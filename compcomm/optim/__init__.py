@@ -1,0 +1,1 @@
+"""1-bit optimizers built on compcomm.compressed_allreduce."""
