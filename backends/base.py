@@ -2,10 +2,24 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 
 REDUCE_OPS = ("sum", "mean")
+
+
+class Handle(Protocol):
+    """A collective in flight: `wait()` returns once its receive buffer is filled."""
+
+    def wait(self) -> object: ...
+
+
+class Done:
+    """The handle of a collective that has already completed."""
+
+    def wait(self) -> None:
+        return None
 
 
 class Backend(ABC):
@@ -37,22 +51,25 @@ class Backend(ABC):
         """Whether tensors on `device` can go through this backend."""
         return device.type == self.device.type
 
-    def all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        """recv[r] <- rank r's `send`, for `send` of shape (L,) and `recv` of shape (n, L)."""
+    def all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False) -> Handle:
+        """recv[r] <- rank r's `send`, for `send` of shape (L,) and `recv` of shape (n, L).
+
+        With async_op=True it may return before completion; `recv` is valid after `wait()`.
+        """
         self._check_bytes(send, recv)
         if recv.shape != (self.world_size, send.numel()):
             raise ValueError(f"all_gather: recv shape {tuple(recv.shape)} != ({self.world_size}, {send.numel()})")
         self.bytes_sent += (self.world_size - 1) * send.numel()
-        self._all_gather(send, recv)
+        return self._finish(self._all_gather(send, recv, async_op), async_op)
 
-    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        """recv[r] <- rank r's send[self.rank], for `send` and `recv` of shape (n, L)."""
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False) -> Handle:
+        """recv[r] <- rank r's send[self.rank], for `send` and `recv` of shape (n, L) (async as all_gather)."""
         self._check_bytes(send, recv)
         if send.dim() != 2 or send.shape != recv.shape or send.shape[0] != self.world_size:
             raise ValueError(f"all_to_all: send {tuple(send.shape)} / recv {tuple(recv.shape)} "
                              f"must both be ({self.world_size}, L)")
         self.bytes_sent += (self.world_size - 1) * send.shape[1]
-        self._all_to_all(send, recv)
+        return self._finish(self._all_to_all(send, recv, async_op), async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Uncompressed in-place all-reduce (warm-up phases, baselines); returns `tensor`."""
@@ -73,16 +90,27 @@ class Backend(ABC):
         if self.world_size > 1:
             self._barrier()
 
+    @staticmethod
+    def _finish(handle: Handle | None, async_op: bool) -> Handle:
+        if handle is None:
+            return Done()
+        if not async_op:
+            handle.wait()
+            return Done()
+        return handle
+
     def _check_bytes(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         for t in (send, recv):
             if t.dtype != torch.uint8 or not t.is_contiguous() or t.device != send.device:
                 raise ValueError(f"{self.name}: collectives take contiguous uint8 buffers on one device")
 
     @abstractmethod
-    def _all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None: ...
+    def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
+        """Start (async_op) or do the all-gather; return a handle to wait on, or None if done."""
 
     @abstractmethod
-    def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None: ...
+    def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
+        """Start (async_op) or do the all-to-all; return a handle to wait on, or None if done."""
 
     @abstractmethod
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None: ...

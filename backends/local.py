@@ -30,10 +30,10 @@ class LocalBackend(Backend):
     def serves(self, device: torch.device) -> bool:
         return True
 
-    def _all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+    def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> None:
         recv[0].copy_(send)
 
-    def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+    def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> None:
         recv.copy_(send)
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Backend
+from .base import Backend, Handle
 
 # torch >= 2.11 renamed all_gather_into_tensor; keep both working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -45,11 +45,11 @@ class TorchDistBackend(Backend):
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
-    def _all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        _all_gather_single(recv.view(-1), send, group=self.group)
+    def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
+        return _all_gather_single(recv.view(-1), send, group=self.group, async_op=async_op)
 
-    def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group)
+    def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
+        return dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group, async_op=async_op)
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)

@@ -1,0 +1,44 @@
+"""A plain float64 reference of SPEC section 3, simulating all n ranks in one process."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def sign(v: np.ndarray) -> np.ndarray:
+    return np.where(v >= 0, 1.0, -1.0)
+
+
+def reference_allreduce(inputs: list[np.ndarray], worker_errors: np.ndarray, server_errors: np.ndarray,
+                        op: str = "mean") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One call: inputs[r] (N,), worker_errors (n, M), server_errors (n, C), all float64.
+
+    Returns (output (N,), new worker errors, new server errors).
+    """
+    n, numel = len(inputs), inputs[0].size
+    m = math.ceil(numel / (8 * n)) * 8 * n
+    c = m // n
+    assert worker_errors.shape == (n, m) and server_errors.shape == (n, c)
+    new_worker = np.zeros((n, m))
+    worker_signs, scales = np.zeros((n, m)), np.zeros(n)
+    for r, x in enumerate(inputs):
+        xp = np.zeros(m)
+        xp[:numel] = x
+        xp += worker_errors[r]
+        scales[r] = np.linalg.norm(xp[:numel]) / math.sqrt(numel)
+        worker_signs[r] = sign(xp)
+        new_worker[r, :numel] = xp[:numel] - scales[r] * worker_signs[r, :numel]
+    output = np.zeros(m)
+    new_server = np.zeros((n, c))
+    for j in range(n):
+        chunk = slice(j * c, (j + 1) * c)
+        a = (scales[:, None] * worker_signs[:, chunk]).sum(0)
+        if op == "mean":
+            a /= n
+        y = a + server_errors[j]
+        k = min(max(numel - j * c, 0), c)
+        t = np.linalg.norm(y[:k]) / math.sqrt(k) if k else 0.0
+        new_server[j, :k] = y[:k] - t * sign(y[:k])
+        output[chunk] = t * sign(y)
+    return output[:numel], new_worker, new_server

@@ -1,0 +1,95 @@
+"""compressed_allreduce on real gloo ranks against the float64 reference of SPEC section 3."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import compcomm
+from compcomm.layout import padded_size
+from rankpool import caught, group
+from reference import reference_allreduce
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def make_input(rank: int, step: int, numel: int, dtype: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    return (torch.randn(numel, generator=g) * (rank + 1) + 0.1 * step).to(DTYPES[dtype])
+
+
+def run_steps(world: int, numel: int, dtype: str, op: str, steps: int, shape=None) -> list[dict]:
+    """On each rank of group(world): `steps` calls; per step the input, output and errors."""
+    import torch.distributed as dist
+
+    backend = compcomm.backends.get("gloo", group=group(world))
+    rank = dist.get_rank(group(world))
+    ef = compcomm.ErrorFeedback()
+    records = []
+    for step in range(steps):
+        x = make_input(rank, step, numel, dtype)
+        t = x.clone().view(shape) if shape else x.clone()
+        out = compcomm.compressed_allreduce(t, ef, backend=backend, op=op)
+        assert out is t and t.dtype == x.dtype and t.shape == (shape or x.shape)
+        records.append({"input": x.double().numpy(), "output": t.reshape(-1).double().numpy(),
+                        "raw": t.reshape(-1).view(torch.uint8 if t.element_size() == 1 else torch.int16
+                                                  if t.element_size() == 2 else torch.int32).numpy().tobytes(),
+                        "worker": ef.worker_error.double().numpy(), "server": ef.server_error.double().numpy()})
+    return records
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("numel", [1, 7, 100, 1000])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_matches_reference_step_by_step(pool, world, numel, dtype, op):
+    steps = 3
+    per_rank = pool.run(run_steps, world, numel, dtype, op, steps, ranks=range(world))
+    m = padded_size(numel, world)
+    worker = np.zeros((world, m))
+    server = np.zeros((world, m // world))
+    for step in range(steps):
+        records = [per_rank[r][step] for r in range(world)]
+        assert len({rec["raw"] for rec in records}) == 1, "outputs differ between ranks"
+        expected, ref_worker, ref_server = reference_allreduce(
+            [rec["input"] for rec in records], worker, server, op)
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(records[0]["output"], expected, rtol=TOLERANCE[dtype],
+                                   atol=TOLERANCE[dtype] * scale)
+        got_worker = np.stack([rec["worker"] for rec in records])
+        got_server = np.stack([rec["server"] for rec in records])
+        np.testing.assert_allclose(got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale)
+        np.testing.assert_allclose(got_server, ref_server, rtol=1e-5, atol=1e-5 * scale)
+        worker, server = got_worker, got_server  # next step from our state: no drift from rounding
+
+
+def identity_terms(world: int, numel: int, op: str, calls: int) -> dict:
+    import torch.distributed as dist
+
+    backend = compcomm.backends.get("gloo", group=group(world))
+    rank = dist.get_rank(group(world))
+    ef = compcomm.ErrorFeedback()
+    out_sum = torch.zeros(numel, dtype=torch.float64)
+    for step in range(calls):
+        t = make_input(rank, step, numel, "float32", seed=7)
+        compcomm.compressed_allreduce(t, ef, backend=backend, op=op)
+        out_sum += t.double()
+    return {"out_sum": out_sum.numpy(), "worker": ef.worker_error[:numel].double().numpy(),
+            "server": ef.server_error.double().numpy()}
+
+
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_error_feedback_identity(pool, op):
+    """sum of outputs + mean worker error + concatenated server errors = sum of true means."""
+    world, numel, calls = 4, 1003, 6
+    res = pool.run(identity_terms, world, numel, op, calls)
+    exact = np.zeros(numel)
+    for step in range(calls):
+        stack = np.stack([make_input(r, step, numel, "float32", seed=7).double().numpy() for r in range(world)])
+        exact += stack.mean(0) if op == "mean" else stack.sum(0)
+    worker = np.mean([r["worker"] for r in res], axis=0) if op == "mean" else np.sum([r["worker"] for r in res], axis=0)
+    server = np.concatenate([r["server"] for r in res])[:numel]
+    np.testing.assert_allclose(res[0]["out_sum"] + worker + server, exact, atol=1e-4 * np.abs(exact).max())
