@@ -1,0 +1,56 @@
+"""Layout helpers and the Bucketer (no ranks needed)."""
+import pytest
+import torch
+
+from compcomm.layout import Bucketer, chunk_range, chunk_size, flatten, padded_size, real_count, unflatten
+
+
+@pytest.mark.parametrize("numel, world, expected", [(1, 1, 8), (7, 1, 8), (8, 1, 8), (9, 1, 16),
+                                                    (1, 4, 32), (33, 4, 64), (64, 4, 64), (0, 3, 0)])
+def test_padded_size(numel, world, expected):
+    assert padded_size(numel, world) == expected
+    assert chunk_size(numel, world) * world == expected
+
+
+def test_chunk_ranges_cover_padded_buffer_and_count_real_elements():
+    numel, world = 70, 4
+    ranges = [chunk_range(r, numel, world) for r in range(world)]
+    assert ranges == [(0, 24), (24, 48), (48, 72), (72, 96)]
+    assert [real_count(r, numel, world) for r in range(world)] == [24, 24, 22, 0]
+    with pytest.raises(ValueError):
+        chunk_range(4, numel, world)
+
+
+def test_flatten_unflatten_round_trip():
+    tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 1, 3)]
+    flat = flatten(tensors, numel=32)
+    assert flat.shape == (32,) and torch.equal(flat[23:], torch.zeros(9))
+    views = unflatten(flat, [t.shape for t in tensors])
+    assert all(torch.equal(v, t) for v, t in zip(views, tensors))
+    views[1][0] = 42.0
+    assert flat[12] == 42.0, "unflatten gives views, not copies"
+    with pytest.raises(ValueError):
+        flatten([torch.randn(2), torch.randn(2, dtype=torch.float64)])
+
+
+def test_bucketer_groups_by_size_and_dtype_and_round_trips():
+    tensors = [torch.randn(100), torch.randn(100), torch.randn(300), torch.randn(10, dtype=torch.bfloat16),
+               torch.randn(10, dtype=torch.bfloat16), torch.randn(50)]
+    bucketer = Bucketer(tensors, bucket_bytes=1000, world_size=4)
+    assert [b.indices for b in bucketer] == [[0, 1], [2], [3, 4], [5]]
+    assert [b.padded_numel for b in bucketer] == [224, 320, 32, 64]
+    for bucket in bucketer:
+        flat = bucket.gather(tensors)
+        assert flat.numel() == bucket.numel and flat.dtype == tensors[bucket.indices[0]].dtype
+    originals = [t.clone() for t in tensors]
+    for bucket in bucketer:
+        bucket.flat.mul_(2)
+        bucket.scatter(tensors)
+    assert all(torch.equal(t, 2 * o) for t, o in zip(tensors, originals))
+
+
+def test_bucketer_casts_to_a_common_dtype_when_asked():
+    tensors = [torch.randn(4, dtype=torch.bfloat16), torch.randn(4)]
+    bucketer = Bucketer(tensors, world_size=2, dtype=torch.float32)
+    assert len(bucketer) == 1 and bucketer.buckets[0].buffer.dtype == torch.float32
+    assert torch.equal(bucketer.buckets[0].gather(tensors)[:4], tensors[0].float())
