@@ -23,7 +23,8 @@ from . import codec
 from .backends import Backend, resolve
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
-from .layout import chunk_size, padded_size, real_count
+from .layout import chunk_size, real_count
+from .ordering import Pending, run_in_order, submit
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OPS = ("mean", "sum")
@@ -34,20 +35,31 @@ _MESSAGE_BYTES = 1024
 
 
 def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
-                         backend: Backend | str | None = None, op: str = "mean") -> torch.Tensor:
+                         backend: Backend | str | None = None, op: str = "mean",
+                         async_op: bool = False) -> torch.Tensor | Pending:
     """Average (op="mean") or sum (op="sum") `tensor` over all ranks in place, with 1-bit
     compression and error feedback carried in `error_feedback`; returns `tensor`.
 
     The result is bitwise identical on every rank. Raises TypeError, ValueError or
     NonFiniteError on every rank alike, with nothing modified, when any rank's call is bad.
+    With async_op=True it returns at once a handle whose `wait()` returns the tensor (or
+    raises); calls on one backend run in submission order, so every rank must submit its
+    calls in the same order, as with any collective. Leave the tensor alone until `wait()`.
     """
     be = resolve(backend, tensor)
+    if async_op:
+        return submit(be, _allreduce, tensor, error_feedback, be, op)
+    return run_in_order(be, _allreduce, tensor, error_feedback, be, op)
+
+
+def _allreduce(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str) -> torch.Tensor:
     n = be.world_size
     try:
-        scale, numel = _local_scale(tensor, error_feedback, be, op), tensor.numel()
-        failure: Exception | None = None
-    except Exception as exc:  # reported to every rank in phase 0, then re-raised everywhere
-        scale, numel, failure = 0.0, 0, exc
+        signs, sum_sq = _local_scan(tensor, ef, be, op)
+        numel = tensor.numel()
+        scale, failure = codec.rms_scale(sum_sq, numel), None
+    except Exception as exc:  # reported to every rank in phase 0, then raised everywhere
+        signs, scale, numel, failure = None, 0.0, 0, exc
 
     header = np.zeros(1, dtype=_HEADER)
     header["code"] = 0 if failure is None else _ERROR_CODES.get(type(failure), 3)
@@ -57,14 +69,16 @@ def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
     headers = np.frombuffer(gathered.cpu().numpy().tobytes(), dtype=_HEADER)
     _raise_if_rejected(headers, failure, be)
 
-    if numel == 0:
-        return tensor
-    _reduce(tensor, error_feedback, be, op, headers["scale"].astype(np.float32), scale)
+    if numel:
+        _reduce(tensor, ef, be, op, signs, headers["scale"].astype(np.float32), scale)
     return tensor
 
 
-def _local_scale(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str) -> float:
-    """Validate this rank's arguments and return its worker scale s_r (nothing modified)."""
+def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str) -> tuple[torch.Tensor, float]:
+    """Validate this rank's arguments; return its packed worker signs (n, C/8) and sum(x'^2).
+
+    Nothing is modified: the signs go to a new buffer.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"compressed_allreduce takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
@@ -79,10 +93,10 @@ def _local_scale(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str) 
     why = ef.mismatch(tensor.numel(), be.world_size)
     if why:
         raise ValueError(why)
-    if tensor.numel() == 0:
-        return 0.0
+    n, numel = be.world_size, tensor.numel()
+    signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
     worker = ef.worker_error.to(tensor.device) if ef.initialized else None
-    return codec.rms_scale(codec.sum_squares(tensor.reshape(-1), worker), tensor.numel())
+    return signs, codec.worker_scan(tensor.reshape(-1), worker, signs.view(-1))
 
 
 def _raise_if_rejected(headers: np.ndarray, failure: Exception | None, be: Backend) -> None:
@@ -110,32 +124,36 @@ def _gather_message(text: str, be: Backend) -> list[str]:
     return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out.cpu().numpy()]
 
 
-def _reduce(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str,
+def _reduce(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, signs: torch.Tensor,
             scales: np.ndarray, scale: float) -> None:
-    """Phases 1 and 2 and the decode, once phase 0 has accepted every rank's call."""
+    """Phases 1 and 2 and the decode, once phase 0 has accepted every rank's call.
+
+    Each error update runs while the collective that does not depend on it is in flight.
+    """
     n, rank, numel, device = be.world_size, be.rank, tensor.numel(), tensor.device
-    m, c = padded_size(numel, n), chunk_size(numel, n)
+    c = chunk_size(numel, n)
     worker, server = ef.buffers(numel, n, device)
     flat = tensor.reshape(-1)
 
-    signs = torch.empty(n, c // 8, dtype=torch.uint8, device=device)
-    codec.compress_(worker, scale, signs.view(-1), numel, addend=flat)
     received = torch.empty_like(signs)
-    be.all_to_all(signs, received)
+    in_flight = be.all_to_all(signs, received, async_op=True)
+    codec.error_update_(worker, scale, numel, flat)
+    in_flight.wait()
     del signs
 
     served = real_count(rank, numel, n)
-    divisor = n if op == "mean" else 1
-    scales_t = torch.from_numpy(scales).to(device)
-    server_scale = codec.rms_scale(codec.server_reduce_(received, scales_t, divisor, server, served), served)
-    del received
     mine = torch.empty(4 + c // 8, dtype=torch.uint8, device=device)
+    sum_sq = codec.server_scan_(received, torch.from_numpy(scales).to(device), n if op == "mean" else 1,
+                                server, served, mine[4:])
+    del received
+    server_scale = codec.rms_scale(sum_sq, served)
     mine[:4].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
-    codec.compress_(server, server_scale, mine[4:], served)
     everyone = torch.empty(n, 4 + c // 8, dtype=torch.uint8, device=device)
-    be.all_gather(mine, everyone)
+    in_flight = be.all_gather(mine, everyone, async_op=True)
+    codec.error_update_(server, server_scale, served)
+    in_flight.wait()
 
-    server_scales = everyone[:, :4].reshape(-1).view(torch.float32)
+    server_scales = everyone[:, :4].reshape(-1).view(torch.float32).tolist()
     for j in range(n):
         start, k = j * c, real_count(j, numel, n)
         if k:

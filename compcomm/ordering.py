@@ -1,0 +1,53 @@
+"""Asynchronous calls that keep collectives in the same order on every rank.
+
+Each backend gets one worker thread; async calls queue on it and synchronous calls made
+while it has work queue behind them, so the order of collectives on the wire is always the
+order of the calls. The heavy lifting (C kernels, collectives) releases the GIL, so the
+caller computes meanwhile.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+_executors: dict[int, ThreadPoolExecutor] = {}
+_pending: dict[int, int] = {}
+_lock = threading.Lock()
+
+
+class Pending:
+    """The handle of an async call: `wait()` returns its result or raises its error."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self) -> Any:
+        return self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+def submit(owner: object, fn: Callable, *args) -> Pending:
+    """Queue fn(*args) on `owner`'s worker thread."""
+    key = id(owner)
+    with _lock:
+        if key not in _executors:
+            _executors[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compcomm")
+        _pending[key] = _pending.get(key, 0) + 1
+        future = _executors[key].submit(fn, *args)
+    future.add_done_callback(lambda _: _done(key))
+    return Pending(future)
+
+
+def _done(key: int) -> None:
+    with _lock:
+        _pending[key] -= 1
+
+
+def run_in_order(owner: object, fn: Callable, *args) -> Any:
+    """fn(*args) now, or behind `owner`'s queued async calls if it has any."""
+    with _lock:
+        busy = _pending.get(id(owner), 0) > 0
+    return submit(owner, fn, *args).wait() if busy else fn(*args)
