@@ -139,3 +139,33 @@ def test_load_state_dict_rejects_inconsistent_state():
                             "numel": 10, "world_size": 1})
     ef.load_state_dict(compcomm.ErrorFeedback().state_dict())
     assert ef.worker_error is None
+
+
+def async_calls() -> dict:
+    """Several async calls in flight, then waits: same bits as synchronous calls; errors at wait()."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    backend = compcomm.backends.get("gloo")
+    sync = [seeded(rank, 500 + i) for i in range(3)]
+    for t, ef in zip(sync, [compcomm.ErrorFeedback() for _ in sync]):
+        compcomm.compressed_allreduce(t, ef, backend=backend)
+    tensors = [seeded(rank, 500 + i) for i in range(3)]
+    handles = [compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(), backend=backend, async_op=True)
+               for t in tensors]
+    results = [h.wait() for h in handles]
+    bad = seeded(rank, 10)
+    if rank == 1:
+        bad[0] = float("nan")
+    failed = compcomm.compressed_allreduce(bad, compcomm.ErrorFeedback(), backend=backend, async_op=True)
+    try:
+        failed.wait()
+        error = None
+    except compcomm.NonFiniteError as exc:
+        error = type(exc).__name__
+    return {"same": all(torch.equal(a, b) for a, b in zip(sync, tensors)),
+            "returned": all(r is t for r, t in zip(results, tensors)), "error": error}
+
+
+def test_async_op_matches_sync_and_reports_errors_at_wait(pool):
+    assert all(r == {"same": True, "returned": True, "error": "NonFiniteError"} for r in pool.run(async_calls))
