@@ -328,9 +328,15 @@ class MPIBackend(Backend):
             tensor.copy_(wide)
             return
         if self._staged(tensor):
-            host = tensor.cpu()
-            self.comm.Allreduce(self.MPI.IN_PLACE, self.buffer(host, datatype), op=self.MPI.SUM)
-            tensor.copy_(host)
+            nbytes = tensor.numel() * tensor.element_size()
+            pinned = self.staging.take(nbytes)
+            try:
+                host = pinned[:nbytes].view(tensor.dtype)
+                host.copy_(tensor.view(-1))
+                self.comm.Allreduce(self.MPI.IN_PLACE, self.buffer(host, datatype), op=self.MPI.SUM)
+                tensor.view(-1).copy_(host)
+            finally:
+                self.staging.give(pinned)
             return
         self._sync(tensor)
         self.comm.Allreduce(self.MPI.IN_PLACE, self.buffer(tensor, datatype), op=self.MPI.SUM)
