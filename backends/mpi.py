@@ -13,7 +13,6 @@ import subprocess
 import sys
 from typing import Any
 
-import numpy as np
 import torch
 
 from .base import Backend, Handle
