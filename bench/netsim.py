@@ -158,7 +158,15 @@ class Cluster:
             raise NetsimError(f"loopback in namespace {ns} is not up: {out.strip()}")
 
     def teardown(self) -> None:
-        """Remove everything this cluster made (idempotent, never raises)."""
+        """Remove everything this cluster made (idempotent; a second Ctrl-C cannot interrupt it)."""
+        blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+        try:
+            self._teardown()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def _teardown(self) -> None:
         for ns in reversed(self._made_ns):
             self._ip("netns", "del", ns, check=False)  # also destroys the veth pair inside
         for link in reversed(self._made_links):
