@@ -1,0 +1,87 @@
+"""Smoke test of bench/allreduce_bw.py: a tiny self-spawned sweep, its JSON checked against SPEC 7."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "allreduce_bw.py"
+SPEC_KEYS = {"op", "size_bytes", "count", "dtype", "world_size", "backend", "time_us",
+             "algbw_GBps", "busbw_GBps", "wire_bytes", "rel_error"}
+WORLD = 4
+
+
+def _load_module():
+    spec = importlib.util.spec_from_file_location("allreduce_bw", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_size_parsing_and_sweep():
+    bw = _load_module()
+    assert bw.parse_size("1M") == 1 << 20 and bw.parse_size("64K") == 65536 and bw.parse_size("4096") == 4096
+    assert bw.parse_size("1.5G") == 3 << 29
+    assert bw.sweep_sizes(1 << 20, 1 << 23, 2, 4) == [1 << 20, 1 << 21, 1 << 22, 1 << 23]
+    assert bw.sweep_sizes(10, 10, 2, 4) == [8]
+    with pytest.raises(ValueError):
+        bw.sweep_sizes(100, 10, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, str(SCRIPT), "--nprocs", str(WORLD), "--min-bytes", "64K", "--max-bytes", "1M",
+           "--factor", "4", "--iters", "2", "--warmup", "1", "--json", str(out / "r.json"), "-q"]
+    try:
+        import matplotlib  # noqa: F401
+        cmd += ["--plot", str(out / "r.png")]
+    except ImportError:
+        pass
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, json.loads((out / "r.json").read_text()), out
+
+
+def test_table_printed(sweep):
+    stdout, records, _ = sweep
+    assert "size(B)" in stdout and "busbw(GB/s)" in stdout and "algbw(GB/s)" in stdout
+    rows = [line for line in stdout.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(rows) == len(records) == 6  # 64K, 256K, 1M x {compressed, allreduce}
+
+
+def test_json_records(sweep):
+    _, records, out = sweep
+    assert {r["size_bytes"] for r in records} == {1 << 16, 1 << 18, 1 << 20}
+    assert sorted(r["op"] for r in records) == ["allreduce"] * 3 + ["compressed"] * 3
+    for r in records:
+        assert SPEC_KEYS <= set(r), SPEC_KEYS - set(r)
+        assert r["dtype"] == "float32" and r["world_size"] == WORLD and r["backend"] == "gloo"
+        assert r["count"] * 4 == r["size_bytes"]
+        assert r["time_us"] > 0 and r["time_min_us"] <= r["time_us"] <= r["time_max_us"]
+        assert math.isclose(r["algbw_GBps"], r["size_bytes"] / (r["time_us"] * 1e-6) / 1e9, rel_tol=1e-9)
+        assert math.isclose(r["busbw_GBps"], r["algbw_GBps"] * 2 * (WORLD - 1) / WORLD, rel_tol=1e-9)
+        assert math.isfinite(r["rel_error"]) and 0 <= r["rel_error"] < 1
+        if r["op"] == "allreduce":
+            assert r["rel_error"] < 1e-5
+            assert r["wire_bytes"] == 2 * (WORLD - 1) * r["size_bytes"] // WORLD
+        else:
+            assert r["rel_error"] > 0.1  # one 1-bit step is far from exact
+    if (out / "r.png").exists():
+        assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compressed_wire_is_about_a_32nd(sweep):
+    _, records, _ = sweep
+    mid = {r["op"]: r for r in records if r["size_bytes"] == 1 << 18}
+    n, m = WORLD, (1 << 18) // 4
+    ideal = 2 * (n - 1) / n * m / 8
+    assert ideal <= mid["compressed"]["wire_bytes"] <= ideal + 256  # plus a few scalars
+    ratio = mid["allreduce"]["wire_bytes"] / mid["compressed"]["wire_bytes"]
+    assert 30 < ratio <= 32

@@ -1,0 +1,129 @@
+"""bench/netsim.py: a 2-host shaped cluster runs a gloo all_reduce and leaves nothing behind.
+
+Needs root and iproute2 (ip, tc) with sch_tbf; skipped with the reason otherwise.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "netsim.py"
+TAG = f"cst{os.getpid() % 100000}"
+
+ALLREDUCE = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.full((1000,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+assert t.eq(sum(range(1, dist.get_world_size() + 1))).all(), t[:4]
+assert os.environ["GLOO_SOCKET_IFNAME"] == "eth0" and os.environ["LOCAL_RANK"] == "0"
+assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["MASTER_ADDR"] == "10.77.5.1"
+print("rank", dist.get_rank(), "ok", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("netsim", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _why_skip() -> str | None:
+    if sys.platform != "linux":
+        return "netsim needs Linux"
+    if os.geteuid() != 0:
+        return "netsim needs root (network namespaces)"
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        return f"netsim needs iproute2: missing {missing}"
+    probe = subprocess.run(["ip", "netns", "add", f"{TAG}-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", f"{TAG}-probe"], capture_output=True)
+    return None
+
+
+SKIP = _why_skip()
+needs_netns = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+
+def _leftovers(tag: str) -> list[str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [line for line in (ns + links).splitlines() if tag in line]
+
+
+def _netsim(tag: str, *command: str, extra=()) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--hosts", "2", "--rate", "1gbit", "--subnet", "10.77.5.0/24",
+            "--tag", tag, "--threads", "1", *extra, "--", *command]
+
+
+def test_rate_parsing_and_exit_codes():
+    netsim = _load()
+    assert netsim.parse_rate("1gbit") == 1e9 and netsim.parse_rate("100mbit") == 1e8
+    assert netsim.parse_rate("125mbps") == 1e9
+    assert netsim.tbf_burst_bytes(10e9) == 1_250_000 and netsim.tbf_burst_bytes(1e6) == 256 * 1024
+    assert netsim.worst_exit_code([0, 0]) == 0
+    assert netsim.worst_exit_code([0, 3, 1]) == 3
+    assert netsim.worst_exit_code([0, -15]) == 143
+
+
+def test_refuses_without_root(monkeypatch):
+    netsim = _load()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(netsim.NetsimError, match="root"):
+        netsim.preflight()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
+    with pytest.raises(netsim.NetsimError, match="iproute2"):
+        netsim.preflight()
+
+
+@needs_netns
+def test_two_hosts_allreduce_and_cleanup():
+    tag = TAG + "a"
+    proc = subprocess.run(_netsim(tag, sys.executable, "-c", ALLREDUCE), cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+    assert _leftovers(tag) == []
+
+
+@needs_netns
+def test_failure_gives_worst_code_and_cleans_up():
+    tag = TAG + "b"
+    script = "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"
+    proc = subprocess.run(_netsim(tag, sys.executable, "-c", script), cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert _leftovers(tag) == []
+
+
+@needs_netns
+def test_sigterm_cleans_up():
+    tag = TAG + "c"
+    proc = subprocess.Popen(_netsim(tag, "sleep", "60"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len([x for x in _leftovers(tag) if "-h1" in x]) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()
+    assert _leftovers(tag) == []
