@@ -12,6 +12,8 @@ backend's uncompressed `all_reduce` ("allreduce"), both with op="mean":
     time(us)     per call, averaged over --iters timed calls, then over ranks (min/max shown too)
     algbw(GB/s)  logical bytes / time;   busbw = algbw * 2(n-1)/n
     wire(B)      bytes this rank handed to the transport per call (the backend's bytes_sent)
+    peak(x)      peak transient memory of one call (max over ranks) beyond what existed before
+                 it, as a multiple of the tensor's fp32 size (bench/peak_memory.py)
     rel_err      ||out - exact|| / ||exact|| for one call on the benchmark's inputs, where exact is
                  the mean of the inputs by an uncompressed fp32 allreduce. For the compressed op it
                  is the first call's (zero error feedback): the error of one 1-bit step. Error
@@ -34,6 +36,8 @@ import time
 
 import numpy as np
 import torch
+
+from peak_memory import PeakMemory, mmap_threshold_env, supported as memory_measurable
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -155,7 +159,7 @@ def run_rank(args, be, label: str) -> list[dict] | None:
               f"iters {args.iters}, warmup {args.warmup}, op mean")
         print("#" + " " * 64 + "|  time across ranks (us)")
         print(f"# {'size(B)':>11} {'count':>10} {'type':>8} {'op':>10} | {'time(us)':>11} {'algbw(GB/s)':>11} "
-              f"{'busbw(GB/s)':>11} {'wire(B)/rank':>13} {'rel_err':>9} | {'min':>11} {'max':>11}", flush=True)
+              f"{'busbw(GB/s)':>11} {'wire(B)/rank':>13} {'peak(x)':>7} {'rel_err':>9} | {'min':>11} {'max':>11}", flush=True)
     t_start = time.perf_counter()
     for index, size in enumerate(sizes):
         count = size // elem
@@ -187,22 +191,27 @@ def run_rank(args, be, label: str) -> list[dict] | None:
                     buf.copy_(x)
                     call()
             times, wire = _time_calls(be, call, args.iters)
-            rows[op] = (times, wire, err)
+            with PeakMemory(device) as probe:
+                call()
+            peak = float(_gather_floats(be, probe.bytes).max()) if memory_measurable(device) else float("nan")
+            rows[op] = (times, wire, err, peak)
             del buf
         del x, exact
         for op in ops:
-            times, wire, err = rows[op]
+            times, wire, err, peak = rows[op]
             t = float(times.mean())
             algbw = size / t / 1e9
             rec = {"op": op, "size_bytes": size, "count": count, "dtype": args.dtype, "world_size": n,
                    "backend": args.backend, "time_us": t * 1e6, "algbw_GBps": algbw,
                    "busbw_GBps": algbw * busfactor, "wire_bytes": int(round(wire)), "rel_error": err,
                    "time_min_us": float(times.min()) * 1e6, "time_max_us": float(times.max()) * 1e6,
-                   "iters": args.iters, "warmup": args.warmup}
+                   "iters": args.iters, "warmup": args.warmup,
+                   "peak_transient_bytes": None if math.isnan(peak) else int(peak)}
+            peak_ratio = peak / (4 * count)
             records.append(rec)
             if lead:
                 print(f"  {size:>11d} {count:>10d} {args.dtype:>8} {op:>10} | {rec['time_us']:>11.1f} "
-                      f"{algbw:>11.4f} {rec['busbw_GBps']:>11.4f} {rec['wire_bytes']:>13d} {err:>9.2e} | "
+                      f"{algbw:>11.4f} {rec['busbw_GBps']:>11.4f} {rec['wire_bytes']:>13d} {peak_ratio:>7.3f} {err:>9.2e} | "
                       f"{rec['time_min_us']:>11.1f} {rec['time_max_us']:>11.1f}", flush=True)
         if lead and not args.quiet:
             print(f"[allreduce_bw] {index + 1}/{len(sizes)} sizes done ({human(size)}), "
@@ -309,7 +318,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _reexec_for_memory_measurement() -> None:
+    """Restart once with large allocations bypassing glibc's heap, which would hide reuse."""
+    env = mmap_threshold_env()
+    if sys.platform.startswith("linux") and any(os.environ.get(k) != v for k, v in env.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        _reexec_for_memory_measurement()
     args = build_parser().parse_args(argv)
     try:
         sweep_sizes(args.min_bytes, args.max_bytes, args.factor, 1)

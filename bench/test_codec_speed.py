@@ -9,10 +9,13 @@ Every kernel reports GB/s as (bytes of the fp32 tensor it processes) / (median t
 measured in the same run. Not part of the test suite (its testpaths is tests/).
 
     copy           dst.copy_(src), N fp32
-    compress       codec.compress_: error += x, bits = packbits(error >= 0), error -= s * sign
-    pack           codec.pack_signs of an N-element bool mask
+    scan           codec.worker_scan: v = x + error, bits = sign(v), sum(v^2) (worker pass 1)
+    update         codec.error_update_: error <- v - s sign(v) (worker pass 2)
+    compress       scan + update: the whole worker side, compress and error update
+    server         codec.server_scan_ + error_update_: a served chunk of N elements, 4 ranks
     decode         codec.decode: N fp32 outputs from N/8 bytes and a scale
-    server_reduce  codec.server_reduce_: a served chunk of N elements from 4 ranks' bits
+
+The kernels are the fused C ones when built (see `codec.native_available()`), else torch.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def _parse_count(text: str) -> int:
 
 
 SIZES = [_parse_count(s) for s in os.environ.get("COMPCOMM_BENCH_SIZES", "1M,4M,16M,64M").split(",")]
-KERNELS = ["copy", "compress", "pack", "decode", "server_reduce"]
+KERNELS = ["copy", "scan", "update", "compress", "server", "decode"]
 
 
 def _label(n: int) -> str:
@@ -50,24 +53,22 @@ def _setup(kernel: str, n: int):
     if kernel == "copy":
         dst = torch.empty_like(x)
         return lambda: dst.copy_(x)
+    error = torch.randn(n, generator=gen) * 0.1
+    bits = torch.empty(n // 8, dtype=torch.uint8)
+    if kernel == "scan":
+        return lambda: codec.worker_scan(x, error, bits)
+    if kernel == "update":
+        return lambda: codec.error_update_(error, 0.5, n, x)
     if kernel == "compress":
-        error = torch.zeros(n)
-        bits = torch.empty(n // 8, dtype=torch.uint8)
-        return lambda: codec.compress_(error, 1.0, bits, n, addend=x)
-    if kernel == "pack":
-        mask = x >= 0
-        bits = torch.empty(n // 8, dtype=torch.uint8)
-        return lambda: codec.pack_signs(mask, bits)
+        return lambda: (codec.worker_scan(x, error, bits), codec.error_update_(error, 0.5, n, x))
     if kernel == "decode":
-        bits = torch.randint(0, 256, (n // 8,), dtype=torch.uint8, generator=gen)
-        scale = torch.tensor(0.5)
         out = torch.empty(n)
-        return lambda: codec.decode(bits, scale, out)
-    if kernel == "server_reduce":
-        bits = torch.randint(0, 256, (SERVER_RANKS, n // 8), dtype=torch.uint8, generator=gen)
+        return lambda: codec.decode(bits, 0.5, out)
+    if kernel == "server":
+        received = torch.randint(0, 256, (SERVER_RANKS, n // 8), dtype=torch.uint8, generator=gen)
         scales = torch.rand(SERVER_RANKS, generator=gen) + 0.5
-        error = torch.zeros(n)
-        return lambda: codec.server_reduce_(bits, scales, SERVER_RANKS, error, n)
+        return lambda: (codec.server_scan_(received, scales, SERVER_RANKS, error, n, bits),
+                        codec.error_update_(error, 0.5, n))
     raise ValueError(kernel)
 
 
