@@ -18,6 +18,8 @@ WORLD = 4
 
 
 def _load_module():
+    if str(SCRIPT.parent) not in sys.path:  # as when run as a script: its helpers sit beside it
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("allreduce_bw", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
