@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--embed", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr-adam", type=float, default=3e-3)
-    ap.add_argument("--lr-lamb", type=float, default=5e-3)
+    ap.add_argument("--lr-lamb", type=float, default=1e-2)
     ap.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
                     help="learning rate: cosine decay to 10%% over the run, or constant")
     ap.add_argument("--weight-decay", type=float, default=0.0)
@@ -236,7 +236,8 @@ def write_outputs(report: dict[str, Any], out: str) -> None:
                 ax.axvline(r["freeze_step"], color="grey", linewidth=0.8, linestyle=":")
         ax.set_title(f"{kind.upper()} vs 1-bit {kind.upper()} ({report['world_size']} ranks)")
         ax.set_xlabel("step")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation cross-entropy (nats/char)")
     fig.tight_layout()
