@@ -1,0 +1,154 @@
+"""1-bit LAMB (Li et al. 2021, arXiv:2104.06069).
+
+Per layer l (one parameter tensor w) with the Adam quantities of `adam.py` (bias-corrected
+m_hat = m / b1(t), denominators d(v, s) = sqrt(v / b2(s)) + eps, T0 = freeze_step):
+
+    warm-up (t <= T0), g = mean over ranks of the gradients (uncompressed):
+        m, v updated as in Adam
+        u = m_hat / d(v, t) + wd w
+        c = clamp(||w|| / ||u||, min_coeff, max_coeff)        (c = 1 when a norm is 0)
+        w <- w - lr c u
+        c_avg <- coeff_beta c_avg + (1 - coeff_beta) c         (starts at the first defined c)
+    end of warm-up (t = T0):
+        c_frz = c_avg (1 when never defined); v_fresh = v; factor_last = 1
+        s_l = mean_k(rms(m_k)) / rms(m_l)                     fixed per-layer momentum scales,
+                                                              from the (synchronized) momentum
+    compression (t > T0), g_r = this rank's gradient, m_prev = the synchronized momentum:
+        m_r = beta1 m_prev + (1 - beta1) g_r
+        m = compressed_allreduce(m_r * s_l) / s_l             one 1-bit collective per bucket
+        g_rec = (m - beta1 m_prev) / (1 - beta1)              the gradient the update "saw"
+        v_fresh <- beta2 v_fresh + (1 - beta2) g_rec^2        v itself stays frozen
+        u_pre = m_hat / d(v, T0);  u = u_pre + wd w
+        f = max_i( d(v, T0)_i / d(v_fresh, t)_i )             how far the frozen preconditioner lags
+        if wd > 0:  r = min(1, ||u_pre|| / ||u||);  f = r f + (1 - r)
+        f = clamp(f, factor_min, factor_max)
+        f = clamp(f, factor_last (1 - factor_threshold), factor_last (1 + factor_threshold));
+        factor_last = f
+        c = clamp(c_frz f, min_coeff, max_coeff)
+        w <- w - lr c u
+
+The momentum scales s_l equalize the layers' magnitudes so that one 1-bit scale per chunk of a
+bucket fits them all; they are computed once from the averaged momentum, so they are the same
+on every rank and the rescaled result stays bitwise identical everywhere.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..backends import Backend
+from .base import OnebitOptimizer, adam_denominator, apply_to_param, check_range, update_moments
+
+
+def trust_ratio(w: torch.Tensor, u: torch.Tensor) -> float | None:
+    """||w|| / ||u||, or None when either norm is 0 (the ratio is undefined)."""
+    w_norm, u_norm = float(torch.linalg.vector_norm(w)), float(torch.linalg.vector_norm(u))
+    if w_norm == 0.0 or u_norm == 0.0 or not math.isfinite(w_norm / u_norm):
+        return None
+    return w_norm / u_norm
+
+
+def clamp(x: float, low: float, high: float) -> float:
+    return min(max(x, low), high)
+
+
+class OnebitLamb(OnebitOptimizer):
+    """LAMB whose momentum is averaged with the error-compensated 1-bit allreduce after
+    `freeze_step` warm-up steps, with frozen, variance-adapted layer-wise coefficients
+    (see the module docstring for the math).
+
+    The optimizer performs all gradient communication itself: do not wrap the model in DDP,
+    start every rank from the same parameters, and call `step()` on every rank together.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100000,
+                 max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
+                 factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
+                 backend: Backend | str | None = None) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
+                        min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
+                        factor_min=factor_min, factor_threshold=factor_threshold)
+        super().__init__(params, defaults, freeze_step, backend)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        check_range("min_coeff", group["min_coeff"], 0.0, low_open=True)
+        check_range("max_coeff", group["max_coeff"], group["min_coeff"])
+        check_range("coeff_beta", group["coeff_beta"], 0.0, 1.0, high_open=True)
+        check_range("factor_min", group["factor_min"], 0.0, 1.0, low_open=True)
+        check_range("factor_max", group["factor_max"], 1.0)
+        check_range("factor_threshold", group["factor_threshold"], 0.0)
+
+    def _lamb_step(self, p: torch.Tensor, group: dict, u_pre: torch.Tensor, coeff_of) -> None:
+        """u = u_pre + wd w;  w <- w - lr c u  with c = coeff_of(w, u_pre, u)."""
+        lr, wd = group["lr"], group["weight_decay"]
+
+        def update(w: torch.Tensor) -> None:
+            u = u_pre.add(w, alpha=wd) if wd else u_pre
+            w.add_(u, alpha=-lr * coeff_of(w, u_pre, u))
+
+        apply_to_param(p, update)
+
+    def _warmup_update(self, t: int, grads: Sequence[torch.Tensor]) -> None:
+        for p, g, group in zip(self._params(), grads, self._groups_of_params()):
+            state = self._moments(p)
+            beta1, beta2 = group["betas"]
+            update_moments(state, g, group["betas"])
+            u_pre = state["exp_avg"].div(1 - beta1 ** t).div_(adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"]))
+
+            def coeff(w: torch.Tensor, _u_pre: torch.Tensor, u: torch.Tensor, state=state, group=group) -> float:
+                ratio = trust_ratio(w, u)
+                if ratio is None:
+                    return 1.0
+                c = clamp(ratio, group["min_coeff"], group["max_coeff"])
+                avg = state.get("coeff_avg")
+                beta = group["coeff_beta"]
+                state["coeff_avg"] = c if avg is None else beta * avg + (1 - beta) * c
+                return c
+
+            self._lamb_step(p, group, u_pre, coeff)
+
+    def _freeze(self) -> None:
+        params = self._params()
+        rms = [float(torch.linalg.vector_norm(self.state[p]["exp_avg"])) / math.sqrt(max(p.numel(), 1))
+               for p in params]
+        positive = [r for r in rms if r > 0.0 and math.isfinite(r)]
+        united = sum(positive) / len(positive) if positive else 1.0
+        for p, r in zip(params, rms):
+            state = self.state[p]
+            state["coeff_frozen"] = state.get("coeff_avg") or 1.0
+            state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+            state["last_factor"] = 1.0
+            state["momentum_scale"] = united / r if r > 0.0 and math.isfinite(united / r) else 1.0
+
+    def _momentum_scales(self) -> list[float]:
+        return [self.state[p]["momentum_scale"] for p in self._params()]
+
+    def _compressed_update(self, t: int, momenta: Sequence[torch.Tensor]) -> None:
+        for p, m, group in zip(self._params(), momenta, self._groups_of_params()):
+            state = self.state[p]
+            beta1, beta2 = group["betas"]
+            m = m.view_as(state["exp_avg"])
+            grad = (m - beta1 * state["exp_avg"]).div_(1 - beta1)
+            fresh = state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            state["exp_avg"].copy_(m)
+            denom = adam_denominator(state["exp_avg_sq"], beta2, self.freeze_step, group["eps"])
+            factor = float((denom / adam_denominator(fresh, beta2, t, group["eps"])).max())
+            u_pre = state["exp_avg"].div(1 - beta1 ** t).div_(denom)
+
+            def coeff(w: torch.Tensor, u_pre: torch.Tensor, u: torch.Tensor, state=state, group=group,
+                      factor=factor) -> float:
+                if group["weight_decay"]:
+                    u_norm = float(torch.linalg.vector_norm(u))
+                    r = min(1.0, float(torch.linalg.vector_norm(u_pre)) / u_norm) if u_norm > 0 else 1.0
+                    factor = r * factor + (1.0 - r)
+                factor = clamp(factor, group["factor_min"], group["factor_max"])
+                last, thr = state["last_factor"], group["factor_threshold"]
+                factor = clamp(factor, last * (1.0 - thr), last * (1.0 + thr))
+                state["last_factor"] = factor
+                return clamp(state["coeff_frozen"] * factor, group["min_coeff"], group["max_coeff"])
+
+            self._lamb_step(p, group, u_pre, coeff)
