@@ -51,3 +51,15 @@ def run_in_order(owner: object, fn: Callable, *args) -> Any:
     with _lock:
         busy = _pending.get(id(owner), 0) > 0
     return submit(owner, fn, *args).wait() if busy else fn(*args)
+
+
+def wait_all(handles: list[Pending]) -> None:
+    """Wait for every handle, even after one fails, then raise the first failure."""
+    failure: BaseException | None = None
+    for handle in handles:
+        try:
+            handle.wait()
+        except BaseException as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure

@@ -32,6 +32,7 @@ from ..allreduce import compressed_allreduce
 from ..backends import Backend, resolve
 from ..error_feedback import ErrorFeedback
 from ..layout import DEFAULT_BUCKET_BYTES, Bucketer
+from ..ordering import wait_all
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _EXTRA_KEY = "compcomm"
@@ -147,20 +148,22 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Average `tensors` (one per parameter, any float dtype) over all ranks, bucket by bucket.
 
         Uncompressed: `backend.all_reduce(mean)`; compressed: `compressed_allreduce` with the
-        bucket's ErrorFeedback. Returns fp32 views (into the bucket buffers) of the averages,
+        bucket's ErrorFeedback, all buckets in flight at once (async_op), then waited. Returns fp32 views (into the bucket buffers) of the averages,
         in parameter order, valid until the next call. Every collective of the optimizer's
         payload is issued here, one per bucket.
         """
         bucketer, be = self._layout(), self.backend
         out: list[torch.Tensor | None] = [None] * len(tensors)
+        in_flight = []
         for bucket, ef in zip(bucketer, self._error_feedback):
-            flat = bucket.gather(tensors)
+            flat = bucket.gather(tensors)  # overlaps the previous bucket's compressed allreduce
             if compressed:
-                compressed_allreduce(flat, ef, backend=be, op="mean")
+                in_flight.append(compressed_allreduce(flat, ef, backend=be, op="mean", async_op=True))
             else:
                 be.all_reduce(flat, op="mean")
             for i, view in zip(bucket.indices, bucket.views):
                 out[i] = view
+        wait_all(in_flight)
         return out  # type: ignore[return-value]
 
     def _all_finite(self, grads: Sequence[torch.Tensor | None]) -> bool:
