@@ -1,0 +1,1 @@
+python bench/allreduce_bw.py --backend gloo --json bench/results/local4_gloo.json
