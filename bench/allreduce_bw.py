@@ -195,7 +195,6 @@ def run_rank(args, be, label: str) -> list[dict] | None:
                 call()
             peak = float(_gather_floats(be, probe.bytes).max()) if memory_measurable(device) else float("nan")
             rows[op] = (times, wire, err, peak)
-            del buf
         del x, exact
         for op in ops:
             times, wire, err, peak = rows[op]

@@ -55,11 +55,11 @@ def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
 def _allreduce(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str) -> torch.Tensor:
     n = be.world_size
     try:
-        signs, sum_sq = _local_scan(tensor, ef, be, op)
+        flat, signs, sum_sq = _local_scan(tensor, ef, be, op)
         numel = tensor.numel()
         scale, failure = codec.rms_scale(sum_sq, numel), None
     except Exception as exc:  # reported to every rank in phase 0, then raised everywhere
-        signs, scale, numel, failure = None, 0.0, 0, exc
+        flat, signs, scale, numel, failure = None, None, 0.0, 0, exc
 
     header = np.zeros(1, dtype=_HEADER)
     header["code"] = 0 if failure is None else _ERROR_CODES.get(type(failure), 3)
@@ -70,15 +70,14 @@ def _allreduce(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str) ->
     _raise_if_rejected(headers, failure, be)
 
     if numel:
-        _reduce(tensor, ef, be, op, signs, headers["scale"].astype(np.float32), scale)
+        _reduce(tensor, flat, ef, be, op, signs, headers["scale"].astype(np.float32), scale)
     return tensor
 
 
-def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str) -> tuple[torch.Tensor, float]:
-    """Validate this rank's arguments; return its packed worker signs (n, C/8) and sum(x'^2).
-
-    Nothing is modified: the signs go to a new buffer.
-    """
+def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend,
+                op: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Validate this rank's arguments; return the flattened tensor (a view when contiguous),
+    its packed worker signs (n, C/8) and sum(x'^2). Nothing is modified."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"compressed_allreduce takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
@@ -96,7 +95,8 @@ def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str) -
     n, numel = be.world_size, tensor.numel()
     signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
     worker = ef.worker_error.to(tensor.device) if ef.initialized else None
-    return signs, codec.worker_scan(tensor.reshape(-1), worker, signs.view(-1))
+    flat = tensor.reshape(-1)
+    return flat, signs, codec.worker_scan(flat, worker, signs.view(-1))
 
 
 def _raise_if_rejected(headers: np.ndarray, failure: Exception | None, be: Backend) -> None:
@@ -124,8 +124,8 @@ def _gather_message(text: str, be: Backend) -> list[str]:
     return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out.cpu().numpy()]
 
 
-def _reduce(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, signs: torch.Tensor,
-            scales: np.ndarray, scale: float) -> None:
+def _reduce(tensor: torch.Tensor, flat: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str,
+            signs: torch.Tensor, scales: np.ndarray, scale: float) -> None:
     """Phases 1 and 2 and the decode, once phase 0 has accepted every rank's call.
 
     Each error update runs while the collective that does not depend on it is in flight.
@@ -133,7 +133,6 @@ def _reduce(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, signs
     n, rank, numel, device = be.world_size, be.rank, tensor.numel(), tensor.device
     c = chunk_size(numel, n)
     worker, server = ef.buffers(numel, n, device)
-    flat = tensor.reshape(-1)
 
     received = torch.empty_like(signs)
     in_flight = be.all_to_all(signs, received, async_op=True)

