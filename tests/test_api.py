@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pytest
 import torch
 
 import compcomm
@@ -131,8 +132,6 @@ def test_state_dict_round_trip_resumes_bit_for_bit(pool):
 
 
 def test_load_state_dict_rejects_inconsistent_state():
-    import pytest
-
     ef = compcomm.ErrorFeedback()
     with pytest.raises(ValueError, match="do not fit"):
         ef.load_state_dict({"worker_error": torch.zeros(16), "server_error": torch.zeros(8),

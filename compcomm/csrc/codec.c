@@ -24,10 +24,21 @@ static inline float load(const void *x, int64_t i, int dtype) {
     return v;
 }
 
+/* Sign masks come lane 0 first (movemask); bytes are MSB first: reverse each nibble. */
+static const uint8_t REVERSE4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+static inline uint8_t msb_first(int mask8) {
+    return (uint8_t)(REVERSE4[mask8 & 15] << 4 | REVERSE4[mask8 >> 4]);
+}
+
+/* How many of the 8 elements of a byte are real, given `remaining` = real count - byte start. */
+static inline int live_lanes(int64_t remaining) {
+    return remaining >= 8 ? 8 : remaining > 0 ? (int)remaining : 0;
+}
+
 /* The sign byte of v[0..8) (MSB first); adds v[k]^2 to lanes[k] for k < live (live = 8: all). */
 static inline uint8_t pack8(const float *v, double *lanes, int live) {
 #ifdef __SSE2__
-    static const uint8_t reverse4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
     __m128 lo = _mm_loadu_ps(v), hi = _mm_loadu_ps(v + 4), zero = _mm_setzero_ps();
     int low = _mm_movemask_ps(_mm_cmpge_ps(lo, zero)), high = _mm_movemask_ps(_mm_cmpge_ps(hi, zero));
     if (live == 8) {
@@ -38,7 +49,7 @@ static inline uint8_t pack8(const float *v, double *lanes, int live) {
     } else {
         for (int k = 0; k < live; k++) lanes[k] += (double)v[k] * (double)v[k];
     }
-    return (uint8_t)(reverse4[low] << 4 | reverse4[high]);
+    return msb_first(low | high << 4);
 #else
     uint8_t b = 0;
     for (int k = 0; k < 8; k++) {
@@ -72,28 +83,36 @@ static inline double scan(const void *x, int dtype, int64_t n, const float *e, i
     float v[8];
     for (int64_t i = 0; i < m; i += 8) {
         load8(x, dtype, n, e, i, v);
-        int64_t live = n - i;
-        bits[i / 8] = pack8(v, lanes, live >= 8 ? 8 : live > 0 ? (int)live : 0);
+        bits[i / 8] = pack8(v, lanes, live_lanes(n - i));
     }
     return sum8(lanes);
 }
 
 #ifdef __SSE2__
-/* The float32 scan with AVX2 + FMA: the square of an fp32 value is exact in float64, so
- * fma(v, v, acc) == acc + v * v and the result is bitwise that of the portable scan. */
+static int have_avx2_fma(void) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* pack8 for 8 floats in one AVX2 register: the square of an fp32 value is exact in float64,
+ * so fma(v, v, acc) == acc + v * v and the lanes are bitwise those of the portable pack8. */
+__attribute__((target("avx2,fma")))
+static inline uint8_t pack8_avx2(__m256 v, __m256d *acc_lo, __m256d *acc_hi) {
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
+    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    *acc_lo = _mm256_fmadd_pd(lo, lo, *acc_lo);
+    *acc_hi = _mm256_fmadd_pd(hi, hi, *acc_hi);
+    return msb_first(mask);
+}
+
+/* The float32 scan with AVX2 + FMA, bitwise that of the portable scan. */
 __attribute__((target("avx2,fma")))
 static double scan_f32_avx2(const float *x, int64_t n, const float *e, int64_t m, uint8_t *bits) {
-    static const uint8_t reverse8[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
     __m256d acc_lo = _mm256_setzero_pd(), acc_hi = _mm256_setzero_pd();
     int64_t whole = n / 8 * 8;
     for (int64_t i = 0; i < whole; i += 8) {
         __m256 v = _mm256_loadu_ps(x + i);
         if (e) v = _mm256_add_ps(v, _mm256_loadu_ps(e + i));
-        int mask = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
-        bits[i / 8] = (uint8_t)(reverse8[mask & 15] << 4 | reverse8[mask >> 4]);
-        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-        acc_lo = _mm256_fmadd_pd(lo, lo, acc_lo);
-        acc_hi = _mm256_fmadd_pd(hi, hi, acc_hi);
+        bits[i / 8] = pack8_avx2(v, &acc_lo, &acc_hi);
     }
     double lanes[8];
     _mm256_storeu_pd(lanes, acc_lo);
@@ -101,8 +120,7 @@ static double scan_f32_avx2(const float *x, int64_t n, const float *e, int64_t m
     float v[8];
     for (int64_t i = whole; i < m; i += 8) {
         load8(x, F32, n, e, i, v);
-        int64_t live = n - i;
-        bits[i / 8] = pack8(v, lanes, live >= 8 ? 8 : live > 0 ? (int)live : 0);
+        bits[i / 8] = pack8(v, lanes, live_lanes(n - i));
     }
     return sum8(lanes);
 }
@@ -110,7 +128,7 @@ static double scan_f32_avx2(const float *x, int64_t n, const float *e, int64_t m
 
 double cc_worker_scan(const void *x, int dtype, int64_t n, const float *e, int64_t m, uint8_t *bits) {
 #ifdef __SSE2__
-    if (dtype == F32 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (dtype == F32 && have_avx2_fma())
         return scan_f32_avx2(x, n, e, m, bits);
 #endif
     if (dtype == F32) return scan(x, F32, n, e, m, bits);
@@ -163,7 +181,6 @@ static inline void server_byte(const uint8_t *bits, int64_t stride, int nranks, 
 __attribute__((target("avx2,fma")))
 static void server_avx2(const uint8_t *bits, int64_t stride, int nranks, const float *tables, float divisor,
                         float *e, int64_t whole, uint8_t *out_bits, double *lanes) {
-    static const uint8_t reverse8[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
     __m256d acc_lo = _mm256_loadu_pd(lanes), acc_hi = _mm256_loadu_pd(lanes + 4);
     __m256 div = _mm256_set1_ps(divisor);
     for (int64_t byte = 0; byte < whole; byte++) {
@@ -173,11 +190,7 @@ static void server_avx2(const uint8_t *bits, int64_t stride, int nranks, const f
         if (divisor != 1.0f) a = _mm256_div_ps(a, div);
         __m256 y = _mm256_add_ps(_mm256_loadu_ps(e + byte * 8), a);
         _mm256_storeu_ps(e + byte * 8, y);
-        int mask = _mm256_movemask_ps(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GE_OQ));
-        out_bits[byte] = (uint8_t)(reverse8[mask & 15] << 4 | reverse8[mask >> 4]);
-        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(y)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1));
-        acc_lo = _mm256_fmadd_pd(lo, lo, acc_lo);
-        acc_hi = _mm256_fmadd_pd(hi, hi, acc_hi);
+        out_bits[byte] = pack8_avx2(y, &acc_lo, &acc_hi);
     }
     _mm256_storeu_pd(lanes, acc_lo);
     _mm256_storeu_pd(lanes + 4, acc_hi);
@@ -190,7 +203,7 @@ double cc_server_scan(const uint8_t *bits, int64_t stride, int nranks, const flo
     double lanes[8] = {0};
     int64_t byte = 0;
 #ifdef __SSE2__
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if (have_avx2_fma()) {
         byte = real / 8;
         server_avx2(bits, stride, nranks, tables, divisor, e, byte, out_bits, lanes);
     }
@@ -200,8 +213,7 @@ double cc_server_scan(const uint8_t *bits, int64_t stride, int nranks, const flo
         server_byte(bits, stride, nranks, tables, divisor, byte, a);
         float *y = e + byte * 8;
         for (int k = 0; k < 8; k++) y[k] += a[k];
-        int64_t live = real - byte * 8;
-        out_bits[byte] = pack8(y, lanes, live >= 8 ? 8 : live > 0 ? (int)live : 0);
+        out_bits[byte] = pack8(y, lanes, live_lanes(real - byte * 8));
     }
     return sum8(lanes);
 }
