@@ -153,6 +153,7 @@ def async_calls() -> dict:
     handles = [compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(), backend=backend, async_op=True)
                for t in tensors]
     results = [h.wait() for h in handles]
+    assert all(h.is_completed() for h in handles)
     bad = seeded(rank, 10)
     if rank == 1:
         bad[0] = float("nan")
