@@ -15,7 +15,7 @@ _P, _I64, _INT, _F32, _F64, _U32 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_in
 _SIGNATURES = {
     "cc_worker_scan": (_F64, [_P, _INT, _I64, _P, _I64, _P]),
     "cc_error_update": (None, [_P, _INT, _I64, _P, _I64, _I64, _F32]),
-    "cc_server_scan": (_F64, [_P, _I64, _INT, _P, _F32, _P, _I64, _I64, _P, _P]),
+    "cc_server_scan": (_F64, [_P, _I64, _INT, _P, _F32, _P, _I64, _I64, _P]),
     "cc_decode": (None, [_P, _I64, _INT, _U32, _U32, _P]),
 }
 

@@ -116,9 +116,8 @@ def server_scan_(bits: torch.Tensor, scales: torch.Tensor, divisor: int, error: 
     Returns sum(y[:real]^2) in float64."""
     n, c = bits.shape[0], error.numel()
     if _native_ok(bits, scales, error, out_bits):
-        tables = torch.empty(n * 256 * 8, dtype=torch.float32)
         return _native.LIB.cc_server_scan(bits.data_ptr(), bits.stride(0), n, scales.data_ptr(), float(divisor),
-                                          error.data_ptr(), c, real, out_bits.data_ptr(), tables.data_ptr())
+                                          error.data_ptr(), c, real, out_bits.data_ptr())
     tables = [sign_table(s, -s) for s in scales]
     total = torch.zeros((), dtype=torch.float64, device=error.device)
     step = block_size(error.device)

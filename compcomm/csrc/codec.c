@@ -24,11 +24,12 @@ static inline float load(const void *x, int64_t i, int dtype) {
     return v;
 }
 
-/* Sign masks come lane 0 first (movemask); bytes are MSB first: reverse each nibble. */
-static const uint8_t REVERSE4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-
-static inline uint8_t msb_first(int mask8) {
-    return (uint8_t)(REVERSE4[mask8 & 15] << 4 | REVERSE4[mask8 >> 4]);
+/* Sign masks come lane 0 first (movemask); bytes are MSB first: reverse the bits of each byte
+ * of a mask holding up to four bytes. */
+static inline uint32_t msb_first(uint32_t mask) {
+    mask = (mask & 0x55555555u) << 1 | (mask >> 1 & 0x55555555u);
+    mask = (mask & 0x33333333u) << 2 | (mask >> 2 & 0x33333333u);
+    return (mask & 0x0F0F0F0Fu) << 4 | (mask >> 4 & 0x0F0F0F0Fu);
 }
 
 /* How many of the 8 elements of a byte are real, given `remaining` = real count - byte start. */
@@ -49,7 +50,7 @@ static inline uint8_t pack8(const float *v, double *lanes, int live) {
     } else {
         for (int k = 0; k < live; k++) lanes[k] += (double)v[k] * (double)v[k];
     }
-    return msb_first(low | high << 4);
+    return (uint8_t)msb_first((uint32_t)(low | high << 4));
 #else
     uint8_t b = 0;
     for (int k = 0; k < 8; k++) {
@@ -93,34 +94,63 @@ static int have_avx2_fma(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-/* pack8 for 8 floats in one AVX2 register: the square of an fp32 value is exact in float64,
- * so fma(v, v, acc) == acc + v * v and the lanes are bitwise those of the portable pack8. */
+/* Lane-first sign mask of eight floats: bit k is v[k] >= 0. */
 __attribute__((target("avx2,fma")))
-static inline uint8_t pack8_avx2(__m256 v, __m256d *acc_lo, __m256d *acc_hi) {
-    int mask = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
-    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-    *acc_lo = _mm256_fmadd_pd(lo, lo, *acc_lo);
-    *acc_hi = _mm256_fmadd_pd(hi, hi, *acc_hi);
-    return msb_first(mask);
+static inline uint32_t sign_mask8(__m256 v) {
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
 }
 
-/* The float32 scan with AVX2 + FMA, bitwise that of the portable scan. */
+/* acc[0], acc[1] += the float64 squares of v's low and high halves. The square of an fp32
+ * value is exact in float64, so fma(v, v, acc) == acc + v * v, as in the portable pack8. */
+__attribute__((target("avx2,fma")))
+static inline void add_squares(__m256 v, __m256d *acc) {
+    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    acc[0] = _mm256_fmadd_pd(lo, lo, acc[0]);
+    acc[1] = _mm256_fmadd_pd(hi, hi, acc[1]);
+}
+
+/* The four sign bytes of v[0..4) at out; squares of v[j] into acc[2j], acc[2j+1]: eight
+ * independent sums, so the float64 adds do not wait on each other. */
+__attribute__((target("avx2,fma")))
+static inline void pack32_avx2(const __m256 *v, __m256d *acc, uint8_t *out) {
+    uint32_t mask = 0;
+    for (int j = 0; j < 4; j++) {
+        mask |= sign_mask8(v[j]) << (8 * j);
+        add_squares(v[j], acc + 2 * j);
+    }
+    mask = msb_first(mask);
+    memcpy(out, &mask, 4); /* x86 is little-endian: byte j holds bits 8j..8j+7 */
+}
+
+/* lanes[k] += the sums of lane k (0..7) of the eight accumulators of pack32_avx2. */
+__attribute__((target("avx2,fma")))
+static void add_lanes(const __m256d *acc, double *lanes) {
+    __m256d lo = _mm256_add_pd(_mm256_add_pd(acc[0], acc[2]), _mm256_add_pd(acc[4], acc[6]));
+    __m256d hi = _mm256_add_pd(_mm256_add_pd(acc[1], acc[3]), _mm256_add_pd(acc[5], acc[7]));
+    _mm256_storeu_pd(lanes, _mm256_add_pd(_mm256_loadu_pd(lanes), lo));
+    _mm256_storeu_pd(lanes + 4, _mm256_add_pd(_mm256_loadu_pd(lanes + 4), hi));
+}
+
+/* The float32 scan with AVX2 + FMA, 32 elements per step; the portable code does the tail. */
 __attribute__((target("avx2,fma")))
 static double scan_f32_avx2(const float *x, int64_t n, const float *e, int64_t m, uint8_t *bits) {
-    __m256d acc_lo = _mm256_setzero_pd(), acc_hi = _mm256_setzero_pd();
-    int64_t whole = n / 8 * 8;
-    for (int64_t i = 0; i < whole; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        if (e) v = _mm256_add_ps(v, _mm256_loadu_ps(e + i));
-        bits[i / 8] = pack8_avx2(v, &acc_lo, &acc_hi);
+    __m256d acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_pd();
+    __m256 v[4];
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(x + i + 8 * j);
+            if (e) v[j] = _mm256_add_ps(v[j], _mm256_loadu_ps(e + i + 8 * j));
+        }
+        pack32_avx2(v, acc, bits + i / 8);
     }
-    double lanes[8];
-    _mm256_storeu_pd(lanes, acc_lo);
-    _mm256_storeu_pd(lanes + 4, acc_hi);
-    float v[8];
-    for (int64_t i = whole; i < m; i += 8) {
-        load8(x, F32, n, e, i, v);
-        bits[i / 8] = pack8(v, lanes, live_lanes(n - i));
+    double lanes[8] = {0};
+    add_lanes(acc, lanes);
+    float w[8];
+    for (; i < m; i += 8) {
+        load8(x, F32, n, e, i, w);
+        bits[i / 8] = pack8(w, lanes, live_lanes(n - i));
     }
     return sum8(lanes);
 }
@@ -137,82 +167,107 @@ double cc_worker_scan(const void *x, int dtype, int64_t n, const float *e, int64
 }
 
 /* Pass 2: e <- v - s sign(v), v = x + e (x may be NULL: v = e), on [:real]; 0 on [real:m]. */
-static inline void update(const void *x, int dtype, int64_t n, float *e, int64_t real, int64_t m, float s) {
-    int64_t with_x = x ? (n < real ? n : real) : 0;
-    for (int64_t i = 0; i < with_x; i++) {
-        float v = load(x, i, dtype) + e[i];
-        e[i] = v - (v >= 0.0f ? s : -s);
-    }
-    for (int64_t i = with_x; i < real; i++) {
-        float v = e[i];
-        e[i] = v - (v >= 0.0f ? s : -s);
-    }
-    if (m > real) memset(e + real, 0, (size_t)(m - real) * sizeof(float));
+static inline float minus_signed(float v, float s) {
+    return v - (v >= 0.0f ? s : -s);
 }
 
-void cc_error_update(const void *x, int dtype, int64_t n, float *e, int64_t real, int64_t m, float s) {
-    if (!x || dtype == F32) update(x, F32, n, e, real, m, s);
-    else if (dtype == F16) update(x, F16, n, e, real, m, s);
-    else update(x, BF16, n, e, real, m, s);
-}
-
-/* Server pass: y = e + (sum_r scales[r] sign_r) / divisor, summed in rank order, stored in e;
- * out_bits = sign(y); returns sum(y[:real]^2). Row r of `bits` starts at r * stride.
- * `tables` is scratch of nranks * 256 * 8 floats: row b of rank r holds the +-scales[r] of b. */
-static void fill_tables(int nranks, const float *scales, float *tables) {
-    for (int r = 0; r < nranks; r++)
-        for (int b = 0; b < 256; b++)
-            for (int k = 0; k < 8; k++) tables[(r * 256 + b) * 8 + k] = (b >> (7 - k)) & 1 ? scales[r] : -scales[r];
-}
-
-static inline void server_byte(const uint8_t *bits, int64_t stride, int nranks, const float *tables,
-                               float divisor, int64_t byte, float *a) {
-    const float *first = tables + (int64_t)bits[byte] * 8;
-    for (int k = 0; k < 8; k++) a[k] = first[k];
-    for (int r = 1; r < nranks; r++) {
-        const float *row = tables + ((int64_t)r * 256 + bits[r * stride + byte]) * 8;
-        for (int k = 0; k < 8; k++) a[k] += row[k];
-    }
-    if (divisor != 1.0f)
-        for (int k = 0; k < 8; k++) a[k] /= divisor;
+static inline void update(const void *x, int dtype, int64_t with_x, float *e, int64_t real, float s) {
+    for (int64_t i = 0; i < with_x; i++) e[i] = minus_signed(load(x, i, dtype) + e[i], s);
+    for (int64_t i = with_x; i < real; i++) e[i] = minus_signed(e[i], s);
 }
 
 #ifdef __SSE2__
 __attribute__((target("avx2,fma")))
-static void server_avx2(const uint8_t *bits, int64_t stride, int nranks, const float *tables, float divisor,
-                        float *e, int64_t whole, uint8_t *out_bits, double *lanes) {
-    __m256d acc_lo = _mm256_loadu_pd(lanes), acc_hi = _mm256_loadu_pd(lanes + 4);
-    __m256 div = _mm256_set1_ps(divisor);
-    for (int64_t byte = 0; byte < whole; byte++) {
-        __m256 a = _mm256_loadu_ps(tables + (int64_t)bits[byte] * 8);
-        for (int r = 1; r < nranks; r++)
-            a = _mm256_add_ps(a, _mm256_loadu_ps(tables + ((int64_t)r * 256 + bits[r * stride + byte]) * 8));
-        if (divisor != 1.0f) a = _mm256_div_ps(a, div);
-        __m256 y = _mm256_add_ps(_mm256_loadu_ps(e + byte * 8), a);
-        _mm256_storeu_ps(e + byte * 8, y);
-        out_bits[byte] = pack8_avx2(y, &acc_lo, &acc_hi);
+static inline __m256 minus_signed8(__m256 v, __m256 plus, __m256 minus) {
+    return _mm256_sub_ps(v, _mm256_blendv_ps(minus, plus, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)));
+}
+
+/* The float32 update with AVX2: bitwise that of `update` (same single fp32 subtraction). */
+__attribute__((target("avx2,fma")))
+static void update_f32_avx2(const float *x, int64_t with_x, float *e, int64_t real, float s) {
+    __m256 plus = _mm256_set1_ps(s), minus = _mm256_set1_ps(-s);
+    int64_t i = 0;
+    for (; i + 8 <= with_x; i += 8)
+        _mm256_storeu_ps(e + i, minus_signed8(_mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i)), plus, minus));
+    for (; i < with_x; i++) e[i] = minus_signed(x[i] + e[i], s);
+    for (; i + 8 <= real; i += 8) _mm256_storeu_ps(e + i, minus_signed8(_mm256_loadu_ps(e + i), plus, minus));
+    for (; i < real; i++) e[i] = minus_signed(e[i], s);
+}
+#endif
+
+void cc_error_update(const void *x, int dtype, int64_t n, float *e, int64_t real, int64_t m, float s) {
+    int64_t with_x = x ? (n < real ? n : real) : 0;
+#ifdef __SSE2__
+    if ((!x || dtype == F32) && have_avx2_fma()) update_f32_avx2(x, with_x, e, real, s);
+    else
+#endif
+    if (!x || dtype == F32) update(x, F32, with_x, e, real, s);
+    else if (dtype == F16) update(x, F16, with_x, e, real, s);
+    else update(x, BF16, with_x, e, real, s);
+    if (m > real) memset(e + real, 0, (size_t)(m - real) * sizeof(float));
+}
+
+/* Server pass: y = e + (sum_r scales[r] sign_r) / divisor, summed in rank order, stored in e;
+ * out_bits = sign(y); returns sum(y[:real]^2). Row r of `bits` starts at r * stride.
+ * SIGNS[b] holds the eight +-1 coded by byte b: +-1 * s is exact, so sign * s + a rounds
+ * once, as a +- s does, with or without a fused multiply-add. */
+static float SIGNS[256][8];
+
+__attribute__((constructor)) static void fill_signs(void) {
+    for (int b = 0; b < 256; b++)
+        for (int k = 0; k < 8; k++) SIGNS[b][k] = (b >> (7 - k)) & 1 ? 1.0f : -1.0f;
+}
+
+static inline void server_byte(const uint8_t *bits, int64_t stride, int nranks, const float *scales,
+                               float divisor, int64_t byte, float *y) {
+    float a[8];
+    for (int k = 0; k < 8; k++) a[k] = SIGNS[bits[byte]][k] * scales[0];
+    for (int r = 1; r < nranks; r++)
+        for (int k = 0; k < 8; k++) a[k] += SIGNS[bits[r * stride + byte]][k] * scales[r];
+    for (int k = 0; k < 8; k++) y[k] += divisor != 1.0f ? a[k] / divisor : a[k];
+}
+
+#ifdef __SSE2__
+/* y = e + a of one byte of the server pass, stored in e and returned. */
+__attribute__((target("avx2,fma")))
+static inline __m256 server8_avx2(const uint8_t *bits, int64_t stride, int nranks, const float *scales,
+                                  float divisor, float *e, int64_t byte) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(SIGNS[bits[byte]]), _mm256_set1_ps(scales[0]));
+    for (int r = 1; r < nranks; r++)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(SIGNS[bits[r * stride + byte]]), _mm256_set1_ps(scales[r]), a);
+    if (divisor != 1.0f) a = _mm256_div_ps(a, _mm256_set1_ps(divisor));
+    __m256 y = _mm256_add_ps(_mm256_loadu_ps(e + 8 * byte), a);
+    _mm256_storeu_ps(e + 8 * byte, y);
+    return y;
+}
+
+/* The server pass over bytes [0, whole) with AVX2, four bytes per step; returns bytes done. */
+__attribute__((target("avx2,fma")))
+static int64_t server_avx2(const uint8_t *bits, int64_t stride, int nranks, const float *scales, float divisor,
+                           float *e, int64_t whole, uint8_t *out_bits, double *lanes) {
+    __m256d acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_pd();
+    __m256 y[4];
+    int64_t byte = 0;
+    for (; byte + 4 <= whole; byte += 4) {
+        for (int j = 0; j < 4; j++) y[j] = server8_avx2(bits, stride, nranks, scales, divisor, e, byte + j);
+        pack32_avx2(y, acc, out_bits + byte);
     }
-    _mm256_storeu_pd(lanes, acc_lo);
-    _mm256_storeu_pd(lanes + 4, acc_hi);
+    add_lanes(acc, lanes);
+    return byte;
 }
 #endif
 
 double cc_server_scan(const uint8_t *bits, int64_t stride, int nranks, const float *scales,
-                      float divisor, float *e, int64_t c, int64_t real, uint8_t *out_bits, float *tables) {
-    fill_tables(nranks, scales, tables);
+                      float divisor, float *e, int64_t c, int64_t real, uint8_t *out_bits) {
     double lanes[8] = {0};
     int64_t byte = 0;
 #ifdef __SSE2__
-    if (have_avx2_fma()) {
-        byte = real / 8;
-        server_avx2(bits, stride, nranks, tables, divisor, e, byte, out_bits, lanes);
-    }
+    if (have_avx2_fma()) byte = server_avx2(bits, stride, nranks, scales, divisor, e, real / 8, out_bits, lanes);
 #endif
-    float a[8];
     for (; byte < c / 8; byte++) {
-        server_byte(bits, stride, nranks, tables, divisor, byte, a);
         float *y = e + byte * 8;
-        for (int k = 0; k < 8; k++) y[k] += a[k];
+        server_byte(bits, stride, nranks, scales, divisor, byte, y);
         out_bits[byte] = pack8(y, lanes, live_lanes(real - byte * 8));
     }
     return sum8(lanes);
