@@ -2,6 +2,7 @@
 
     pytest bench/test_codec_speed.py                         # 1M, 4M, 16M, 64M elements
     COMPCOMM_BENCH_SIZES=1M,16M pytest bench/test_codec_speed.py
+    COMPCOMM_BENCH_DEVICES=cuda pytest bench/test_codec_speed.py    # default: cpu, and cuda if present
     pytest bench/test_codec_speed.py --benchmark-json out.json
 
 Every kernel reports GB/s as (bytes of the fp32 tensor it processes) / (median time), in
@@ -15,7 +16,9 @@ measured in the same run. Not part of the test suite (its testpaths is tests/).
     server         codec.server_scan_ + error_update_: a served chunk of N elements, 4 ranks
     decode         codec.decode: N fp32 outputs from N/8 bytes and a scale
 
-The kernels are the fused C ones when built (see `codec.native_available()`), else torch.
+On CPU the kernels are the fused C ones when built (see `codec.native_available()`), else
+torch; on CUDA the fused cupy ones when cupy is installed, else torch; the copy runs on the
+same device, so on a GPU the fractions are of the device's measured memory bandwidth.
 """
 from __future__ import annotations
 
@@ -40,21 +43,30 @@ def _parse_count(text: str) -> int:
 
 SIZES = [_parse_count(s) for s in os.environ.get("COMPCOMM_BENCH_SIZES", "1M,4M,16M,64M").split(",")]
 KERNELS = ["copy", "scan", "update", "compress", "server", "decode"]
+DEVICES = os.environ.get("COMPCOMM_BENCH_DEVICES", "cpu,cuda" if torch.cuda.is_available() else "cpu").split(",")
 
 
 def _label(n: int) -> str:
     return f"{n >> 20}M" if n % (1 << 20) == 0 else str(n)
 
 
-def _setup(kernel: str, n: int):
-    """A no-argument callable running `kernel` once on n fp32 elements."""
+def _setup(kernel: str, n: int, device: str):
+    """A no-argument callable running `kernel` once on n fp32 elements on `device` (and
+    waiting for it there)."""
+    run = _kernel(kernel, n, torch.device(device))
+    if device == "cpu":
+        return run
+    return lambda: (run(), torch.cuda.synchronize(device))
+
+
+def _kernel(kernel: str, n: int, device: torch.device):
     gen = torch.Generator().manual_seed(n)
-    x = torch.randn(n, generator=gen)
+    x = torch.randn(n, generator=gen).to(device)
     if kernel == "copy":
         dst = torch.empty_like(x)
         return lambda: dst.copy_(x)
-    error = torch.randn(n, generator=gen) * 0.1
-    bits = torch.empty(n // 8, dtype=torch.uint8)
+    error = (torch.randn(n, generator=gen) * 0.1).to(device)
+    bits = torch.empty(n // 8, dtype=torch.uint8, device=device)
     if kernel == "scan":
         return lambda: codec.worker_scan(x, error, bits)
     if kernel == "update":
@@ -62,11 +74,11 @@ def _setup(kernel: str, n: int):
     if kernel == "compress":
         return lambda: (codec.worker_scan(x, error, bits), codec.error_update_(error, 0.5, n, x))
     if kernel == "decode":
-        out = torch.empty(n)
+        out = torch.empty(n, device=device)
         return lambda: codec.decode(bits, 0.5, out)
     if kernel == "server":
-        received = torch.randint(0, 256, (SERVER_RANKS, n // 8), dtype=torch.uint8, generator=gen)
-        scales = torch.rand(SERVER_RANKS, generator=gen) + 0.5
+        received = torch.randint(0, 256, (SERVER_RANKS, n // 8), dtype=torch.uint8, generator=gen).to(device)
+        scales = (torch.rand(SERVER_RANKS, generator=gen) + 0.5).to(device)
         return lambda: (codec.server_scan_(received, scales, SERVER_RANKS, error, n, bits),
                         codec.error_update_(error, 0.5, n))
     raise ValueError(kernel)
@@ -74,13 +86,14 @@ def _setup(kernel: str, n: int):
 
 @pytest.mark.parametrize("n", SIZES, ids=_label)
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_codec_speed(benchmark, gbps_table, kernel, n):
-    fn = _setup(kernel, n)
-    benchmark.group = f"codec {_label(n)} fp32 elements"
-    benchmark.extra_info.update(kernel=kernel, elements=n, bytes=4 * n)
+@pytest.mark.parametrize("device", DEVICES)
+def test_codec_speed(benchmark, gbps_table, device, kernel, n):
+    fn = _setup(kernel, n, device)
+    benchmark.group = f"codec {device} {_label(n)} fp32 elements"
+    benchmark.extra_info.update(device=device, kernel=kernel, elements=n, bytes=4 * n)
     benchmark.pedantic(fn, rounds=ROUNDS, warmup_rounds=1, iterations=1)
     stats = getattr(benchmark, "stats", None)
     if stats is not None:  # None under --benchmark-disable
         median = stats.stats.median
         benchmark.extra_info["GBps"] = 4 * n / median / 1e9
-        gbps_table[(kernel, n)] = benchmark.extra_info["GBps"]
+        gbps_table[(device, kernel, n)] = benchmark.extra_info["GBps"]

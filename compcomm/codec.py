@@ -9,10 +9,11 @@ MSB-first into bytes, plus one fp32 scale per rank and chunk. The passes, in cal
 - `server_scan_`: y = (1/n) sum_r s_r sign_r + e_s, stored in e_s; bits = sign(y); sum(y^2).
 - `decode`: out = t sign, written in the output dtype.
 
-On contiguous CPU tensors they run as fused single-pass C kernels (`_native`); otherwise as
-block-wise torch code (any device) whose temporaries stay a few MiB. Both do the same fp32
-operations in the same order and give the same bits; scales are summed in float64 so that
-every device rounds them to the same fp32 value.
+Each pass runs as one fused kernel: C on contiguous CPU tensors (`_native`), CUDA through
+cupy on contiguous CUDA tensors (`_cuda`), and otherwise as block-wise torch code (any
+device) whose temporaries stay a few MiB. All do the same fp32 operations in the same order
+and give the same bits; scales are summed in float64 so that every device rounds them to the
+same fp32 value.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import math
 import numpy as np
 import torch
 
-from . import _native
+from . import _cuda, _native
 
 _BLOCK = {"cpu": 1 << 18}
 _DEFAULT_BLOCK = 1 << 24
@@ -76,6 +77,12 @@ def worker_scan(x: torch.Tensor, error: torch.Tensor | None, bits: torch.Tensor)
     if _native_ok(x, error, bits):
         return _native.LIB.cc_worker_scan(x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(),
                                           None if error is None else error.data_ptr(), m, bits.data_ptr())
+    if _cuda.usable(x, error, bits):
+        partial = torch.empty(_cuda.blocks(m), dtype=torch.float64, device=bits.device)
+        if _cuda.launch("cc_worker_scan", bits.device, m, x.data_ptr(), np.int32(_DTYPE_CODES[x.dtype]),
+                        np.int64(x.numel()), 0 if error is None else error.data_ptr(), np.int64(m),
+                        bits.data_ptr(), partial.data_ptr()):
+            return float(partial.sum())
     total = torch.zeros((), dtype=torch.float64, device=bits.device)
     step, n = block_size(bits.device), x.numel()
     for start in range(0, m, step):
@@ -96,6 +103,11 @@ def error_update_(error: torch.Tensor, scale: float, real: int, x: torch.Tensor 
     if _native_ok(x, error):
         _native.LIB.cc_error_update(None if x is None else x.data_ptr(), 0 if x is None else _DTYPE_CODES[x.dtype],
                                     0 if x is None else x.numel(), error.data_ptr(), real, error.numel(), scale)
+        return
+    if _cuda.usable(x, error) and _cuda.launch(
+            "cc_error_update", error.device, error.numel(), 0 if x is None else x.data_ptr(),
+            np.int32(0 if x is None else _DTYPE_CODES[x.dtype]), np.int64(0 if x is None else min(x.numel(), real)),
+            error.data_ptr(), np.int64(real), np.int64(error.numel()), np.float32(scale)):
         return
     plus = torch.tensor(scale, dtype=torch.float32, device=error.device)
     minus, step = -plus, block_size(error.device)
@@ -118,6 +130,12 @@ def server_scan_(bits: torch.Tensor, scales: torch.Tensor, divisor: int, error: 
     if _native_ok(bits, scales, error, out_bits):
         return _native.LIB.cc_server_scan(bits.data_ptr(), bits.stride(0), n, scales.data_ptr(), float(divisor),
                                           error.data_ptr(), c, real, out_bits.data_ptr())
+    if _cuda.usable(bits, scales, error, out_bits):
+        partial = torch.empty(_cuda.blocks(c), dtype=torch.float64, device=error.device)
+        if _cuda.launch("cc_server_scan", error.device, c, bits.data_ptr(), np.int64(bits.stride(0)), np.int32(n),
+                        scales.data_ptr(), np.float32(divisor), error.data_ptr(), np.int64(c), np.int64(real),
+                        out_bits.data_ptr(), partial.data_ptr()):
+            return float(partial.sum())
     tables = [sign_table(s, -s) for s in scales]
     total = torch.zeros((), dtype=torch.float64, device=error.device)
     step = block_size(error.device)
@@ -126,8 +144,8 @@ def server_scan_(bits: torch.Tensor, scales: torch.Tensor, divisor: int, error: 
         a = tables[0][bits[0, start // 8:stop // 8].long()].view(-1)
         for r in range(1, n):
             a += tables[r][bits[r, start // 8:stop // 8].long()].view(-1)
-        if divisor != 1:
-            a /= divisor
+        if divisor != 1:  # by a tensor: CUDA would multiply by 1/divisor for a Python number
+            a /= torch.tensor(float(divisor), device=a.device)
         y = error[start:stop]
         y += a
         head = y[:max(0, min(real, stop) - start)].double()
@@ -139,11 +157,14 @@ def server_scan_(bits: torch.Tensor, scales: torch.Tensor, divisor: int, error: 
 def decode(bits: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """out (float dtype, len <= 8 * len(bits)) <- scale * sign coded by `bits`."""
     values = torch.tensor([scale, -scale], dtype=torch.float32).to(out.dtype)
+    plus, minus = (v & ((1 << (8 * out.element_size())) - 1)
+                   for v in values.view(torch.int32 if out.element_size() == 4 else torch.int16).tolist())
     if _native_ok(bits, out):
-        patterns = values.view(torch.int32 if out.element_size() == 4 else torch.int16).tolist()
-        mask = (1 << (8 * out.element_size())) - 1
-        _native.LIB.cc_decode(bits.data_ptr(), out.numel(), out.element_size(), patterns[0] & mask,
-                              patterns[1] & mask, out.data_ptr())
+        _native.LIB.cc_decode(bits.data_ptr(), out.numel(), out.element_size(), plus, minus, out.data_ptr())
+        return
+    if _cuda.usable(bits, out) and _cuda.launch(
+            "cc_decode", out.device, out.numel(), bits.data_ptr(), np.int64(out.numel()),
+            np.int32(out.element_size()), np.uint32(plus), np.uint32(minus), out.data_ptr()):
         return
     table = sign_table(values[0].to(out.device), values[1].to(out.device))
     step, whole = block_size(out.device), out.numel() // 8 * 8
