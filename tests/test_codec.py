@@ -1,4 +1,4 @@
-"""The fused C kernels and the pure-torch fallback give the same bits, kernel by kernel."""
+"""The fused kernels (C; CUDA through cupy or on the CPU emulation) and the torch kernels give the same bits, kernel by kernel."""
 from __future__ import annotations
 
 import contextlib
