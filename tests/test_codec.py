@@ -1,4 +1,5 @@
-"""The fused kernels (C; CUDA through cupy or on the CPU emulation) and the torch kernels give the same bits, kernel by kernel."""
+"""Kernel by kernel, the fused kernels (C; CUDA through cupy, or on the CPU emulation) give
+the same bits as the torch kernels."""
 from __future__ import annotations
 
 import contextlib
