@@ -23,8 +23,8 @@ SOURCE = Path(__file__).with_name("csrc") / "codec.cu"
 ENABLED = os.environ.get("COMPCOMM_CUDA_KERNELS", "1") != "0" and importlib.util.find_spec("cupy") is not None
 """Whether CUDA tensors go through the fused kernels; cleared if they fail to compile."""
 
-_kernels: dict[int, dict[str, Any]] = {}
 NAMES = ("cc_worker_scan", "cc_error_update", "cc_server_scan", "cc_decode")
+_kernels: dict[int, dict[str, Any]] = {}
 
 
 def usable(*tensors: torch.Tensor | None) -> bool:
@@ -49,6 +49,15 @@ def launch(name: str, device: torch.device, count: int, *args: Any) -> bool:
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
         kernels[name]((blocks(count),), (THREADS,), args)
     return True
+
+
+def launch_sum(name: str, device: torch.device, count: int, *args: Any) -> float | None:
+    """`launch` for a kernel whose last parameter takes one float64 partial sum per block;
+    returns their total (always added in the same order), or None as `launch` returns False."""
+    partial = torch.empty(blocks(count), dtype=torch.float64, device=device)
+    if not launch(name, device, count, *args, partial.data_ptr()):
+        return None
+    return float(partial.sum())
 
 
 def _compiled(device: torch.device) -> dict[str, Any] | None:

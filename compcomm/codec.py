@@ -78,11 +78,11 @@ def worker_scan(x: torch.Tensor, error: torch.Tensor | None, bits: torch.Tensor)
         return _native.LIB.cc_worker_scan(x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(),
                                           None if error is None else error.data_ptr(), m, bits.data_ptr())
     if _cuda.usable(x, error, bits):
-        partial = torch.empty(_cuda.blocks(m), dtype=torch.float64, device=bits.device)
-        if _cuda.launch("cc_worker_scan", bits.device, m, x.data_ptr(), np.int32(_DTYPE_CODES[x.dtype]),
-                        np.int64(x.numel()), 0 if error is None else error.data_ptr(), np.int64(m),
-                        bits.data_ptr(), partial.data_ptr()):
-            return float(partial.sum())
+        total = _cuda.launch_sum("cc_worker_scan", bits.device, m, x.data_ptr(), np.int32(_DTYPE_CODES[x.dtype]),
+                                 np.int64(x.numel()), 0 if error is None else error.data_ptr(), np.int64(m),
+                                 bits.data_ptr())
+        if total is not None:
+            return total
     total = torch.zeros((), dtype=torch.float64, device=bits.device)
     step, n = block_size(bits.device), x.numel()
     for start in range(0, m, step):
@@ -131,11 +131,11 @@ def server_scan_(bits: torch.Tensor, scales: torch.Tensor, divisor: int, error: 
         return _native.LIB.cc_server_scan(bits.data_ptr(), bits.stride(0), n, scales.data_ptr(), float(divisor),
                                           error.data_ptr(), c, real, out_bits.data_ptr())
     if _cuda.usable(bits, scales, error, out_bits):
-        partial = torch.empty(_cuda.blocks(c), dtype=torch.float64, device=error.device)
-        if _cuda.launch("cc_server_scan", error.device, c, bits.data_ptr(), np.int64(bits.stride(0)), np.int32(n),
-                        scales.data_ptr(), np.float32(divisor), error.data_ptr(), np.int64(c), np.int64(real),
-                        out_bits.data_ptr(), partial.data_ptr()):
-            return float(partial.sum())
+        total = _cuda.launch_sum("cc_server_scan", error.device, c, bits.data_ptr(), np.int64(bits.stride(0)),
+                                 np.int32(n), scales.data_ptr(), np.float32(divisor), error.data_ptr(), np.int64(c),
+                                 np.int64(real), out_bits.data_ptr())
+        if total is not None:
+            return total
     tables = [sign_table(s, -s) for s in scales]
     total = torch.zeros((), dtype=torch.float64, device=error.device)
     step = block_size(error.device)
