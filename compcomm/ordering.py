@@ -11,6 +11,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+import torch
+
 _executors: dict[int, ThreadPoolExecutor] = {}
 _pending: dict[int, int] = {}
 _lock = threading.Lock()
@@ -27,6 +29,21 @@ class Pending:
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        """A torch Future of the result (what a DDP comm hook returns); it holds the error if
+        the call fails."""
+        out: torch.futures.Future = torch.futures.Future()
+
+        def forward(done: Future) -> None:
+            failure = done.exception()
+            if failure is None:
+                out.set_result(done.result())
+            else:
+                out.set_exception(failure)
+
+        self._future.add_done_callback(forward)
+        return out
 
 
 def submit(owner: object, fn: Callable, *args) -> Pending:
