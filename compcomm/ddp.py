@@ -1,0 +1,280 @@
+"""A DDP communication hook that averages gradient buckets with the 1-bit allreduce.
+
+    state = compcomm.ddp.OnebitHookState(process_group=None, start_iter=10, backend=None)
+    ddp_model.register_comm_hook(state, compcomm.ddp.onebit_hook)
+
+For a DDP bucket holding the flattened local gradients g_r of rank r (n ranks), iteration t:
+
+    t <  start_iter:   g <- sum_r (g_r * (1/n))          uncompressed, exactly what DDP itself does
+    t >= start_iter:   g <- compressed_allreduce(g_r, e_b)                  (op="mean")
+                       = t_j sign(y_j) per served chunk j, where with worker error w_r
+                         x'_r = g_r + w_r,  s_r = ||x'_r|| / sqrt(N),  w_r <- x'_r - s_r sign(x'_r)
+                         y_j = (1/n) sum_r s_r sign(x'_r)[chunk j] + e_j,  t_j = ||y_j|| / sqrt(k_j),
+                         e_j <- y_j - t_j sign(y_j)
+
+with one `compcomm.ErrorFeedback` e_b (worker and server errors) per bucket. Error feedback makes
+the sum over iterations of the averaged gradients equal the sum of the true averages up to the
+errors still carried, which stay bounded; so any optimizer whose update is linear in the gradient
+sum, momentum SGD above all, follows the uncompressed run closely (bench/train_step.py --plot
+shows it). Adam is not such an optimizer: it divides by sqrt(v) built from the squares of the
+communicated gradients, and 1-bit gradients have a very different second moment (every element
+of a chunk has the same magnitude), so Adam behind this hook adapts to the compression noise
+instead of the gradient. For Adam or LAMB use `compcomm.optim` (1-bit Adam / LAMB / 0/1 Adam),
+which freeze the second moment after an uncompressed warm-up and compress the momentum instead.
+
+Buckets: DDP puts every parameter in one bucket for the first iteration, then rebuilds its buckets
+in the order gradients became ready. The state numbers parameters in the order it first sees them
+(the same on every rank and in every run of the same model and DDP arguments) and keys each
+bucket by its parameter numbers, so a bucket keeps its error feedback across iterations and
+across the rebuild. A bucket made of buckets the state already knows (a freshly built DDP after a
+checkpoint resume: one big bucket) is reduced as those known buckets, so a resumed run makes the
+same collectives, bit for bit, as the run that never stopped.
+
+Every collective goes through a compcomm backend in submission order, asynchronously: the hook
+returns at once and the bucket is reduced while backward computes the next ones. Errors are
+collective: a non-finite gradient (or another bad input) on any rank makes the hook's future fail
+on every rank with the same `compcomm.NonFiniteError` (or ValueError/TypeError) message, so
+`loss.backward()` raises on every rank alike and no rank hangs; the failed bucket's error
+feedback is unchanged. In the uncompressed iterations the hook checks the averaged bucket, which
+is identical on every rank, so the same holds there.
+"""
+import io
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .allreduce import compressed_allreduce
+from .backends import Backend, get, resolve
+from .error_feedback import ErrorFeedback
+from .errors import NonFiniteError
+from .ordering import run_in_order, submit
+
+__all__ = ["OnebitHookState", "onebit_hook"]
+
+_FORMAT = "compcomm.ddp.OnebitHookState/1"
+Key = tuple[int, ...]
+
+
+class OnebitHookState:
+    """What `onebit_hook` carries between iterations: the iteration count, the parameters'
+    numbering, and one ErrorFeedback per DDP bucket.
+
+    `process_group`: the group DDP reduces over (pass the one you gave DDP; None is the default
+    group). `start_iter`: iterations averaged uncompressed before the 1-bit stage begins.
+    `backend`: the compcomm transport (a name such as "gloo", "nccl", "mpi", or a Backend, e.g.
+    one over a sub-group); None builds gloo (CPU gradients) or nccl (CUDA) over `process_group`.
+
+    Checkpoints: `state_dict()` holds this rank's errors (save one file per rank);
+    `gathered_state_dict()` (a collective) holds every rank's, for one file loaded by all ranks.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 10,
+                 backend: Backend | str | None = None) -> None:
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+        if backend is not None and not isinstance(backend, (str, Backend)):
+            raise TypeError(f"backend must be a name, a compcomm Backend or None, got {type(backend).__name__}")
+        self.process_group = process_group
+        self.start_iter = start_iter
+        self.iter = 0
+        self._backend_arg = backend
+        self._backends: dict[str, Backend] = {}
+        self._numbers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its number
+        self._params: list[tuple[tuple[int, ...], str]] = []         # number -> (shape, dtype)
+        self._buckets: dict[Key, ErrorFeedback] = {}
+        self._owner: dict[int, Key] = {}                             # number -> its bucket's key
+
+    # ----------------------------------------------------------------- transport
+
+    def backend(self, device: torch.device | None = None) -> Backend:
+        """The compcomm backend that reduces buckets on `device` (resolved once per device type)."""
+        if self._backend_arg is not None:
+            return resolve(self._backend_arg)
+        if device is None:
+            if self._backends:
+                return next(iter(self._backends.values()))
+            kind = "cuda" if dist.get_backend(self.process_group) == "nccl" else "cpu"
+        else:
+            kind = "cuda" if device.type == "cuda" else "cpu"
+        if kind not in self._backends:
+            self._backends[kind] = get("nccl" if kind == "cuda" else "gloo", group=self.process_group)
+        return self._backends[kind]
+
+    # ----------------------------------------------------------------- bucket layout
+
+    def _number(self, p: torch.Tensor) -> int:
+        number = self._numbers.get(p)
+        if number is None:
+            number = len(self._numbers)
+            self._numbers[p] = number
+            if number == len(self._params):
+                self._params.append((tuple(p.shape), str(p.dtype)))
+        if self._params[number] != (tuple(p.shape), str(p.dtype)):
+            raise ValueError(f"parameter {number} of this hook state is a {self._params[number]} tensor, but "
+                             f"DDP handed a {(tuple(p.shape), str(p.dtype))} one: the state belongs to another "
+                             "model (or DDP arguments); resume with the same model and DDP settings")
+        return number
+
+    def _parts(self, params: list[torch.Tensor]) -> tuple[Key, list[Key]]:
+        """The bucket's key and the known buckets it is reduced as: itself, or the known buckets
+        that exactly make it up. An unknown bucket becomes known; known ones it overlaps are dropped."""
+        key = tuple(self._number(p) for p in params)
+        if key in self._buckets:
+            return key, [key]
+        owners = list(dict.fromkeys(self._owner.get(number) for number in key))
+        if None not in owners and sum(len(k) for k in owners) == len(key):
+            return key, owners  # type: ignore[return-value]
+        for old in {k for k in owners if k is not None}:
+            del self._buckets[old]
+            for number in old:
+                del self._owner[number]
+        self._buckets[key] = ErrorFeedback()
+        self._owner.update((number, key) for number in key)
+        return key, [key]
+
+    @property
+    def error_feedback(self) -> dict[Key, ErrorFeedback]:
+        """The error feedback of every known bucket, keyed by its parameters' numbers."""
+        return dict(self._buckets)
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (a copy): iteration, parameter shapes, per-bucket errors, and the
+        rank and world size it belongs to (its errors are this rank's own)."""
+        be = self.backend()
+        buckets = []
+        for key, ef in self._buckets.items():
+            saved = ef.state_dict()
+            buckets.append((list(key), {k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()}))
+        return {"format": _FORMAT, "iter": self.iter, "start_iter": self.start_iter, "rank": be.rank,
+                "world_size": be.world_size, "params": [[list(s), d] for s, d in self._params],
+                "buckets": buckets}
+
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """Every rank's `state_dict()` in one dict, on every rank (a collective: call it on all
+        ranks, save it from one). `load_state_dict` of it gives each rank its own part."""
+        be = self.backend()
+        blob = io.BytesIO()
+        torch.save(self.state_dict(), blob)
+        parts = run_in_order(be, _all_gather_bytes, be, blob.getvalue())
+        ranks = [torch.load(io.BytesIO(part), weights_only=True) for part in parts]
+        return {"format": _FORMAT, "world_size": be.world_size, "ranks": ranks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()` or `gathered_state_dict()` (a collective: call it on all
+        ranks). Raises the same ValueError on every rank, changing nothing, if any rank's state
+        cannot resume exactly: another world size, or another rank's errors (a per-rank state
+        that holds no errors yet, saved during the first start_iter iterations, loads on any rank)."""
+        be = self.backend()
+        try:
+            mine = self._check(state, be)
+            failure = ""
+        except Exception as exc:  # reported to every rank, then raised everywhere
+            mine, failure = None, f"{type(exc).__name__}: {exc}"
+        verdicts = run_in_order(be, _all_gather_bytes, be, failure.encode())
+        bad = [r for r, v in enumerate(verdicts) if v]
+        if bad:
+            raise ValueError(f"cannot load the hook state: rank {bad[0]}: {verdicts[bad[0]].decode(errors='replace')}")
+        iteration, start_iter, params, buckets = mine
+        self.iter, self.start_iter, self._params = iteration, start_iter, params
+        self._buckets = buckets
+        self._owner = {number: key for key in buckets for number in key}
+
+    def _check(self, state: dict[str, Any], be: Backend) -> tuple[int, int, list, dict[Key, ErrorFeedback]]:
+        """Validate `state` for this rank and build what loading it sets; changes nothing."""
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise ValueError("not a compcomm.ddp.OnebitHookState state dict")
+        if state.get("world_size") != be.world_size:
+            raise ValueError(f"the state was saved on {state.get('world_size')} ranks, this group has "
+                             f"{be.world_size}: its error feedback belongs to another split of the buckets")
+        if "ranks" in state:
+            state = state["ranks"][be.rank]
+        buckets: dict[Key, ErrorFeedback] = {}
+        for key, saved in state["buckets"]:
+            ef = ErrorFeedback()
+            ef.load_state_dict(saved)
+            buckets[tuple(int(k) for k in key)] = ef
+        if state["rank"] != be.rank and any(ef.initialized for ef in buckets.values()):
+            raise ValueError(f"this is rank {state['rank']}'s state, loaded on rank {be.rank}: its error "
+                             "feedback is that rank's own. Save one file per rank, or one file with "
+                             "gathered_state_dict()")
+        params = [(tuple(int(x) for x in shape), str(dtype)) for shape, dtype in state["params"]]
+        known = self._params[:len(params)]
+        if known != params[:len(known)]:
+            raise ValueError("the state's parameters do not match the ones this hook has seen: another model")
+        if not isinstance(state["iter"], int) or not isinstance(state["start_iter"], int):
+            raise ValueError("the state's iter and start_iter must be integers")
+        return state["iter"], state["start_iter"], params, buckets
+
+    # ----------------------------------------------------------------- the hook's work
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """Start averaging `bucket` (as its known parts) and return a Future of its buffer."""
+        buffer, params = bucket.buffer(), bucket.parameters()
+        key, parts = self._parts(params)
+        compress = self.iter >= self.start_iter
+        if bucket.is_last():
+            self.iter += 1
+        be = self.backend(buffer.device)
+        slices = _slices(params, parts, self._numbers)
+        flats = [buffer if parts == [key] else torch.cat([buffer[a:b] for a, b in spans]) for spans in slices]
+        if compress:
+            futures = [compressed_allreduce(flat, self._buckets[key], backend=be, async_op=True).get_future()
+                       for flat, key in zip(flats, parts)]
+        else:
+            futures = [submit(be, _uncompressed_mean, flat, be).get_future() for flat in flats]
+
+        def finish(done: torch.futures.Future) -> torch.Tensor:
+            for future, flat, spans in zip(done.value(), flats, slices):
+                future.value()  # raises the collective's error, the same on every rank
+                if flat is not buffer:
+                    offset = 0
+                    for a, b in spans:
+                        buffer[a:b].copy_(flat[offset:offset + b - a])
+                        offset += b - a
+            return buffer
+
+        return torch.futures.collect_all(futures).then(finish)
+
+
+def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's mean over ranks, uncompressed for the first
+    `state.start_iter` iterations, then by the 1-bit allreduce with the bucket's error feedback."""
+    return state.reduce(bucket)
+
+
+def _slices(params: list[torch.Tensor], parts: list[Key], numbers: WeakIdKeyDictionary) -> list[list[tuple[int, int]]]:
+    """For each part, the (start, end) element ranges of its parameters in the bucket's buffer."""
+    where, offset = {}, 0
+    for p in params:
+        where[numbers[p]] = (offset, offset + p.numel())
+        offset += p.numel()
+    return [[where[number] for number in key] for key in parts]
+
+
+def _uncompressed_mean(tensor: torch.Tensor, be: Backend) -> torch.Tensor:
+    """sum_r (x_r * (1/n)), as DDP computes it; NonFiniteError on every rank if it is not finite
+    (the sum is the same on every rank, so they all decide alike)."""
+    tensor.mul_(1.0 / be.world_size)
+    be.all_reduce(tensor, op="sum")
+    if not bool(torch.isfinite(tensor).all()):
+        raise NonFiniteError("non-finite values (NaN/Inf) in some rank's gradients (or their sum overflowed)")
+    return tensor
+
+
+def _all_gather_bytes(be: Backend, data: bytes) -> list[bytes]:
+    """Every rank's `data` (any lengths), through the backend's uint8 all-gather."""
+    n, device = be.world_size, be.device
+    lengths = torch.empty(n, 8, dtype=torch.uint8, device=device)
+    be.all_gather(torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8).to(device), lengths)
+    sizes = lengths.cpu().view(torch.int64).reshape(-1).tolist()
+    width = max(max(sizes), 1)
+    send = torch.zeros(width, dtype=torch.uint8)
+    send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else send[:0]
+    out = torch.empty(n, width, dtype=torch.uint8, device=device)
+    be.all_gather(send.to(device), out)
+    rows = out.cpu().numpy()
+    return [rows[r, :sizes[r]].tobytes() for r in range(n)]

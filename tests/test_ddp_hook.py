@@ -1,0 +1,288 @@
+"""compcomm.ddp on real gloo ranks: DDP with onebit_hook against plain DDP and against
+compressed_allreduce itself, bucket rebuilds, sub-groups, checkpoints and collective errors."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import compcomm
+import compcomm.ddp
+from compcomm.ddp import OnebitHookState, onebit_hook
+from rankpool import caught, group
+
+BUCKET_MB = 0.001  # ~1 KB: the model below gets several DDP buckets after the rebuild
+
+
+# ------------------------------------------------------------------ helpers run inside ranks
+
+class Net(torch.nn.Module):
+    """Parameters registered in the reverse of their use, so DDP's rebuild (by gradient-ready
+    order) changes which parameters share a bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(16, 4)
+        self.mid = torch.nn.Linear(32, 16)
+        self.inp = torch.nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def make_net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def loss_of(model: torch.nn.Module, rank: int, step: int, poison: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 8, generator=g)
+    y = torch.sin(x[:, :4]) + 0.1 * torch.randn(16, 4, generator=g)
+    if poison:
+        x[0, 0] = float("nan")
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def raw(model: torch.nn.Module) -> bytes:
+    return b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+
+
+def grads(model: torch.nn.Module) -> bytes:
+    return b"".join(p.grad.numpy().tobytes() for p in model.parameters())
+
+
+def hooked(process_group=None, start_iter: int = 2, backend=None, model: Net | None = None) -> tuple[DDP, OnebitHookState]:
+    ddp = DDP(model or make_net(), process_group=process_group, bucket_cap_mb=BUCKET_MB)
+    state = OnebitHookState(process_group=process_group, start_iter=start_iter, backend=backend)
+    ddp.register_comm_hook(state, onebit_hook)
+    return ddp, state
+
+
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def train(ddp: DDP, opt: torch.optim.Optimizer, steps: range, rank: int) -> list[bytes]:
+    out = []
+    for step in steps:
+        opt.zero_grad(set_to_none=True)
+        loss_of(ddp, rank, step).backward()
+        opt.step()
+        out.append(raw(ddp.module))
+    return out
+
+
+def recording_hook(rec, bucket):  # unannotated: DDP rejects the string annotations of this module
+    """onebit_hook, logging (iteration, bucket parameters, input, output) of every call."""
+    entry = [rec["state"].iter, tuple(id(p) for p in bucket.parameters()), bucket.buffer().clone(), None]
+    rec["log"].append(entry)
+
+    def keep(fut: torch.futures.Future) -> torch.Tensor:
+        entry[3] = fut.value().clone()
+        return fut.value()
+
+    return onebit_hook(rec["state"], bucket).then(keep)
+
+
+# ------------------------------------------------------------------ warm-up = plain DDP
+
+def warmup_vs_plain_ddp(members: tuple[int, ...], steps: int) -> list[tuple[bytes, bytes]]:
+    rank, pg = dist.get_rank(), group(members)
+    plain = DDP(make_net(), process_group=pg, bucket_cap_mb=BUCKET_MB)
+    ddp, state = hooked(process_group=pg, start_iter=steps + 1)
+    out = []
+    for step in range(steps):
+        for model in (plain, ddp):
+            model.zero_grad(set_to_none=True)
+            loss_of(model, rank, step).backward()
+        out.append((grads(plain.module), grads(ddp.module)))
+    assert state.iter == steps and not any(ef.initialized for ef in state.error_feedback.values())
+    return out
+
+
+@pytest.mark.parametrize("members", [(0, 1, 2, 3), (0, 1, 2)])  # 1/3 is inexact: DDP's x * (1/n) order matters
+def test_warmup_iterations_equal_plain_ddp_bitwise(pool, members):
+    for rank, pairs in enumerate(pool.run(warmup_vs_plain_ddp, members, 4, ranks=members)):
+        for step, (plain, hooked_grads) in enumerate(pairs):
+            assert plain == hooked_grads, f"rank {rank}, iteration {step}: hook != DDP"
+
+
+# ------------------------------------------------------------------ compressed = compressed_allreduce
+
+def compressed_vs_reference(start_iter: int, steps: int) -> dict:
+    rank = dist.get_rank()
+    ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+    rec = {"state": OnebitHookState(start_iter=start_iter), "log": []}
+    ddp.register_comm_hook(rec, recording_hook)
+    params = train(ddp, sgd(ddp), range(steps), rank)
+    be = compcomm.backends.get("gloo")
+    reference: dict[tuple, compcomm.ErrorFeedback] = {}
+    mismatches, layouts = [], {}
+    for it, key, before, after in rec["log"]:
+        layouts.setdefault(it, []).append(key)
+        if it < start_iter:
+            continue
+        ef = reference.setdefault(key, compcomm.ErrorFeedback())
+        expected = compcomm.compressed_allreduce(before.clone(), ef, backend=be)
+        if not torch.equal(expected, after):
+            mismatches.append((it, len(key)))
+    first, later = layouts[0], layouts[steps - 1]
+    return {"params": params, "mismatches": mismatches, "first": len(first), "later": len(later),
+            "regrouped": set(first) != set(later) and len(later) > 1 and layouts[1] == later,
+            "state_buckets": len(rec["state"].error_feedback)}
+
+
+@pytest.mark.parametrize("start_iter", [0, 2])
+def test_compressed_buckets_equal_compressed_allreduce_per_bucket(pool, start_iter):
+    results = pool.run(compressed_vs_reference, start_iter, 6)
+    for rank, res in enumerate(results):
+        assert res["mismatches"] == [], f"rank {rank}: buckets differ from the reference: {res['mismatches']}"
+        assert res["first"] == 1 and res["later"] >= 2 and res["regrouped"], res
+        assert res["state_buckets"] == res["later"]  # the pre-rebuild bucket's errors were dropped
+    for step in range(6):
+        assert len({res["params"][step] for res in results}) == 1, f"ranks differ after step {step}"
+
+
+# ------------------------------------------------------------------ sub-group and explicit backends
+
+def on_subgroup(members: tuple[int, ...], explicit_backend: bool) -> tuple[list[bytes], int, int]:
+    pg = group(members)
+    backend = compcomm.backends.get("gloo", group=pg) if explicit_backend else None
+    ddp, state = hooked(process_group=pg, start_iter=1, backend=backend)
+    params = train(ddp, sgd(ddp), range(4), dist.get_rank())
+    be = state.backend()
+    return params, be.world_size, be.bytes_sent
+
+
+@pytest.mark.parametrize("explicit_backend", [False, True])
+def test_subgroup(pool, explicit_backend):
+    members = (1, 3)
+    results = pool.run(on_subgroup, members, explicit_backend, ranks=members)
+    assert len({tuple(r[0]) for r in results}) == 1, "ranks of the sub-group differ"
+    assert all(r[1] == 2 and r[2] > 0 for r in results)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+def roundtrip(obj):
+    blob = io.BytesIO()
+    torch.save(obj, blob)
+    return torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
+
+
+def resume(k: int, more: int, one_file: bool) -> tuple[list[bytes], list[bytes]]:
+    """Train k steps, checkpoint, train `more`; then a fresh DDP model restored from the
+    checkpoint replays the same `more` steps."""
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=2)
+    opt = sgd(ddp)
+    train(ddp, opt, range(k), rank)
+    hook_state = state.gathered_state_dict() if one_file else state.state_dict()
+    if one_file:  # rank 0 writes the file, every rank reads it
+        hook_state = [roundtrip(hook_state) if rank == 0 else None]
+        dist.broadcast_object_list(hook_state, src=0)
+        hook_state = hook_state[0]
+    saved = roundtrip((ddp.module.state_dict(), opt.state_dict(), hook_state))
+    straight = train(ddp, opt, range(k, k + more), rank)
+
+    model = make_net()
+    model.load_state_dict(saved[0])
+    ddp2, state2 = hooked(start_iter=7, model=model)  # start_iter comes back from the checkpoint
+    opt2 = sgd(ddp2)
+    opt2.load_state_dict(saved[1])
+    state2.load_state_dict(saved[2])
+    assert state2.iter == k and state2.start_iter == 2
+    return straight, train(ddp2, opt2, range(k, k + more), rank)
+
+
+@pytest.mark.parametrize("one_file", [False, True])
+def test_checkpoint_resumes_bitwise(pool, one_file):
+    for rank, (straight, resumed) in enumerate(pool.run(resume, 5, 4, one_file)):
+        for step, (a, b) in enumerate(zip(straight, resumed)):
+            assert a == b, f"rank {rank}: resumed run differs at step {step} after the checkpoint"
+
+
+def load_other(kind: str):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ddp, state = hooked(start_iter=1)
+    train(ddp, sgd(ddp), range(3), rank)
+    mine = state.state_dict()
+    theirs = [None] * n
+    dist.all_gather_object(theirs, mine)
+    before = state.state_dict()
+    if kind == "shifted":
+        sd = theirs[(rank + 1) % n]          # every rank loads a neighbour's state
+    elif kind == "only_rank_2":
+        sd = theirs[0] if rank == 2 else mine  # one rank loads rank 0's (the save-on-rank-0 habit)
+    else:
+        sd = dict(mine, world_size=n + 1)
+    result = caught(state.load_state_dict, sd)
+    after = state.state_dict()
+    unchanged = after["iter"] == before["iter"] and all(
+        torch.equal(a[1]["worker_error"], b[1]["worker_error"]) for a, b in zip(after["buckets"], before["buckets"]))
+    return result, unchanged
+
+
+@pytest.mark.parametrize("kind", ["shifted", "only_rank_2", "world_size"])
+def test_loading_another_ranks_state_raises_everywhere(pool, kind):
+    results = pool.run(load_other, kind)
+    assert all(r[0] is not None and r[0][0] == "ValueError" for r in results), results
+    assert len({r[0][1] for r in results}) == 1, "ranks raised different errors"
+    assert all(r[1] for r in results), "a failed load changed the state"
+
+
+def warmup_state_loads_anywhere() -> int:
+    ddp, state = hooked(start_iter=10)
+    train(ddp, sgd(ddp), range(2), dist.get_rank())
+    shared = [state.state_dict()]
+    dist.broadcast_object_list(shared, src=0)
+    fresh = OnebitHookState(start_iter=10)
+    fresh.load_state_dict(shared[0])
+    return fresh.iter
+
+
+def test_state_without_errors_loads_on_any_rank(pool):
+    assert pool.run(warmup_state_loads_anywhere) == [2] * 4
+
+
+# ------------------------------------------------------------------ errors are collective
+
+def nan_on_one_rank(start_iter: int) -> tuple:
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=start_iter)
+    opt = sgd(ddp)
+    train(ddp, opt, range(3), rank)
+    errors_before = [ef.worker_error.clone() for ef in state.error_feedback.values() if ef.initialized]
+    opt.zero_grad(set_to_none=True)
+    failure = caught(lambda: loss_of(ddp, rank, 3, poison=rank == 1).backward())
+    errors_after = [ef.worker_error for ef in state.error_feedback.values() if ef.initialized]
+    after = train(ddp, opt, range(4, 6), rank)  # training goes on after the failed iteration
+    return failure, len(errors_before), after, all(torch.isfinite(e).all() for e in errors_after)
+
+
+@pytest.mark.parametrize("start_iter", [1, 10])
+def test_nan_gradient_on_one_rank_fails_every_rank_alike(pool, start_iter):
+    results = pool.run(nan_on_one_rank, start_iter)
+    failures = [r[0] for r in results]
+    assert all(f is not None and "NonFiniteError" in f[1] and "NaN" in f[1] for f in failures), failures
+    assert len({f[1].split("\n")[0] for f in failures}) == 1, "ranks raised different errors"
+    assert all(r[3] for r in results), "non-finite values reached the error feedback"
+    if start_iter == 1:
+        assert results[0][1] >= 2
+    assert len({tuple(r[2]) for r in results}) == 1, "ranks differ after recovering"
+
+
+# ------------------------------------------------------------------ argument checks (no ranks)
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="start_iter"):
+        OnebitHookState(start_iter=-1)
+    with pytest.raises(ValueError, match="start_iter"):
+        OnebitHookState(start_iter=2.5)
+    with pytest.raises(TypeError, match="backend"):
+        OnebitHookState(backend=3)
+    assert compcomm.ddp.onebit_hook is onebit_hook
