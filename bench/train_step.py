@@ -1,0 +1,478 @@
+#!/usr/bin/env python3
+"""Whole training steps, side by side: what a data-parallel user would pick against compcomm.
+
+    python bench/train_step.py                                   # spawns 4 local gloo ranks
+    torchrun --nproc-per-node 4 bench/train_step.py
+    python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/train_step.py --json out.json
+    python bench/train_step.py --compute-heavy                   # the compute-bound end
+    python bench/train_step.py --plot curves.png --methods ddp_sgd,ddp_sgd_onebit --steps 400 ...
+
+Every method trains the same model from the same initial weights on the same batches (each rank
+its own), one after the other in the same processes (METHODS below; `--methods` picks some):
+
+    ddp_adamw            DDP + torch.optim.AdamW (fp32 ring allreduce of every gradient)
+    ddp_adamw_bf16       DDP + AdamW + torch's bf16_compress_hook
+    ddp_adamw_powersgd   DDP + AdamW + torch's PowerSGD hook, rank 4, error feedback, warm start.
+                         In ONE DDP bucket: with 2+ buckets the PowerSGD hook deadlocks on gloo.
+    ddp_sgd              DDP + SGD with momentum (the uncompressed baseline of the 1-bit hook)
+    ddp_sgd_onebit       DDP + SGD with momentum + compcomm.ddp.onebit_hook
+    onebit_adam          compcomm.optim.OnebitAdam (no DDP: the optimizer communicates)
+    onebit_lamb          compcomm.optim.OnebitLamb
+    zeroone_adam         compcomm.optim.ZeroOneAdam, when this build of compcomm has it (else skipped)
+
+The first --warmup-steps steps are the warm-up stage of the staged methods (PowerSGD's
+start_powerSGD_iter, the hook's start_iter, the optimizers' freeze_step); the others use them to
+warm up too. Reported per method: median step time over the steps after the warm-up (the
+compression stage) and over the warm-up steps (the first step, with its allocations and DDP's
+bucket rebuild, left out); bytes this rank handed to the transport per step in each stage
+(compcomm backends count them; for torch's hooks the benchmark counts what they pass to
+torch.distributed.all_reduce, and for plain DDP it is 2(n-1)/n of the fp32 gradients, all with the
+same ring accounting as compcomm's backends); the final loss (mean over ranks of the training loss
+over the last tenth of the steps); the time to reach DDP + AdamW's final loss, where reached (the
+running mean over the same window, against the summed step times). For DDP + AdamW it also times
+the same step with no communication at all (each rank alone) and reports the fraction of DDP's
+step spent communicating: 1 - t(alone) / t(DDP).
+
+Every Adam/LAMB method uses --eps (default 1e-4, not torch's 1e-8): a 5-step warm-up leaves some
+second moments near 1e-12, and 1-bit Adam/LAMB, whose compressed momentum has one magnitude per
+chunk, divide by their frozen square root and diverge within a few steps at eps=1e-8 (1-bit Adam
+is meant for warm-ups of thousands of steps). The same eps for AdamW keeps the race fair.
+
+The default model (a ~11M-parameter character MLP with small batches) is in the communication-
+bound regime of the 1-bit papers; --compute-heavy uses a 4x smaller model with 32x the batch.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from convergence import CharMLP, load_text, windows
+
+RECORD_KEYS = ("method", "world_size", "step_time_ms", "bytes_per_step", "final_loss", "steps")
+SETTINGS = {  # name: (context, embed, hidden, batch per rank)
+    "comm-bound": (32, 32, 2816, 8),
+    "compute-heavy": (32, 32, 1408, 256),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# methods: one entry each
+
+@dataclass
+class Run:
+    """What one method trains with. `bytes_sent()` is this rank's running count of bytes handed
+    to the transport; `fixed_bytes` is added per step where nothing counts them (plain DDP);
+    `counting` wraps the steps (for the counter of torch's hooks)."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    bytes_sent: Callable[[], float] = lambda: 0.0
+    fixed_bytes: float = 0.0
+    counting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+Builder = Callable[[torch.nn.Module, argparse.Namespace], Run]
+
+
+def ring_bytes(numel: int, element_size: int, world: int) -> float:
+    """Bytes one rank hands to a ring allreduce (the accounting of compcomm's backends)."""
+    return 2 * (world - 1) * numel * element_size / world
+
+
+class AllReduceCounter:
+    """Counts the bytes torch's own hooks pass to torch.distributed.all_reduce while active."""
+
+    def __init__(self) -> None:
+        self.bytes = 0.0
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        original = dist.all_reduce
+
+        def counted(tensor, *args, **kwargs):
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            self.bytes += ring_bytes(tensor.numel(), tensor.element_size(), dist.get_world_size(group))
+            return original(tensor, *args, **kwargs)
+
+        dist.all_reduce = counted
+        try:
+            yield
+        finally:
+            dist.all_reduce = original
+
+
+def adamw(params, args: argparse.Namespace) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=args.lr_adam, eps=args.eps, weight_decay=0.0)
+
+
+def sgd(params, args: argparse.Namespace) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=args.lr_sgd, momentum=0.9)
+
+
+def bf16_hook(process_group, bucket):  # no annotations: DDP rejects this module's string ones
+    """torch's bf16_compress_hook under another name: DDP refuses that name on CPU-only torch."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+    return bf16_compress_hook(process_group, bucket)
+
+
+def ddp_method(optimizer: Callable, hook: str | None = None) -> Builder:
+    """DDP with `optimizer` and no hook, or hook "bf16", "powersgd" or "onebit"."""
+
+    def build(model: torch.nn.Module, args: argparse.Namespace) -> Run:
+        # PowerSGD runs in one bucket: with 2+ DDP buckets its hook deadlocks on gloo.
+        ddp = DDP(model, bucket_cap_mb=1 << 14 if hook == "powersgd" else None)
+        opt = optimizer(ddp.parameters(), args)
+        if hook is None:
+            numel = sum(p.numel() for p in model.parameters())
+            return Run(ddp, opt, fixed_bytes=ring_bytes(numel, 4, dist.get_world_size()))
+        if hook == "onebit":
+            import compcomm.ddp
+            state = compcomm.ddp.OnebitHookState(start_iter=args.warmup_steps)
+            ddp.register_comm_hook(state, compcomm.ddp.onebit_hook)
+            return Run(ddp, opt, lambda: float(state.backend().bytes_sent))
+        counter = AllReduceCounter()
+        if hook == "bf16":
+            ddp.register_comm_hook(None, bf16_hook)
+        else:
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                           start_powerSGD_iter=max(2, args.warmup_steps),
+                                           use_error_feedback=True, warm_start=True)
+            ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        return Run(ddp, opt, lambda: counter.bytes, counting=counter.active)
+
+    return build
+
+
+def compcomm_optimizer(name: str, stage_arg: str, lr_arg: str = "lr_adam") -> Builder:
+    """compcomm.optim.<name> (the model is not wrapped: the optimizer communicates), with the
+    warm-up length passed as `stage_arg`."""
+
+    def build(model: torch.nn.Module, args: argparse.Namespace) -> Run:
+        import compcomm
+        import compcomm.optim
+
+        backend = compcomm.backends.get("gloo")
+        opt = getattr(compcomm.optim, name)(model.parameters(), lr=getattr(args, lr_arg), eps=args.eps,
+                                            backend=backend, **{stage_arg: args.warmup_steps})
+        return Run(model, opt, lambda: float(backend.bytes_sent))
+
+    build.requires = name  # type: ignore[attr-defined]
+    return build
+
+
+def alone(model: torch.nn.Module, args: argparse.Namespace) -> Run:
+    """DDP + AdamW's step without any communication (each rank on its own): its compute time."""
+    return Run(model, adamw(model.parameters(), args))
+
+
+METHODS: dict[str, Builder] = {
+    "ddp_adamw": ddp_method(adamw),
+    "ddp_adamw_bf16": ddp_method(adamw, "bf16"),
+    "ddp_adamw_powersgd": ddp_method(adamw, "powersgd"),
+    "ddp_sgd": ddp_method(sgd),
+    "ddp_sgd_onebit": ddp_method(sgd, "onebit"),
+    "onebit_adam": compcomm_optimizer("OnebitAdam", "freeze_step"),
+    "onebit_lamb": compcomm_optimizer("OnebitLamb", "freeze_step", "lr_lamb"),
+    "zeroone_adam": compcomm_optimizer("ZeroOneAdam", "var_freeze_step"),
+}
+
+
+def available(name: str) -> bool:
+    """Whether this build of compcomm has what the method needs (ZeroOneAdam may be missing)."""
+    import compcomm.optim
+    return hasattr(compcomm.optim, getattr(METHODS[name], "requires", "__name__"))
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank
+
+def make_model(args: argparse.Namespace) -> CharMLP:
+    """The common initial model. Its embedding table is fixed (random, not trained): rows of
+    characters that the warm-up never saw would have a frozen second moment of ~0, on which
+    1-bit Adam/LAMB updates blow up (what DeepSpeed's exp_avg_mask is for); every trained
+    parameter here gets a dense gradient."""
+    context, embed, hidden, _ = args.shape
+    torch.manual_seed(args.seed)
+    model = CharMLP(context, embed, hidden)
+    model.embed.weight.requires_grad_(False)
+    return model
+
+
+def train(builder: Builder, args: argparse.Namespace, text: torch.Tensor) -> dict[str, list]:
+    """Train one method from the common initial weights; this rank's per-step timings, losses
+    and cumulative bytes."""
+    context, _, _, batch = args.shape
+    rank = dist.get_rank()
+    run = builder(make_model(args), args)
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)
+    times, losses, sent = [], [], []
+    dist.barrier()
+    with run.counting():
+        for step in range(args.steps):
+            x, y = windows(text, torch.randint(0, len(text) - context - 1, (batch,), generator=gen), context)
+            start = time.perf_counter()
+            run.optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(run.model(x), y)
+            loss.backward()
+            run.optimizer.step()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+            sent.append(run.bytes_sent() + run.fixed_bytes * (step + 1))
+    return {"times": times, "losses": losses, "sent": sent}
+
+
+def rank_main(args: argparse.Namespace, label: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    text = load_text(args.text_bytes)
+    names = [n for n in args.methods.split(",") if n]
+    results: dict[str, dict[str, list] | None] = {}
+    for name in names:
+        if not available(name):
+            results[name] = None
+            if rank == 0:
+                print(f"# {name}: skipped (compcomm.optim.{METHODS[name].requires} is not in this build)",
+                      flush=True)
+            continue
+        mine = train(METHODS[name], args, text)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        results[name] = merge(everyone)
+        if rank == 0 and not args.quiet:
+            print(f"[train_step] {name}: done", file=sys.stderr, flush=True)
+    if "ddp_adamw" in names and not args.no_baseline:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, train(alone, args, text))
+        results["alone"] = merge(everyone)
+    if rank == 0:
+        report(results, args, world, label)
+
+
+def merge(per_rank: list[dict[str, list]]) -> dict[str, list]:
+    """Per step: the slowest rank's time, the mean loss over ranks, rank 0's bytes."""
+    return {"times": [max(t) for t in zip(*(r["times"] for r in per_rank))],
+            "losses": [statistics.fmean(v) for v in zip(*(r["losses"] for r in per_rank))],
+            "sent": per_rank[0]["sent"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def summarize(name: str, res: dict[str, list], args: argparse.Namespace, world: int) -> dict[str, Any]:
+    w, steps = args.warmup_steps, args.steps
+    times, sent = res["times"], res["sent"]
+    window = max(1, steps // 10)
+    per_step = [b - a for a, b in zip([0.0] + sent[:-1], sent)]
+    compressed = range(w, steps) if w < steps else range(steps)
+    warm = range(1, w) if w > 1 else range(0)
+    return {
+        "method": name, "world_size": world, "steps": steps, "warmup_steps": w,
+        "step_time_ms": 1e3 * statistics.median(times[i] for i in compressed),
+        "warmup_step_time_ms": 1e3 * statistics.median(times[i] for i in warm) if warm else None,
+        "bytes_per_step": statistics.fmean(per_step[i] for i in compressed),
+        "warmup_bytes_per_step": statistics.fmean(per_step[i] for i in warm) if warm else None,
+        "final_loss": statistics.fmean(res["losses"][-window:]),
+        "loss_curve": res["losses"], "step_times_ms": [1e3 * t for t in times], "bytes_sent": sent,
+    }
+
+
+def time_to_target(rec: dict[str, Any], target: float, window: int) -> float | None:
+    elapsed = 0.0
+    for t, mean in zip(rec["step_times_ms"], running_mean(rec["loss_curve"], window)):
+        elapsed += t / 1e3
+        if mean <= target:
+            return elapsed
+    return None
+
+
+def report(results: dict[str, dict | None], args: argparse.Namespace, world: int, label: str) -> None:
+    batch = args.shape[3]
+    params = sum(p.numel() for p in make_model(args).parameters() if p.requires_grad)
+    records = [summarize(n, r, args, world) for n, r in results.items() if r is not None and n != "alone"]
+    by = {r["method"]: r for r in records}
+    base = by.get("ddp_adamw")
+    window = max(1, args.steps // 10)
+    for r in records:
+        r.update(setting=args.setting, params=params, batch_per_rank=batch, label=label)
+        if base is not None:
+            r["target_loss"] = base["final_loss"]
+            r["time_to_target_s"] = time_to_target(r, base["final_loss"], window)
+    if base is not None and results.get("alone"):
+        compute = summarize("alone", results["alone"], args, world)["step_time_ms"]
+        base["compute_step_time_ms"] = compute
+        base["comm_fraction"] = max(0.0, 1.0 - compute / base["step_time_ms"])
+    print(f"# compcomm train_step: {label}, world size {world}, gloo, CharMLP {params / 1e6:.1f}M trained params "
+          f"({args.setting}), batch {batch}/rank, {args.steps} steps ({args.warmup_steps} warm-up)")
+    print(f"# {'method':<20} {'step(ms)':>9} {'warmup(ms)':>10} {'bytes/step':>12} {'warmup B/step':>13} "
+          f"{'final_loss':>10} {'to_target(s)':>12}")
+    for r in records:
+        ttt = r.get("time_to_target_s")
+        warm = r["warmup_step_time_ms"]
+        print(f"  {r['method']:<20} {r['step_time_ms']:>9.1f} {'-' if warm is None else f'{warm:.1f}':>10} "
+              f"{r['bytes_per_step']:>12.0f} {r['warmup_bytes_per_step'] or 0:>13.0f} {r['final_loss']:>10.4f} "
+              f"{'-' if ttt is None else f'{ttt:.2f}':>12}")
+    for line in ratios(by):
+        print("# " + line)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+            f.write("\n")
+    if args.plot:
+        plot(records, args.plot, label)
+
+
+def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
+    """The comparisons the targets are stated in, each a ratio of two timings of this run."""
+    lines = []
+    base = by.get("ddp_adamw")
+    if base is not None and "comm_fraction" in base:
+        lines.append(f"ddp_adamw spends {100 * base['comm_fraction']:.0f}% of its step communicating "
+                     f"(alone, the step takes {base['compute_step_time_ms']:.1f} ms)")
+    for fast, slow in (("onebit_adam", "ddp_adamw"), ("onebit_adam", "ddp_adamw_bf16"),
+                       ("onebit_lamb", "ddp_adamw"), ("zeroone_adam", "ddp_adamw"),
+                       ("ddp_sgd_onebit", "ddp_sgd"), ("ddp_sgd_onebit", "ddp_adamw_powersgd"),
+                       ("ddp_adamw_powersgd", "ddp_adamw"), ("ddp_adamw_bf16", "ddp_adamw")):
+        if fast in by and slow in by:
+            lines.append(f"speedup of {fast} over {slow}: {by[slow]['step_time_ms'] / by[fast]['step_time_ms']:.2f}x "
+                         "(ratio of compression-stage step times)")
+    for name in ("onebit_adam", "onebit_lamb", "zeroone_adam"):
+        r = by.get(name)
+        if r is not None and base is not None and r["warmup_step_time_ms"]:
+            lines.append(f"{name} warm-up step: {r['warmup_step_time_ms'] / base['step_time_ms']:.2f}x "
+                         "ddp_adamw's step")
+    if "ddp_sgd" in by and "ddp_sgd_onebit" in by:
+        a, b = by["ddp_sgd"]["final_loss"], by["ddp_sgd_onebit"]["final_loss"]
+        lines.append(f"onebit hook final loss {b:.4f} vs uncompressed DDP + SGD {a:.4f} ({100 * (b - a) / a:+.2f}%)")
+    return lines
+
+
+def plot(records: list[dict[str, Any]], path: str, label: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for r in records:
+        curve = running_mean(r["loss_curve"], max(1, r["steps"] // 20))
+        steps = range(1, len(curve) + 1)
+        style = "--" if "onebit" in r["method"] else "-"
+        by_step.plot(steps, curve, style, label=f"{r['method']} (final {r['final_loss']:.3f})")
+        by_bytes.plot([b / 2**20 for b in r["bytes_sent"]], curve, style, label=r["method"])
+    by_step.set_xlabel("step")
+    by_step.set_ylabel("training loss (mean over ranks, running mean)")
+    by_bytes.set_xlabel("MiB sent per rank")
+    by_bytes.set_xscale("log")
+    for ax in (by_step, by_bytes):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"train_step: {label}, {records[0]['world_size']} ranks", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# launch
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
+    p.add_argument("--steps", type=int, default=20, help="steps per method (default 20)")
+    p.add_argument("--warmup-steps", type=int, default=5, help="warm-up stage length (default 5)")
+    p.add_argument("--compute-heavy", dest="setting", action="store_const", const="compute-heavy",
+                   default="comm-bound", help="a 4x smaller model with 32x the batch: the compute-bound end")
+    p.add_argument("--context", type=int, help="characters of context (overrides the setting)")
+    p.add_argument("--embed", type=int, help="embedding width (overrides the setting)")
+    p.add_argument("--hidden", type=int, help="hidden width (overrides the setting)")
+    p.add_argument("--batch", type=int, help="sequences per rank per step (overrides the setting)")
+    p.add_argument("--lr-adam", type=float, default=1e-3, help="AdamW / 1-bit Adam / 0/1 Adam (default 1e-3)")
+    p.add_argument("--lr-lamb", type=float, default=1e-2, help="1-bit LAMB (default 1e-2)")
+    p.add_argument("--eps", type=float, default=1e-4, help="eps of every Adam/LAMB method (default 1e-4: see above)")
+    p.add_argument("--lr-sgd", type=float, default=0.1, help="SGD with momentum 0.9 (default 0.1)")
+    p.add_argument("--text-bytes", type=int, default=1_000_000, help="characters of stdlib source to train on")
+    p.add_argument("--nprocs", type=int, default=4, help="local ranks to spawn when not launched (default 4)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the no-communication timing of DDP + AdamW")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write one record per method")
+    p.add_argument("--plot", metavar="PATH", help="PNG of the loss against steps and against bytes sent")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    args = p.parse_args(argv)
+    unknown = set(args.methods.split(",")) - set(METHODS) - {""}
+    if unknown:
+        p.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    if args.steps < 1 or not 0 <= args.warmup_steps:
+        p.error("--steps must be >= 1 and --warmup-steps >= 0")
+    defaults = SETTINGS[args.setting]
+    args.shape = tuple(v if v is not None else d for v, d in
+                       zip((args.context, args.embed, args.hidden, args.batch), defaults))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
+    return args
+
+
+def _set_threads(world: int) -> None:
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
+                          else max(1, (os.cpu_count() or 1) // world))
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    _set_threads(world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=10))
+    try:
+        rank_main(args, f"{world} local ranks (self-spawned)")
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, bench/netsim.py
+        _set_threads(int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+        rate, delay = os.environ.get("NETSIM_RATE"), os.environ.get("NETSIM_DELAY")
+        label = f"netsim {rate}" + (f" +{delay}" if delay else "") if rate else "torchrun"
+        try:
+            rank_main(args, label)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(args.nprocs, port, args), nprocs=args.nprocs, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
