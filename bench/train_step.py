@@ -135,7 +135,7 @@ def ddp_method(optimizer: Callable, hook: str | None = None) -> Builder:
         ddp = DDP(model, bucket_cap_mb=1 << 14 if hook == "powersgd" else None)
         opt = optimizer(ddp.parameters(), args)
         if hook is None:
-            numel = sum(p.numel() for p in model.parameters())
+            numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
             return Run(ddp, opt, fixed_bytes=ring_bytes(numel, 4, dist.get_world_size()))
         if hook == "onebit":
             import compcomm.ddp
@@ -165,7 +165,8 @@ def compcomm_optimizer(name: str, stage_arg: str, lr_arg: str = "lr_adam") -> Bu
         import compcomm.optim
 
         backend = compcomm.backends.get("gloo")
-        opt = getattr(compcomm.optim, name)(model.parameters(), lr=getattr(args, lr_arg), eps=args.eps,
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt = getattr(compcomm.optim, name)(trained, lr=getattr(args, lr_arg), eps=args.eps,
                                             backend=backend, **{stage_arg: args.warmup_steps})
         return Run(model, opt, lambda: float(backend.bytes_sent))
 
