@@ -237,6 +237,7 @@ def train(builder: Builder, args: argparse.Namespace, text: torch.Tensor) -> dic
 
 def rank_main(args: argparse.Namespace, label: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    started = time.perf_counter()
     text = load_text(args.text_bytes)
     names = [n for n in args.methods.split(",") if n]
     results: dict[str, dict[str, list] | None] = {}
@@ -259,6 +260,7 @@ def rank_main(args: argparse.Namespace, label: str) -> None:
         results["alone"] = merge(everyone)
     if rank == 0:
         report(results, args, world, label)
+        print(f"# all methods ran in {time.perf_counter() - started:.0f} s (after process start-up)")
 
 
 def merge(per_rank: list[dict[str, list]]) -> dict[str, list]:
