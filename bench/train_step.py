@@ -39,7 +39,7 @@ chunk, divide by their frozen square root and diverge within a few steps at eps=
 is meant for warm-ups of thousands of steps). The same eps for AdamW keeps the race fair.
 
 The default model (a ~11M-parameter character MLP with small batches) is in the communication-
-bound regime of the 1-bit papers; --compute-heavy uses a 4x smaller model with 32x the batch.
+bound regime of the 1-bit papers; --compute-heavy uses a ~9x smaller model with 128x the batch.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ from convergence import CharMLP, load_text, windows
 RECORD_KEYS = ("method", "world_size", "step_time_ms", "bytes_per_step", "final_loss", "steps")
 SETTINGS = {  # name: (context, embed, hidden, batch per rank)
     "comm-bound": (32, 32, 2816, 8),
-    "compute-heavy": (32, 32, 1408, 256),
+    "compute-heavy": (32, 32, 704, 1024),
 }
 
 
@@ -132,7 +132,7 @@ def ddp_method(optimizer: Callable, hook: str | None = None) -> Builder:
 
     def build(model: torch.nn.Module, args: argparse.Namespace) -> Run:
         # PowerSGD runs in one bucket: with 2+ DDP buckets its hook deadlocks on gloo.
-        ddp = DDP(model, bucket_cap_mb=1 << 14 if hook == "powersgd" else None)
+        ddp = DDP(model, bucket_cap_mb=1 << 14 if hook == "powersgd" else args.bucket_mb)
         opt = optimizer(ddp.parameters(), args)
         if hook is None:
             numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -407,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="steps per method (default 20)")
     p.add_argument("--warmup-steps", type=int, default=5, help="warm-up stage length (default 5)")
     p.add_argument("--compute-heavy", dest="setting", action="store_const", const="compute-heavy",
-                   default="comm-bound", help="a 4x smaller model with 32x the batch: the compute-bound end")
+                   default="comm-bound", help="a ~9x smaller model with 128x the batch: the compute-bound end")
     p.add_argument("--context", type=int, help="characters of context (overrides the setting)")
     p.add_argument("--embed", type=int, help="embedding width (overrides the setting)")
     p.add_argument("--hidden", type=int, help="hidden width (overrides the setting)")
@@ -416,6 +416,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-lamb", type=float, default=1e-2, help="1-bit LAMB (default 1e-2)")
     p.add_argument("--eps", type=float, default=1e-4, help="eps of every Adam/LAMB method (default 1e-4: see above)")
     p.add_argument("--lr-sgd", type=float, default=0.1, help="SGD with momentum 0.9 (default 0.1)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="DDP's bucket_cap_mb (default DDP's 25; PowerSGD always runs in one bucket)")
     p.add_argument("--text-bytes", type=int, default=1_000_000, help="characters of stdlib source to train on")
     p.add_argument("--nprocs", type=int, default=4, help="local ranks to spawn when not launched (default 4)")
     p.add_argument("--no-baseline", action="store_true", help="skip the no-communication timing of DDP + AdamW")
