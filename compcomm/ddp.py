@@ -49,7 +49,6 @@ from .allreduce import compressed_allreduce
 from .backends import Backend, get, resolve
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
-from .ordering import run_in_order, submit
 
 __all__ = ["OnebitHookState", "onebit_hook"]
 
@@ -85,6 +84,7 @@ class OnebitHookState:
         self._params: list[tuple[tuple[int, ...], str]] = []         # number -> (shape, dtype)
         self._buckets: dict[Key, ErrorFeedback] = {}
         self._owner: dict[int, Key] = {}                             # number -> its bucket's key
+        self._in_flight: list[torch.futures.Future] = []             # this iteration's collectives
 
     # ----------------------------------------------------------------- transport
 
@@ -159,7 +159,7 @@ class OnebitHookState:
         be = self.backend()
         blob = io.BytesIO()
         torch.save(self.state_dict(), blob)
-        parts = run_in_order(be, _all_gather_bytes, be, blob.getvalue())
+        parts = _all_gather_bytes(be, blob.getvalue())
         ranks = [torch.load(io.BytesIO(part), weights_only=True) for part in parts]
         return {"format": _FORMAT, "world_size": be.world_size, "ranks": ranks}
 
@@ -174,7 +174,7 @@ class OnebitHookState:
             failure = ""
         except Exception as exc:  # reported to every rank, then raised everywhere
             mine, failure = None, f"{type(exc).__name__}: {exc}"
-        verdicts = run_in_order(be, _all_gather_bytes, be, failure.encode())
+        verdicts = _all_gather_bytes(be, failure.encode())
         bad = [r for r, v in enumerate(verdicts) if v]
         if bad:
             raise ValueError(f"cannot load the hook state: rank {bad[0]}: {verdicts[bad[0]].decode(errors='replace')}")
@@ -212,32 +212,49 @@ class OnebitHookState:
     # ----------------------------------------------------------------- the hook's work
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        """Start averaging `bucket` (as its known parts) and return a Future of its buffer."""
-        buffer, params = bucket.buffer(), bucket.parameters()
+        """Start averaging `bucket` (as its known parts) and return a Future of its buffer.
+
+        DDP raises from backward as soon as one bucket's future fails, while later buckets may
+        still be in flight and would then write into buffers that the next iteration refills.
+        So a failure is reported by the iteration's last bucket, whose future completes after
+        every collective of the iteration (they run in submission order): backward raises only
+        once nothing of this iteration is left running.
+        """
+        buffer, params, last = bucket.buffer(), bucket.parameters(), bucket.is_last()
         key, parts = self._parts(params)
         compress = self.iter >= self.start_iter
-        if bucket.is_last():
+        if last:
             self.iter += 1
         be = self.backend(buffer.device)
         slices = _slices(params, parts, self._numbers)
         flats = [buffer if parts == [key] else torch.cat([buffer[a:b] for a, b in spans]) for spans in slices]
         if compress:
-            futures = [compressed_allreduce(flat, self._buckets[key], backend=be, async_op=True).get_future()
-                       for flat, key in zip(flats, parts)]
+            futures = [compressed_allreduce(flat, self._buckets[part], backend=be, async_op=True).get_future()
+                       for flat, part in zip(flats, parts)]
         else:
-            futures = [submit(be, _uncompressed_mean, flat, be).get_future() for flat in flats]
+            futures = [be.ordered(_uncompressed_mean, flat, be, async_op=True).get_future() for flat in flats]
+        # Futures of each collective's error (or None): they never fail, so collect_all (which
+        # would complete at the first failure) waits for all of them.
+        outcomes = [future.then(_failure) for future in futures]
+        self._in_flight.extend(outcomes)
+        waited = outcomes
+        if last:
+            waited, self._in_flight = self._in_flight, []
 
         def finish(done: torch.futures.Future) -> torch.Tensor:
-            for future, flat, spans in zip(done.value(), flats, slices):
-                future.value()  # raises the collective's error, the same on every rank
-                if flat is not buffer:
+            failures = [outcome.value() for outcome in done.value()]
+            for failed, flat, spans in zip(failures[len(failures) - len(futures):], flats, slices):
+                if flat is not buffer and failed is None:
                     offset = 0
                     for a, b in spans:
                         buffer[a:b].copy_(flat[offset:offset + b - a])
                         offset += b - a
+            first = next((f for f in failures if f is not None), None)
+            if last and first is not None:
+                raise first  # the same error on every rank
             return buffer
 
-        return torch.futures.collect_all(futures).then(finish)
+        return torch.futures.collect_all(waited).then(finish)
 
 
 def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -253,6 +270,15 @@ def _slices(params: list[torch.Tensor], parts: list[Key], numbers: WeakIdKeyDict
         where[numbers[p]] = (offset, offset + p.numel())
         offset += p.numel()
     return [[where[number] for number in key] for key in parts]
+
+
+def _failure(future: torch.futures.Future) -> Exception | None:
+    """The error a completed future holds, or None."""
+    try:
+        future.value()
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _uncompressed_mean(tensor: torch.Tensor, be: Backend) -> torch.Tensor:
