@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import compcomm
 import compcomm.ddp
 from compcomm.ddp import OnebitHookState, onebit_hook
+
 from rankpool import caught, group
 
 BUCKET_MB = 0.001  # ~1 KB: the model below gets several DDP buckets after the rebuild
@@ -55,7 +56,8 @@ def grads(model: torch.nn.Module) -> bytes:
     return b"".join(p.grad.numpy().tobytes() for p in model.parameters())
 
 
-def hooked(process_group=None, start_iter: int = 2, backend=None, model: Net | None = None) -> tuple[DDP, OnebitHookState]:
+def hooked(process_group=None, start_iter: int = 2, backend=None,
+           model: Net | None = None) -> tuple[DDP, OnebitHookState]:
     ddp = DDP(model or make_net(), process_group=process_group, bucket_cap_mb=BUCKET_MB)
     state = OnebitHookState(process_group=process_group, start_iter=start_iter, backend=backend)
     ddp.register_comm_hook(state, onebit_hook)
