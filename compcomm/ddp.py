@@ -123,10 +123,11 @@ class OnebitHookState:
         key = tuple(self._number(p) for p in params)
         if key in self._buckets:
             return key, [key]
-        owners = list(dict.fromkeys(self._owner.get(number) for number in key))
-        if None not in owners and sum(len(k) for k in owners) == len(key):
-            return key, owners  # type: ignore[return-value]
-        for old in {k for k in owners if k is not None}:
+        found = list(dict.fromkeys(self._owner.get(number) for number in key))
+        owners = [k for k in found if k is not None]
+        if len(owners) == len(found) and sum(len(k) for k in owners) == len(key):
+            return key, owners
+        for old in owners:
             del self._buckets[old]
             for number in old:
                 del self._owner[number]
@@ -169,14 +170,14 @@ class OnebitHookState:
         cannot resume exactly: another world size, or another rank's errors (a per-rank state
         that holds no errors yet, saved during the first start_iter iterations, loads on any rank)."""
         be = self.backend()
+        mine: tuple[int, int, list, dict[Key, ErrorFeedback]] | None = None
         try:
-            mine = self._check(state, be)
-            failure = ""
+            mine, failure = self._check(state, be), ""
         except Exception as exc:  # reported to every rank, then raised everywhere
-            mine, failure = None, f"{type(exc).__name__}: {exc}"
+            failure = f"{type(exc).__name__}: {exc}"
         verdicts = _all_gather_bytes(be, failure.encode())
         bad = [r for r, v in enumerate(verdicts) if v]
-        if bad:
+        if bad or mine is None:
             raise ValueError(f"cannot load the hook state: rank {bad[0]}: {verdicts[bad[0]].decode(errors='replace')}")
         iteration, start_iter, params, buckets = mine
         self.iter, self.start_iter, self._params = iteration, start_iter, params

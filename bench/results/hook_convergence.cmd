@@ -1,0 +1,1 @@
+python bench/train_step.py --methods ddp_sgd,ddp_sgd_onebit --context 16 --embed 16 --hidden 256 --batch 32 --steps 2000 --warmup-steps 400 --lr-sgd 0.05 --no-baseline --json bench/results/hook_convergence.json --plot bench/results/hook_convergence.png -q
