@@ -22,10 +22,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from test_ddp_hook import BUCKET_MB, make_net, sgd, train  # noqa: E402
+
 import compcomm  # noqa: E402
 from compcomm.backends.mpi import import_mpi  # noqa: E402
 from compcomm.ddp import OnebitHookState, onebit_hook  # noqa: E402
-from test_ddp_hook import BUCKET_MB, make_net, sgd, train  # noqa: E402
 
 MPI = import_mpi()
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
