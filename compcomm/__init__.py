@@ -1,8 +1,26 @@
-"""compcomm: compressed (error-compensated 1-bit) collectives for PyTorch data-parallel training."""
-from . import backends, layout
+"""compcomm: compressed (error-compensated 1-bit) collectives for PyTorch data-parallel training.
+
+`compressed_allreduce(tensor, error_feedback)` averages (or sums) a tensor over all ranks in
+place, sending one sign bit per element plus one fp32 scale per rank and chunk (~32x less than
+fp32); an `ErrorFeedback` per reduced tensor carries what the 1-bit code drops into the next
+call, so the sum over calls stays exact. The result is bitwise identical on every rank.
+
+    import compcomm
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(grad, ef)              # backend=None: torch.distributed, mpirun or 1 rank
+    compcomm.compressed_allreduce(grad, ef, backend=compcomm.backends.get("mpi"), op="sum")
+
+Transports: `compcomm.backends` (gloo, nccl, mpi, local; `get(name, group=... / comm=...)`).
+Optimizers that own the gradient communication: `compcomm.optim` (OnebitAdam, OnebitLamb).
+Bucketing helpers: `compcomm.layout`. Which codec kernels run here: `compcomm.codec_info()`.
+Any rank's bad input raises the same error on every rank with nothing changed: TypeError,
+ValueError, or `NonFiniteError` for NaN/Inf.
+"""
+from . import backends, layout, optim
 from .allreduce import compressed_allreduce
+from .codec import codec_info
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
 
-__all__ = ["compressed_allreduce", "ErrorFeedback", "NonFiniteError", "backends", "layout"]
+__all__ = ["compressed_allreduce", "ErrorFeedback", "NonFiniteError", "backends", "codec_info", "layout", "optim"]
 __version__ = "0.1.0"

@@ -96,7 +96,7 @@ def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend,
     signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
     worker = ef.worker_error.to(tensor.device) if ef.initialized else None
     flat = tensor.reshape(-1)
-    return flat, signs, codec.worker_scan(flat, worker, signs.view(-1))
+    return flat, signs, codec.codec_for(tensor.device).worker_scan(flat, worker, signs.view(-1))
 
 
 def _raise_if_rejected(headers: np.ndarray, failure: Exception | None, be: Backend) -> None:
@@ -133,29 +133,30 @@ def _reduce(tensor: torch.Tensor, flat: torch.Tensor, ef: ErrorFeedback, be: Bac
     n, rank, numel, device = be.world_size, be.rank, tensor.numel(), tensor.device
     c = chunk_size(numel, n)
     worker, server = ef.buffers(numel, n, device)
+    coder = codec.codec_for(device)
 
     received = torch.empty_like(signs)
     in_flight = be.all_to_all(signs, received, async_op=True)
-    codec.error_update_(worker, scale, numel, flat)
+    coder.error_update_(worker, scale, numel, flat)
     in_flight.wait()
     del signs
 
     served = real_count(rank, numel, n)
     mine = torch.empty(4 + c // 8, dtype=torch.uint8, device=device)
-    sum_sq = codec.server_scan_(received, torch.from_numpy(scales).to(device), n if op == "mean" else 1,
-                                server, served, mine[4:])
+    sum_sq = coder.server_scan_(received, torch.from_numpy(scales).to(device), n if op == "mean" else 1,
+                              server, served, mine[4:])
     del received
     server_scale = codec.rms_scale(sum_sq, served)
     mine[:4].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
     everyone = torch.empty(n, 4 + c // 8, dtype=torch.uint8, device=device)
     in_flight = be.all_gather(mine, everyone, async_op=True)
-    codec.error_update_(server, server_scale, served)
+    coder.error_update_(server, server_scale, served)
     in_flight.wait()
 
     server_scales = everyone[:, :4].reshape(-1).view(torch.float32).tolist()
     for j in range(n):
         start, k = j * c, real_count(j, numel, n)
         if k:
-            codec.decode(everyone[j, 4:], server_scales[j], flat[start:start + k])
+            coder.decode(everyone[j, 4:], server_scales[j], flat[start:start + k])
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))

@@ -1,27 +1,22 @@
 """The CUDA kernels of compcomm/csrc/codec.cu, run on the CPU (see cuda_emulation.cpp).
 
-`emulated_cuda(lib)` routes the codec's CUDA dispatch (`compcomm._cuda`) to the emulator for
-CPU tensors, so a test runs codec.py's own launch code, argument for argument, and the kernel
-source itself; only what a GPU alone has goes untested.
+`EmulatedCudaKernels(lib)` is a kernel set (compcomm._abi.Kernels) that takes contiguous CPU
+tensors and runs the CUDA kernel source on them, so a `Codec` built on it runs the codec's own
+argument lists and the kernels themselves; only what a GPU alone has goes untested.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
 
 from compcomm import _cuda, _native
 
 SOURCE = Path(__file__).with_name("cuda_emulation.cpp")
-_P, _I, _LL, _F, _U = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_uint
-_ARGTYPES = {
-    "cc_worker_scan": [_P, _I, _LL, _P, _LL, _P, _P],
-    "cc_error_update": [_P, _I, _LL, _P, _LL, _LL, _F],
-    "cc_server_scan": [_P, _LL, _I, _P, _F, _P, _LL, _LL, _P, _P],
-    "cc_decode": [_P, _LL, _I, _U, _U, _P],
-}
 # Small launches, so that grid-stride loops, several blocks and idle warps all occur.
 THREADS, MAX_BLOCKS = 64, 3
 
@@ -33,28 +28,26 @@ def compiler_missing() -> str | None:
 
 def build(directory: Path) -> ctypes.CDLL:
     target = directory / "cuda_emulation.so"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", str(SOURCE), "-o", str(target)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-Wall", "-Wextra", "-pthread", "-shared", "-fPIC", str(SOURCE),
+                    "-o", str(target)], check=True, capture_output=True, text=True)
     lib = ctypes.CDLL(str(target))
-    for name, argtypes in _ARGTYPES.items():
-        fn = getattr(lib, name.replace("cc_", "emulate_"))
-        fn.restype, fn.argtypes = None, [ctypes.c_uint, ctypes.c_uint] + argtypes
+    _native.bind(lib, prefix=(ctypes.c_uint, ctypes.c_uint), rename="emulate_")
     return lib
 
 
-@contextlib.contextmanager
-def emulated_cuda(lib: ctypes.CDLL):
-    """Within: the codec takes contiguous CPU tensors for CUDA ones and launches the emulator."""
-    def launch(name, device, count, *args):
-        getattr(lib, name.replace("cc_", "emulate_"))(_cuda.blocks(count), _cuda.THREADS,
-                                                      *(a.item() if hasattr(a, "item") else a for a in args))
-        return True
+class EmulatedCudaKernels:
+    """The CUDA kernels on contiguous CPU tensors, launched as `THREADS` x `blocks(count)`."""
 
-    saved = _native.LIB, _cuda.usable, _cuda.launch, _cuda.THREADS, _cuda.MAX_BLOCKS
-    _native.LIB = None
-    _cuda.usable = lambda *tensors: all(t is None or t.is_contiguous() for t in tensors)
-    _cuda.launch, _cuda.THREADS, _cuda.MAX_BLOCKS = launch, THREADS, MAX_BLOCKS
-    try:
-        yield
-    finally:
-        _native.LIB, _cuda.usable, _cuda.launch, _cuda.THREADS, _cuda.MAX_BLOCKS = saved
+    description = "CUDA kernels emulated on the CPU (tests)"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def accepts(self, tensors: Iterable[torch.Tensor | None]) -> bool:
+        return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+
+    def blocks(self, count: int) -> int:
+        return _cuda.blocks(count, THREADS, MAX_BLOCKS)
+
+    def launch(self, kernel: str, device: torch.device, count: int, args: Sequence[int | float]) -> None:
+        getattr(self.lib, kernel.replace("cc_", "emulate_"))(self.blocks(count), THREADS, *args)
