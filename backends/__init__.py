@@ -6,11 +6,11 @@ dependencies (mpi4py, cupy) are never needed by `import compcomm`.
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 
 from .base import Backend
+from .mpi_runtime import launched_by_mpi
 
 _REGISTRY = {
     "local": ("local", "LocalBackend"),
@@ -18,14 +18,9 @@ _REGISTRY = {
     "nccl": ("nccl", "NcclBackend"),
     "mpi": ("mpi", "MPIBackend"),
 }
-_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 _defaults: dict[str, Backend] = {}
 
-__all__ = ["Backend", "get", "resolve", "names", "launched_by_mpi"]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+__all__ = ["Backend", "get", "resolve", "launched_by_mpi"]
 
 
 def get(name: str, **options) -> Backend:
@@ -35,11 +30,6 @@ def get(name: str, **options) -> Backend:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(_REGISTRY)} or pass a Backend")
     module, cls = _REGISTRY[name]
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(**options)
-
-
-def launched_by_mpi() -> bool:
-    """Whether this process was started by mpirun/mpiexec (Open MPI, MPICH or a PMIx launcher)."""
-    return any(v in os.environ for v in _MPI_LAUNCH_VARS)
 
 
 def resolve(backend: Backend | str | None, tensor: torch.Tensor | None = None) -> Backend:

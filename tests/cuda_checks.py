@@ -166,7 +166,8 @@ def main_nccl(out_dir: str) -> int:
 # -- MPI with CUDA tensors: staged through pinned memory, and direct when CUDA-aware -----------
 
 def main_mpi(out_dir: str) -> int:
-    from compcomm.backends.mpi import MPIBackend, import_mpi, query_cuda_aware
+    from compcomm.backends.mpi import MPIBackend
+    from compcomm.backends.mpi_runtime import import_mpi, query_cuda_aware
 
     MPI = import_mpi()
     comm = MPI.COMM_WORLD

@@ -25,7 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import compcomm  # noqa: E402
-from compcomm.backends.mpi import MPIBackend, import_mpi  # noqa: E402
+from compcomm.backends.mpi import MPIBackend  # noqa: E402
+from compcomm.backends.mpi_runtime import import_mpi  # noqa: E402
 from compcomm.layout import chunk_size, padded_size  # noqa: E402
 from reference import reference_allreduce  # noqa: E402
 
@@ -34,7 +35,6 @@ WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
-HEADER_BYTES = 16  # phase 0 record: code (i4), scale (f4), numel (i8)
 
 
 class CheckFailed(AssertionError):
