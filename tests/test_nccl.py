@@ -14,7 +14,7 @@ import torch
 
 from launched import launch, mpirun_python, passed
 
-HERE = Path(__file__).resolve().parent
+PROGRAMS = Path(__file__).resolve().parent / "programs"
 TIMEOUT_S = 300
 
 pytestmark = pytest.mark.skipif(
@@ -28,13 +28,13 @@ def nccl_ranks(tmp_path_factory) -> list[dict]:
         pytest.skip("this torch build has no NCCL")
     out = tmp_path_factory.mktemp("nccl")
     world = 2 if torch.cuda.device_count() >= 2 else 1
-    return launch([sys.executable, str(HERE / "cuda_checks.py"), "nccl", str(out)], out, "nccl_", world, TIMEOUT_S)
+    return launch([sys.executable, str(PROGRAMS / "cuda_checks.py"), "nccl", str(out)], out, "nccl_", world, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def mpi_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("cuda_mpi")
-    return launch(mpirun_python(2) + [str(HERE / "cuda_checks.py"), "mpi", str(out)], out, "mpi_", 2, TIMEOUT_S)
+    return launch(mpirun_python(2) + [str(PROGRAMS / "cuda_checks.py"), "mpi", str(out)], out, "mpi_", 2, TIMEOUT_S)
 
 
 def test_nccl_backend_on_current_device(nccl_ranks):

@@ -73,7 +73,7 @@ static float half_to_float(unsigned short h) {
     return (float)value;
 }
 
-#include "../compcomm/csrc/codec.cu"
+#include "../../compcomm/csrc/codec.cu"
 
 template <class Kernel>
 static void launch(unsigned grid, unsigned block, Kernel kernel) {

@@ -1,7 +1,7 @@
 """GPU checks of the nccl and mpi backends; `tests/test_nccl.py` runs them where CUDA exists.
 
-    python tests/cuda_checks.py nccl OUT_DIR        spawns 2 NCCL ranks (1 if only one GPU)
-    mpirun -n 2 python tests/cuda_checks.py mpi OUT_DIR
+    python tests/programs/cuda_checks.py nccl OUT_DIR        spawns 2 NCCL ranks (1 if only one GPU)
+    mpirun -n 2 python tests/programs/cuda_checks.py mpi OUT_DIR
 
 Each rank writes OUT_DIR/<mode>_rank<r>.json: {check: {"ok", "detail", ...}}. The same inputs go
 through the GPU path and through gloo/MPI on CPU tensors, and must give the same bits.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -20,10 +19,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
 
 import compcomm  # noqa: E402
+from compcomm.launch import spawn  # noqa: E402
 from compcomm.layout import padded_size  # noqa: E402
 from reference import reference_allreduce  # noqa: E402
 
@@ -110,11 +109,10 @@ def run_checks(checks: dict, path: str) -> None:
 
 # -- NCCL: spawned ranks, one GPU each ------------------------------------------------------
 
-def nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+def nccl_rank(out_dir: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    init = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
     cpu_group = dist.new_group(list(range(world)), backend="gloo")
     nccl = compcomm.backends.get("nccl")
     gloo = compcomm.backends.get("gloo", group=cpu_group)
@@ -153,13 +151,7 @@ def nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def main_nccl(out_dir: str) -> int:
-    import torch.multiprocessing as mp
-
-    world = 2 if torch.cuda.device_count() >= 2 else 1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(nccl_rank, args=(world, port, out_dir), nprocs=world, join=True)
+    spawn(nccl_rank, 2 if torch.cuda.device_count() >= 2 else 1, out_dir)
     return 0
 
 

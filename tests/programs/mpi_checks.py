@@ -1,4 +1,4 @@
-"""Checks of the mpi backend, run under `mpirun -n 4 python tests/mpi_checks.py OUT_DIR`.
+"""Checks of the mpi backend, run under `mpirun -n 4 python tests/programs/mpi_checks.py OUT_DIR`.
 
 Every rank also joins a torch.distributed gloo group (rank and size from MPI, the port chosen
 by rank 0 and broadcast over MPI), so the same inputs go through gloo and MPI in one program.
@@ -12,7 +12,6 @@ import datetime
 import hashlib
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -21,12 +20,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
 
 import compcomm  # noqa: E402
 from compcomm.backends.mpi import MPIBackend  # noqa: E402
 from compcomm.backends.mpi_runtime import import_mpi  # noqa: E402
+from compcomm.launch import free_port  # noqa: E402
 from compcomm.layout import chunk_size, padded_size  # noqa: E402
 from reference import reference_allreduce  # noqa: E402
 
@@ -63,12 +62,7 @@ def digest(*tensors: torch.Tensor) -> str:
 
 
 def init_gloo() -> None:
-    port = None
-    if RANK == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = WORLD.bcast(port, root=0)
+    port = WORLD.bcast(free_port() if RANK == 0 else None, root=0)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=RANK, world_size=SIZE, timeout=datetime.timedelta(seconds=60))
 
