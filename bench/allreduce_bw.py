@@ -338,6 +338,7 @@ def _set_threads() -> None:
 def _torch_dist_rank(args, label: str) -> None:
     """One rank started with torchrun's environment: join the group, run, leave."""
     import torch.distributed as dist
+
     from compcomm import backends
 
     _set_threads()

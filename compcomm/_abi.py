@@ -6,7 +6,8 @@ CUDA ones). tests/test_codec.py checks this table against the header.
 """
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 

@@ -6,8 +6,9 @@ torch's current stream of the tensor's device, so they order with the surroundin
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,7 +18,8 @@ from ._abi import F32, I32, I64, PTR, SIGNATURES, U32, Arg
 THREADS = 256
 MAX_BLOCKS = 1024
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SCALARS = {PTR: int, I32: np.int32, I64: np.int64, F32: np.float32, U32: np.uint32}
+SCALARS: dict[str, Callable[[Any], Any]] = {PTR: int, I32: np.int32, I64: np.int64, F32: np.float32, U32: np.uint32}
+"""How cupy must get each parameter kind: pointers as Python ints, scalars as sized numpy types."""
 
 
 def blocks(count: int, threads: int = THREADS, max_blocks: int = MAX_BLOCKS) -> int:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 

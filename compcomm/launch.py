@@ -21,8 +21,9 @@ import shutil
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .backends.mpi_runtime import launched_by_mpi
 

@@ -5,8 +5,8 @@ C = M / world_size elements that packs into whole bytes.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import torch
 

@@ -13,6 +13,7 @@ import torch
 
 from compcomm import _abi, _cuda, _native
 from compcomm.codec import Codec, codec_for
+
 from cuda_emulation import EmulatedCudaKernels, build, compiler_missing
 
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
@@ -21,9 +22,11 @@ TORCH = Codec(None)
 KINDS = [
     pytest.param("c", marks=pytest.mark.skipif(_native.library_path() is None,
                                                reason="the C codec was not built (no compiler at install time)")),
-    pytest.param("cupy", marks=[pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and HAS_CUPY),
-                                                                    reason=f"{NO_GPU} or cupy-cuda12x is not installed")]),
-    pytest.param("torch-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]),
+    pytest.param("cupy", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not (torch.cuda.is_available() and HAS_CUPY),
+                                                   reason=f"{NO_GPU} or cupy-cuda12x is not installed")]),
+    pytest.param("torch-cuda", marks=[pytest.mark.gpu,
+                                      pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]),
     pytest.param("cuda-emulated", marks=pytest.mark.skipif(compiler_missing() is not None,
                                                            reason=str(compiler_missing()))),
 ]

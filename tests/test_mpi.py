@@ -12,6 +12,7 @@ import pytest
 
 import compcomm
 from compcomm.layout import chunk_size
+
 from launched import launch, mpirun_python, passed
 
 WORLD = 4

@@ -17,9 +17,9 @@ from launched import launch, mpirun_python, passed
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 TIMEOUT_S = 300
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="no CUDA device (torch.cuda.is_available() is False): the NCCL and CUDA-MPI checks need a GPU")
+    reason="no CUDA device (torch.cuda.is_available() is False): the NCCL and CUDA-MPI checks need a GPU")]
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +53,18 @@ def test_nccl_nonfinite_everywhere(nccl_ranks):
     assert all(r["raised"] == "NonFiniteError" for r in passed(nccl_ranks, "nonfinite"))
 
 
+@pytest.mark.mpi
 def test_mpi_cuda_staged_through_reused_pinned_buffers(mpi_ranks):
     for r in passed(mpi_ranks, "staged"):
         assert r["steps"] == 54 and r["pinned_buffers"] <= 4
 
 
+@pytest.mark.mpi
 def test_mpi_cuda_nonfinite_everywhere(mpi_ranks):
     assert all(r["raised"] == "NonFiniteError" for r in passed(mpi_ranks, "nonfinite"))
 
 
+@pytest.mark.mpi
 def test_mpi_cuda_aware_direct(mpi_ranks):
     if not mpi_ranks[0]["detected"]["cuda_aware"]:
         pytest.skip("this MPI does not report CUDA-awareness (MPIX_Query_cuda_support is 0 or absent)")

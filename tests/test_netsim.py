@@ -55,7 +55,10 @@ def _why_skip() -> str | None:
 
 
 SKIP = _why_skip()
-needs_netns = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def needs_netns(test):
+    """Marked `netns` (pytest -m netns runs these alone); skipped with the reason where
+    namespaces cannot be made."""
+    return pytest.mark.netns(pytest.mark.skipif(SKIP is not None, reason=SKIP or "")(test))
 
 
 def _leftovers(tag: str) -> list[str]:

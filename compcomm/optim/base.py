@@ -24,7 +24,8 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -148,9 +149,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Average `tensors` (one per parameter, any float dtype) over all ranks, bucket by bucket.
 
         Uncompressed: `backend.all_reduce(mean)`; compressed: `compressed_allreduce` with the
-        bucket's ErrorFeedback, all buckets in flight at once (async_op), then waited. Returns fp32 views (into the bucket buffers) of the averages,
-        in parameter order, valid until the next call. Every collective of the optimizer's
-        payload is issued here, one per bucket.
+        bucket's ErrorFeedback, all buckets in flight at once (async_op), then waited. Returns fp32
+        views (into the bucket buffers) of the averages, in parameter order, valid until the next
+        call. Every collective of the optimizer's payload is issued here, one per bucket.
         """
         bucketer, be = self._layout(), self.backend
         out: list[torch.Tensor | None] = [None] * len(tensors)

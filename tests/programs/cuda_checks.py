@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 import compcomm  # noqa: E402
 from compcomm.launch import spawn  # noqa: E402
 from compcomm.layout import padded_size  # noqa: E402
+
 from reference import reference_allreduce  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

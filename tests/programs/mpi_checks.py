@@ -27,6 +27,7 @@ from compcomm.backends.mpi import MPIBackend  # noqa: E402
 from compcomm.backends.mpi_runtime import import_mpi  # noqa: E402
 from compcomm.launch import free_port  # noqa: E402
 from compcomm.layout import chunk_size, padded_size  # noqa: E402
+
 from reference import reference_allreduce  # noqa: E402
 
 MPI = import_mpi()

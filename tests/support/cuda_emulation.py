@@ -9,8 +9,8 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 

@@ -12,7 +12,8 @@ import datetime
 import multiprocessing as mp
 import os
 import traceback
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from compcomm.launch import free_port, rank_environment
 
