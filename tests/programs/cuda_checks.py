@@ -9,11 +9,8 @@ through the GPU path and through gloo/MPI on CPU tensors, and must give the same
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
-import time
-import traceback
 
 import numpy as np
 import torch
@@ -25,25 +22,10 @@ import compcomm  # noqa: E402
 from compcomm.launch import spawn  # noqa: E402
 from compcomm.layout import padded_size  # noqa: E402
 
+from rank_checks import DTYPES, TOLERANCE, expect, make_input, raw, run_checks  # noqa: E402
 from reference import reference_allreduce  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 CONFIGS = [(numel, dtype, op) for numel in (7, 1001, 70001) for dtype in DTYPES for op in ("mean", "sum")]
-
-
-def expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
-
-
-def make_input(rank: int, step: int, numel: int, dtype: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(step * 1009 + rank)
-    return (torch.randn(numel, generator=g) * (rank + 1) + 0.1 * step).to(DTYPES[dtype])
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).cpu().view(torch.uint8).numpy().tobytes()
 
 
 def parity(gpu_backend, cpu_backend, rank: int, world: int, gather) -> int:
@@ -93,19 +75,6 @@ def nonfinite_everywhere(backend, rank: int, world: int) -> str:
     expect((raw(t), raw(ef.worker_error), raw(ef.server_error)) == before, "rejected call changed state")
     compcomm.compressed_allreduce(t, ef, backend=backend)
     return "NonFiniteError"
-
-
-def run_checks(checks: dict, path: str) -> None:
-    results: dict = {}
-    for name, fn in checks.items():
-        started = time.perf_counter()
-        try:
-            results[name] = {"ok": True, "detail": "", **(fn() or {})}
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            results[name] = {"ok": False, "detail": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-        results[name]["seconds"] = round(time.perf_counter() - started, 3)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
 
 
 # -- NCCL: spawned ranks, one GPU each ------------------------------------------------------
