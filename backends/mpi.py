@@ -22,7 +22,8 @@ from .pinned import PinnedPool
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 """As torch.distributed's process groups."""
-_FIRST_PAUSE_S, _LAST_PAUSE_S = 1e-5, 1e-3
+_PAUSE_FRACTION = 1 / 50
+_SHORTEST_PAUSE_S, _LONGEST_PAUSE_S = 1e-4, 1e-3  # below: just yield (a timed sleep oversleeps ~50 us)
 
 
 def timeout_seconds(timeout: float | datetime.timedelta | None) -> float:
@@ -138,19 +139,22 @@ class MPIBackend(Backend):
 
     def wait_for(self, request: Any, what: str) -> None:
         """Complete `request` (an MPI request of collective `what`) or raise RuntimeError once
-        `timeout` has passed. Polls with a pause growing from 10 us to 1 ms, so a quick
-        collective costs no sleep and a long one little CPU."""
-        deadline, pause = time.monotonic() + self.timeout, 0.0
+        `timeout` has passed. Polls as MPI_Wait would, yielding the CPU between polls; once
+        the wait is long, it sleeps between polls for 1/50 of the time waited so far (at most
+        1 ms), which keeps the added latency near 2% while sparing shared cores."""
+        start = time.monotonic()
+        deadline = start + self.timeout
         while not request.Test():
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 self._failed = (
                     f"the mpi backend's {what} did not complete within {self.timeout:g}s: a peer of this "
                     f"{self._size}-rank communicator stopped answering (crashed, hung, or out of step). "
                     "The communicator may still hold the unfinished collective, so this backend is "
                     "unusable; end the job (e.g. MPI.COMM_WORLD.Abort()) and restart from a checkpoint")
                 raise RuntimeError(self._failed)
-            time.sleep(pause)
-            pause = min(_LAST_PAUSE_S, max(_FIRST_PAUSE_S, 2 * pause))
+            pause = (now - start) * _PAUSE_FRACTION
+            time.sleep(min(pause, _LONGEST_PAUSE_S) if pause >= _SHORTEST_PAUSE_S else 0)
 
     def _start(self, what: str, start: Callable[[], Any]) -> Any:
         """MPI request of collective `what`, started by `start` unless a timeout broke the backend."""

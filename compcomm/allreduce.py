@@ -16,6 +16,8 @@ call raises the same error on every rank and leaves tensors and error state unto
 """
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import numpy as np
 import torch
 
@@ -32,6 +34,21 @@ _HEADER = np.dtype([("code", "<i4"), ("scale", "<f4"), ("numel", "<i8")])
 _ERROR_CODES: dict[type, int] = {TypeError: 1, ValueError: 2}
 _ERROR_CLASSES: dict[int, type] = {1: TypeError, 2: ValueError, 3: RuntimeError}
 _MESSAGE_BYTES = 1024
+
+
+@overload
+def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback, backend: Backend | str | None = None,
+                         op: str = "mean", async_op: Literal[False] = False) -> torch.Tensor: ...
+
+
+@overload
+def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback, backend: Backend | str | None = None,
+                         op: str = "mean", *, async_op: Literal[True]) -> Pending: ...
+
+
+@overload
+def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback, backend: Backend | str | None = None,
+                         op: str = "mean", async_op: bool = False) -> torch.Tensor | Pending: ...
 
 
 def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
