@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -46,6 +46,22 @@ class _CudaBytes:
         self.__cuda_array_interface__ = {
             "shape": (tensor.numel() * tensor.element_size(),), "typestr": "|u1",
             "data": (tensor.data_ptr(), False), "version": 3, "strides": None, "stream": None}
+
+
+class _SameObject:
+    """A key equal only for the very same communicator object, which it keeps alive: MPI reuses
+    the handles of freed communicators, so a handle alone could name a stale one."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SameObject) and other.obj is self.obj
 
 
 class _Request:
@@ -119,6 +135,16 @@ class MPIBackend(Backend):
     def _mpi_type(self, name: str):
         t = getattr(self.MPI, name, None)
         return None if t is None or t == self.MPI.DATATYPE_NULL else t
+
+    def _channel_key(self) -> Hashable:
+        return ("mpi", _SameObject(self.comm))
+
+    def _open_transport(self) -> Any:
+        """A duplicate of the communicator, private to compcomm (MPI_Comm_idup: a collective,
+        so its wait is bounded by the timeout like every other)."""
+        transport, request = self._start("communicator duplication", self.comm.Idup)
+        self.wait_for(request, "communicator duplication")
+        return transport
 
     @property
     def rank(self) -> int:
@@ -226,10 +252,10 @@ class MPIBackend(Backend):
     # -- the collectives ---------------------------------------------------------------------
 
     def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
-        return self._collective("all_gather", self.comm.Iallgather, send, recv, async_op)
+        return self._collective("all_gather", self.transport.Iallgather, send, recv, async_op)
 
     def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
-        return self._collective("all_to_all", self.comm.Ialltoall, send, recv, async_op)
+        return self._collective("all_to_all", self.transport.Ialltoall, send, recv, async_op)
 
     def _reduce_type(self, dtype: torch.dtype):
         """The MPI datatype summing `dtype` natively, or None to go through an fp32 copy."""
@@ -268,11 +294,11 @@ class MPIBackend(Backend):
 
     def _all_reduce_in_place(self, tensor: torch.Tensor, datatype: Any) -> None:
         buf = self.buffer(tensor, datatype)
-        request = self._start("all_reduce", lambda: self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM))
+        request = self._start("all_reduce", lambda: self.transport.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM))
         self.wait_for(request, "all_reduce")
 
     def _barrier(self) -> None:
-        self.wait_for(self._start("barrier", self.comm.Ibarrier), "barrier")
+        self.wait_for(self._start("barrier", self.transport.Ibarrier), "barrier")
 
     def __repr__(self) -> str:
         aware = "CUDA-aware" if self.cuda_aware else "host-staged CUDA"

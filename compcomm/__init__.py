@@ -10,17 +10,25 @@ call, so the sum over calls stays exact. The result is bitwise identical on ever
     compcomm.compressed_allreduce(grad, ef)              # backend=None: torch.distributed, mpirun or 1 rank
     compcomm.compressed_allreduce(grad, ef, backend=compcomm.backends.get("mpi"), op="sum")
 
+`compressed_allreduce_coalesced(tensors, error_feedbacks)` reduces several tensors with one
+agreement: all complete or none changes.
+
 Transports: `compcomm.backends` (gloo, nccl, mpi, local; `get(name, group=... / comm=...)`).
 Optimizers that own the gradient communication: `compcomm.optim` (OnebitAdam, OnebitLamb).
 Bucketing helpers: `compcomm.layout`. Which codec kernels run here: `compcomm.codec_info()`.
 Any rank's bad input raises the same error on every rank with nothing changed: TypeError,
 ValueError, or `NonFiniteError` for NaN/Inf.
 """
-from . import backends, layout, optim
-from .allreduce import compressed_allreduce
+from . import (
+           backends,
+           layout,
+           optim,  # noqa: E402  (after the collective it builds on)
+)
+from .allreduce import compressed_allreduce, compressed_allreduce_coalesced
 from .codec import codec_info
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
 
-__all__ = ["compressed_allreduce", "ErrorFeedback", "NonFiniteError", "backends", "codec_info", "layout", "optim"]
+__all__ = ["compressed_allreduce", "compressed_allreduce_coalesced", "ErrorFeedback", "NonFiniteError",
+           "backends", "codec_info", "layout", "optim"]
 __version__ = "0.1.0"
