@@ -12,14 +12,16 @@ Payloads travel in fp32 `compcomm.layout.Bucketer` buckets: one collective per b
 bucket's collective starts as soon as the last of its gradients is accumulated during
 backward (a post-accumulate-grad hook), so communication overlaps the rest of backward;
 buckets follow the order in which gradients became ready in the first backward (agreed
-across ranks). When backward ends, the ranks agree in one tiny all-reduce on whether every
-gradient is finite. `step()` waits for what is in flight, then applies the update.
+across ranks). `step()` agrees with the other ranks, in one tiny all-reduce, on whether every
+gradient is finite (and on whether some rank changed its gradients after backward, in which
+case every rank sends again), waits for what is in flight, then applies the update.
 
 A step is all-or-nothing on every rank: if any rank's gradients (or a GradScaler's inf check)
 are non-finite, or an average is non-finite (an fp32 overflow of finite inputs), every rank
-skips the step, and every bucket's error feedback is restored to its value before the step
-(each compressed bucket keeps a copy of it until the step completes). Parameters, moments,
-error buffers and the step count are then exactly as before; the step warns (the first
+skips the step. Each bucket's compressed allreduce updates a copy of its error feedback,
+which replaces the bucket's state only once the whole step has succeeded, so a step either
+changes every bucket's state or none. Parameters, moments, error buffers and the step count
+are then exactly as before; the step warns (the first
 time) and counts itself in `skipped_steps`.
 
 Results are bitwise those of the non-overlapped step (`overlap = False`): the same payloads
@@ -53,7 +55,7 @@ _HASH_MOD = 1 << 20
 @dataclass
 class _Launch:
     handle: Pending | None  # None: nothing sent (a local step)
-    saved_errors: dict[str, Any] | None  # the bucket's ErrorFeedback state before the call
+    errors: ErrorFeedback | None  # the bucket's error feedback after the call, kept if the step completes
 
 
 @dataclass
@@ -220,17 +222,16 @@ class OnebitOptimizer(torch.optim.Optimizer):
         return rnd
 
     def _cancel(self) -> None:
-        """Drop the current round: wait for its collectives, restore its error feedback."""
+        """Drop the current round: wait for its collectives and forget their results."""
         rnd, self._round = self._round, None
         if rnd is None:
             return
-        for b, launch in rnd.launches.items():
+        for launch in rnd.launches.values():
             try:
-                launch.handle.wait()
+                if launch.handle is not None:
+                    launch.handle.wait()
             except Exception:
-                pass
-            if launch.saved_errors is not None:
-                self._error_feedback[b].load_state_dict(launch.saved_errors)
+                pass  # the round is dropped: its results (and failures) no longer matter
 
     def _launch(self, rnd: _Round, b: int) -> None:
         """Fill bucket b with this rank's payloads and start its collective (if the step sends)."""
@@ -250,12 +251,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
         elif rnd.kind == EXACT:
             rnd.launches[b] = _Launch(submit(be, be.all_reduce, bucket.flat, "mean"), None)
         else:
-            ef = self._error_feedback[b]
-            saved = {k: v.clone() if torch.is_tensor(v) else v for k, v in ef.state_dict().items()}
-            if self._fresh_errors(rnd.t):
-                ef.reset()
-            rnd.launches[b] = _Launch(compressed_allreduce(bucket.flat, ef, backend=be, op="mean",
-                                                           async_op=True), saved)
+            work = ErrorFeedback()  # the call updates a copy; step() keeps it if the step completes
+            if not self._fresh_errors(rnd.t):
+                work.load_state_dict(self._error_feedback[b].state_dict())
+            rnd.launches[b] = _Launch(compressed_allreduce(bucket.flat, work, backend=be, op="mean",
+                                                           async_op=True), work)
 
     def _launch_rest(self, rnd: _Round) -> None:
         for b in range(len(self._layout())):
@@ -348,6 +348,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
             self._skip(failure)
             return loss
         self._round = None
+        for b, launch in rnd.launches.items():
+            if launch.errors is not None:
+                self._error_feedback[b] = launch.errors
         self._apply(t, rnd.kind, values)
         self._step_count = t
         self.last_step_skipped = False
