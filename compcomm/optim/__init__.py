@@ -29,5 +29,6 @@ Choices where the papers leave room:
 from .adam import OnebitAdam
 from .base import OnebitOptimizer
 from .lamb import OnebitLamb
+from .zeroone import ZeroOneAdam
 
-__all__ = ["OnebitAdam", "OnebitLamb", "OnebitOptimizer"]
+__all__ = ["OnebitAdam", "OnebitLamb", "OnebitOptimizer", "ZeroOneAdam"]
