@@ -42,7 +42,7 @@ from ..backends import Backend, resolve
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..layout import DEFAULT_BUCKET_BYTES, Bucketer
-from ..ordering import Pending, submit
+from ..ordering import Pending
 from .collective import all_gather_object, all_sum, raise_everywhere
 from .readiness import Readiness
 from .updates import PARAM_DTYPES, check_range
@@ -175,7 +175,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
             for b, bucket in enumerate(self._bucketer):
                 for k in bucket.indices:
                     self._bucket_of[self._order[k]] = b
-            self._error_feedback = [ErrorFeedback() for _ in self._bucketer]
+            name = type(self).__name__
+            self._error_feedback = [ErrorFeedback(tag=f"{name}.bucket{b}") for b in range(len(self._bucketer))]
         return self._bucketer
 
     def _ready_order(self) -> list[int]:
@@ -249,9 +250,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if rnd.kind == LOCAL:
             rnd.launches[b] = _Launch(None, None)
         elif rnd.kind == EXACT:
-            rnd.launches[b] = _Launch(submit(be, be.all_reduce, bucket.flat, "mean"), None)
+            rnd.launches[b] = _Launch(be.all_reduce(bucket.flat, "mean", async_op=True), None)
         else:
-            work = ErrorFeedback()  # the call updates a copy; step() keeps it if the step completes
+            work = ErrorFeedback(tag=self._error_feedback[b].tag)  # a copy, kept if the step completes
             if not self._fresh_errors(rnd.t):
                 work.load_state_dict(self._error_feedback[b].state_dict())
             rnd.launches[b] = _Launch(compressed_allreduce(bucket.flat, work, backend=be, op="mean",

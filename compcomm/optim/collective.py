@@ -1,8 +1,8 @@
 """Small collectives the optimizers use besides the payload: verdicts and object gathers.
 
-All of them go through the backend's ordered path (`ordering.run_in_order`), behind any of
-the optimizer's asynchronous reductions still in flight, so they never pair with the wrong
-messages on other ranks.
+Like every collective of a compcomm backend, they run in their turn on the backend's ordered
+channel, behind any of the optimizer's asynchronous reductions still in flight, so they never
+pair with the wrong messages on other ranks.
 """
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from typing import Any
 import torch
 
 from ..backends import Backend
-from ..ordering import run_in_order
 
 
 def all_sum(values: list[float], be: Backend) -> list[float]:
     """Element-wise sum over ranks of a few float64 numbers (exact for small integers)."""
     flat = torch.tensor(values, dtype=torch.float64, device=be.device)
-    run_in_order(be, be.all_reduce, flat, "sum")
+    be.all_reduce(flat, "sum")
     return flat.tolist()
 
 
@@ -46,7 +45,7 @@ def all_gather_object(obj: Any, be: Backend) -> list[Any]:
     send = torch.zeros(longest, dtype=torch.uint8)
     send[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     recv = torch.empty(be.world_size, longest, dtype=torch.uint8, device=be.device)
-    run_in_order(be, be.all_gather, send.to(be.device), recv)
+    be.all_gather(send.to(be.device), recv)
     rows = recv.cpu()
     return [torch.load(io.BytesIO(rows[r, :sizes[r]].numpy().tobytes()), weights_only=False)
             for r in range(be.world_size)]
