@@ -19,7 +19,7 @@ of variance refreshes so far and d = sqrt(v / (1 - beta2^k)) + eps (element-wise
       both:  w <- w (1 - lr wd) - lr / b1(t) * m / d
     phase 2 (t > var_freeze_step; v, k and d frozen; H = 1 at first; w_s = w at the last sync):
       every step, on each rank alone (no communication):
-          m_r <- beta1 m + (1 - beta1) g_r;   w_r <- w_r (1 - lr wd) - lr / b1(t) * m_r / d
+          m_r <- mask * (beta1 m + (1 - beta1) g_r);   w_r <- w_r (1 - lr wd) - lr / b1(t) * m_r / d
           L <- L + lr   (the learning rates summed since the last sync)
       sync step (t % H == 0), the error feedback restarted from zero at the first one:
           u = mask * compressed_allreduce(w_r - w_s)     the ranks' accumulated updates
@@ -27,7 +27,9 @@ of variance refreshes so far and d = sqrt(v / (1 - beta2^k)) + eps (element-wise
       after every local_step_scaler steps of phase 2:  H <- min(2 H, local_step_clipper)
 
     mask = 0 where sqrt(v / (1 - beta2^k)) <= eps (no real gradient reached the element while v
-    was estimated: d would amplify 1-bit noise up to 1/(2 eps)), times the group's `exp_avg_mask`.
+    was estimated: d would amplify 1-bit noise, or a late local gradient, up to 1/(2 eps)), times
+    the group's `exp_avg_mask`. What is sent is masked too (g / d and w_r - w_s), so that a masked
+    element's huge g / d cannot inflate the 1-bit scale its chunk shares with other elements.
 
 Departures from DeepSpeed's implementation, on purpose: what travels in 1 bit is in the units
 of the update (g / d, and w_r - w_s), not of the gradient or momentum (g, (w_r - w_s) d): one
@@ -95,7 +97,7 @@ class ZeroOneAdam(OnebitOptimizer):
                     denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's momentum and weights after a local step (new tensors; nothing changes)."""
         beta1 = group["betas"][0]
-        m_new = m.lerp(g, 1 - beta1)
+        m_new = mask_(m.lerp(g, 1 - beta1), group, denom)
         w_new = w.clone()
         decoupled_step_(w_new, group, m_new, denom, group["lr"] / (1 - beta1 ** t))
         return m_new, w_new
@@ -108,7 +110,7 @@ class ZeroOneAdam(OnebitOptimizer):
         state = self._moments(p)
         denom = self._denominator(state, group, self.var_updates)
         if t <= self.var_freeze_step:  # a 1-bit gradient, in the update's units
-            torch.div(g, denom, out=out)
+            mask_(torch.div(g, denom, out=out), group, denom)
             return
         # a sync: w_r - w_s, this step's local update included
         _, w_new = self._local_step(t, master_weight(p, state), state["exp_avg"], g, group, denom)
