@@ -105,8 +105,8 @@ def straight_vs_resumed(stop: int, gathered: bool) -> tuple[bytes, bytes, bytes,
     return straight, raw(model), straight_ef, error_bytes(opt)
 
 
-@pytest.mark.parametrize("stop", [3, 12, 13, 19, 21])  # phase 1, freeze, first sync, mid-interval x2
-@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("stop,gathered", [(3, False), (12, True), (13, False), (19, True), (21, False),
+                                           (21, True)])  # phase 1, freeze, first sync, mid-interval
 def test_resumes_bit_for_bit_in_any_stage(pool, stop, gathered):
     for straight, resumed, ef_a, ef_b in pool.run(straight_vs_resumed, stop, gathered):
         assert straight == resumed
@@ -218,9 +218,13 @@ def magnitudes(kind: str, steps: int) -> dict[str, float]:
     return {name: float(p.detach().abs().max()) for name, p in model.named_parameters()}
 
 
+_ADAMW: dict[str, float] = {}
+
+
 @pytest.mark.parametrize("kind", ["onebit_adam", "onebit_lamb", "zeroone"])
 def test_parameter_without_gradient_stays_near_adamw(pool, kind):
-    reference = pool.run(magnitudes, "adamw", 150)[0]
+    """Without the automatic mask, the key bias reaches |w| > 1000 (AdamW: < 0.1)."""
+    reference = _ADAMW or _ADAMW.update(pool.run(magnitudes, "adamw", 150)[0]) or _ADAMW
     ours = pool.run(magnitudes, kind, 150)[0]
     for name, ref in reference.items():
         assert ours[name] <= 3 * ref + 1e-3, (name, ours[name], ref)

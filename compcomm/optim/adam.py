@@ -32,7 +32,35 @@ from .base import COMPRESSED, EXACT, OnebitOptimizer
 from .updates import adam_denominator, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
 
 
-class OnebitAdam(OnebitOptimizer):
+class FrozenVarianceOptimizer(OnebitOptimizer):
+    """Exact gradients for `freeze_step` warm-up steps, then each rank's momentum in 1 bit (times
+    a fixed per-parameter scale, `_momentum_scale(p)`, 1 unless a subclass sets one): what
+    1-bit Adam and 1-bit LAMB share."""
+
+    def __init__(self, params: Iterable, defaults: dict[str, Any], freeze_step: int,
+                 backend: Backend | str | None) -> None:
+        check_freeze_step(freeze_step)
+        super().__init__(params, defaults, backend)
+        self.freeze_step = int(freeze_step)
+
+    def _kind(self, t: int) -> str:
+        return EXACT if t <= self.freeze_step else COMPRESSED
+
+    def _momentum_scale(self, p: torch.Tensor) -> float:
+        return 1.0
+
+    def _payload(self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        if kind == EXACT:
+            out.copy_(g)
+            return
+        torch.lerp(self._moments(p)["exp_avg"], g, 1 - group["betas"][0], out=out)  # m_r
+        scale = self._momentum_scale(p)
+        if scale != 1.0:
+            out.mul_(scale)
+
+
+class OnebitAdam(FrozenVarianceOptimizer):
     """Adam whose momentum is averaged with the error-compensated 1-bit allreduce after
     `freeze_step` uncompressed warm-up steps (see the module docstring for the math).
 
@@ -43,20 +71,8 @@ class OnebitAdam(OnebitOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100000,
                  backend: Backend | str | None = None) -> None:
-        check_freeze_step(freeze_step)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, backend)
-        self.freeze_step = int(freeze_step)
-
-    def _kind(self, t: int) -> str:
-        return EXACT if t <= self.freeze_step else COMPRESSED
-
-    def _payload(self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor,
-                 out: torch.Tensor) -> None:
-        if kind == EXACT:
-            out.copy_(g)
-        else:  # this rank's momentum m_r
-            torch.lerp(self._moments(p)["exp_avg"], g, 1 - group["betas"][0], out=out)
+        super().__init__(params, defaults, freeze_step, backend)
 
     def _apply(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
         for p, value, group, state in self._entries(values):

@@ -21,11 +21,21 @@ are non-finite, or an average is non-finite (an fp32 overflow of finite inputs),
 skips the step. Each bucket's compressed allreduce updates a copy of its error feedback,
 which replaces the bucket's state only once the whole step has succeeded, so a step either
 changes every bucket's state or none. Parameters, moments, error buffers and the step count
-are then exactly as before; the step warns (the first
-time) and counts itself in `skipped_steps`.
+are then exactly as before; the step warns (the first time) and counts itself in
+`skipped_steps`.
 
 Results are bitwise those of the non-overlapped step (`overlap = False`): the same payloads
-go through the same collectives; only the time they start differs.
+go through the same collectives; only the time they start differs. Gradients changed in place
+after backward (clipping, `GradScaler.unscale_`) are noticed in `step()`: every rank then
+sends again from the current gradients (correct, but not overlapped).
+
+GradScaler (torch's `_step_supports_amp_scaling` protocol): `step()` reads the scaler's
+`grad_scale` and `found_inf`, divides the gradients by the scale and skips on an agreed
+verdict. Once a scaler has been seen, the ranks also agree at the end of each backward on
+whether any gradient is non-finite, and a rank whose own gradients are finite then marks one
+of them NaN, so that every rank's scaler finds the inf and backs off alike: the scales stay
+equal on every rank. The first backward is agreed the same way (no scaler has been seen
+yet), and its payloads go out in `step()`.
 """
 from __future__ import annotations
 
@@ -68,6 +78,7 @@ class _Round:
     launches: dict[int, _Launch] = field(default_factory=dict)
     waiting: list[set[int]] = field(default_factory=list)  # per bucket: parameters not yet ready
     versions: list[Any] | None = None  # the gradients at the end of backward (None: not ended)
+    bad: bool | None = None  # the verdict, when the ranks took it at the end of the first backward
 
 
 class OnebitOptimizer(torch.optim.Optimizer):
@@ -290,21 +301,37 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     def _backward_done(self) -> None:
         """Callback at the end of a backward: start the buckets left (their gradients never came:
-        zeros), note the gradients sent. Once a GradScaler has been seen, the ranks also agree
-        here on whether all gradients are finite, and a rank whose own are finite marks them
-        with a NaN when another rank's are not, so that every rank's scaler sees the same."""
+        zeros) and note the gradients sent. At the first backward, and at every backward once a
+        GradScaler has been seen, the ranks also agree here on whether any gradient is
+        non-finite (`_agree_before_scaler`); the first time, the same all-reduce agrees on the
+        order of readiness, and the buckets are laid out."""
         if self._bucketer is None:
-            return
-        rnd = self._current_round()
-        if self.overlap and rnd.kind != LOCAL:
-            self._launch_rest(rnd)
-        if self._last_scale is not None:
-            bad = self._locally_bad()
-            if all_sum([1.0 if bad else 0.0], self.backend)[0] and not bad:
-                first = next((g for g in self._grads() if g is not None and g.numel()), None)
-                if first is not None:
-                    first[(0,) * first.dim()] = float("nan")
+            order = self._ready_order()
+            key = float(hash(tuple(order)) % _HASH_MOD)
+            bad, keys, squares = self._agree_before_scaler([key, key * key])
+            n = self.backend.world_size
+            self._layout(order if keys == n * key and squares == n * key * key else None)
+            rnd = self._round = self._new_round(self._last_scale)
+            rnd.bad = bad  # its payloads go out in step(), from the gradients as they are then
+        else:
+            rnd = self._current_round()
+            if self.overlap and rnd.kind != LOCAL:
+                self._launch_rest(rnd)
+            if self._last_scale is not None:
+                self._agree_before_scaler([])
         rnd.versions = self._versions(self._grads())
+
+    def _agree_before_scaler(self, extra: list[float]) -> list[Any]:
+        """All-reduce of (some rank's gradients are non-finite, *extra); a rank whose own are
+        finite then marks one of them NaN, so that a GradScaler's inf check, which runs before
+        `step()`, finds the inf on every rank and every scale backs off alike."""
+        bad = self._locally_bad()
+        total, *rest = all_sum([1.0 if bad else 0.0, *extra], self.backend)
+        if total and not bad:
+            first = next((g for g in self._grads() if g is not None and g.numel()), None)
+            if first is not None:
+                first[(0,) * first.dim()] = float("nan")
+        return [bool(total), *rest]
 
     # ----------------------------------------------------------------- the step
 
@@ -326,22 +353,12 @@ class OnebitOptimizer(torch.optim.Optimizer):
         found_inf = bool(float(getattr(self, "found_inf", 0.0)))
         t = self._step_count + 1
         rnd = self._round
-        stale = (rnd is None or rnd.t != t or rnd.scale != scale
-                 or rnd.versions != self._versions(self._grads()))
-        order = self._ready_order()
-        key = float(hash(tuple(order)) % _HASH_MOD)
-        # The step's one verdict: finite everywhere? did any rank change its gradients after
-        # backward (or skip backward's hooks)? and, the first time, do the ranks see the same
-        # order of readiness (else the reverse parameter order is used everywhere)?
-        bad, restart, keys, squares = all_sum(
-            [float(self._locally_bad(found_inf)), float(stale), key, key * key], self.backend)
-        if self._bucketer is None:
-            n = self.backend.world_size
-            self._layout(order if keys == n * key and squares == n * key * key else None)
-        if restart or self._round is None:
-            self._cancel()
-            self._round = self._new_round(scale)
-        rnd = self._round
+        if rnd is not None and rnd.bad is not None and rnd.t == t:  # agreed at the first backward
+            bad = rnd.bad
+            rnd.scale = scale
+        else:
+            bad = self._verdict(scale, found_inf)
+            rnd = self._round
         self._last_scale = scale
         self._launch_rest(rnd)
         values, failure = self._collect(rnd)
@@ -356,6 +373,26 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._step_count = t
         self.last_step_skipped = False
         return loss
+
+    def _verdict(self, scale: float | None, found_inf: bool) -> bool:
+        """The step's one all-reduce: is some rank's gradient non-finite? did some rank change its
+        gradients after backward (or skip backward's hooks), so that every rank must send again?
+        and, if the buckets are not laid out yet, do the ranks see the same order of readiness
+        (else the reverse parameter order is used everywhere)? Returns the first answer."""
+        rnd, t = self._round, self._step_count + 1
+        stale = (rnd is None or rnd.t != t or rnd.scale != scale
+                 or rnd.versions != self._versions(self._grads()))
+        order = self._ready_order()
+        key = float(hash(tuple(order)) % _HASH_MOD)
+        bad, restart, keys, squares = all_sum(
+            [float(self._locally_bad(found_inf)), float(stale), key, key * key], self.backend)
+        if self._bucketer is None:
+            n = self.backend.world_size
+            self._layout(order if keys == n * key and squares == n * key * key else None)
+        if restart or self._round is None:
+            self._cancel()
+            self._round = self._new_round(scale)
+        return bool(bad)
 
     def _collect(self, rnd: _Round) -> tuple[list[torch.Tensor], Exception | None]:
         """Wait for every bucket; the averaged (or local) payloads in parameter order, and why

@@ -40,8 +40,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..backends import Backend
-from .adam import check_freeze_step
-from .base import COMPRESSED, EXACT, OnebitOptimizer
+from .adam import FrozenVarianceOptimizer
+from .base import EXACT
 from .updates import adam_denominator, check_range, mask_, master_weight, store_, update_moments
 
 
@@ -79,7 +79,7 @@ def compressed_factor(variance_ratio: float, last: float, u_pre: torch.Tensor, u
     return clamp(factor, last * (1.0 - thr), last * (1.0 + thr))
 
 
-class OnebitLamb(OnebitOptimizer):
+class OnebitLamb(FrozenVarianceOptimizer):
     """LAMB whose momentum is averaged with the error-compensated 1-bit allreduce after
     `freeze_step` warm-up steps, with frozen, variance-adapted layer-wise coefficients
     (see the module docstring for the math).
@@ -93,12 +93,10 @@ class OnebitLamb(OnebitOptimizer):
                  max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                  backend: Backend | str | None = None) -> None:
-        check_freeze_step(freeze_step)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                         min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
                         factor_min=factor_min, factor_threshold=factor_threshold)
-        super().__init__(params, defaults, backend)
-        self.freeze_step = int(freeze_step)
+        super().__init__(params, defaults, freeze_step, backend)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
@@ -109,16 +107,8 @@ class OnebitLamb(OnebitOptimizer):
         check_range("factor_max", group["factor_max"], 1.0)
         check_range("factor_threshold", group["factor_threshold"], 0.0)
 
-    def _kind(self, t: int) -> str:
-        return EXACT if t <= self.freeze_step else COMPRESSED
-
-    def _payload(self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor,
-                 out: torch.Tensor) -> None:
-        if kind == EXACT:
-            out.copy_(g)
-        else:  # this rank's momentum, scaled by the layer's fixed factor s_l
-            state = self._moments(p)
-            torch.lerp(state["exp_avg"], g, 1 - group["betas"][0], out=out).mul_(state["momentum_scale"])
+    def _momentum_scale(self, p: torch.Tensor) -> float:
+        return self.state[p]["momentum_scale"]  # s_l, fixed at the freeze
 
     def _apply(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
         for p, value, group, state in self._entries(values):
