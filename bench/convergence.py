@@ -308,7 +308,7 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: in
     task = {"char-mlp": "char-level LM (MLP) on Python stdlib sources",
             "transformer": "char-level causal transformer on Python's help topics (pydoc_data)"}[args.task]
     return {"task": task, "world_size": world, "backend": "gloo",
-            "args": vars(args), "host": platform.node(), "torch": torch.__version__,
+            "args": {k: v for k, v in vars(args).items() if k != "out"}, "host": platform.node(), "torch": torch.__version__,
             "summary": summary, "runs": results}
 
 

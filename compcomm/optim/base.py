@@ -457,8 +457,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """torch's optimizer state plus, under "compcomm", what exact resumption needs: the step
         count, the rank and world size, the bucket layout, each bucket's error feedback (which
         belongs to this rank) and any other state of this rank alone. Save it on every rank, or
-        use `gathered_state_dict()` for one file that serves all ranks."""
-        self._cancel()
+        use `gathered_state_dict()` for one file that serves all ranks. (A step in flight is not
+        part of it: its collectives update copies that only the step itself keeps.)"""
         sd = super().state_dict()
         self._layout()
         sd[_EXTRA_KEY] = {
