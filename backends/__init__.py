@@ -21,11 +21,7 @@ _REGISTRY = {
 _MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 _defaults: dict[str, Backend] = {}
 
-__all__ = ["Backend", "get", "resolve", "names", "launched_by_mpi"]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+__all__ = ["Backend", "get", "resolve", "launched_by_mpi"]
 
 
 def get(name: str, **options) -> Backend:
