@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_optim import OPTIMIZERS, backward, make_model, make_optimizer, raw, rank_of
+from test_optim import OPTIMIZERS, backward, make_optimizer, raw, rank_of
 
 
 def deeper_model() -> torch.nn.Module:
