@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to spawn locally when not launched by torchrun/mpirun (default 4)")
     p.add_argument("--ops", default="compressed,allreduce",
                    help="comma-separated ops to run: compressed, allreduce (default both)")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="also run the compressed op on compcomm.backends.get('hierarchical'): exact within "
+                        "each node of LOCAL_WORLD_SIZE ranks, 1-bit across nodes (torchrun/netsim launches)")
     p.add_argument("--json", metavar="PATH", help="write the result records (SPEC 7 keys) as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of busbw vs size, compressed vs allreduce")
     p.add_argument("--title", default=None, help="plot title suffix (e.g. the simulated link)")
@@ -137,8 +140,11 @@ def _rel_error(out: torch.Tensor, exact: torch.Tensor) -> float:
     return float(diff.norm()) / norm if norm > 0 else float(diff.norm())
 
 
-def run_rank(args, be, label: str) -> list[dict] | None:
-    """Run the sweep on one rank; rank 0 prints the table and returns the records."""
+def run_rank(args, be, label: str, hier=None) -> list[dict] | None:
+    """Run the sweep on one rank; rank 0 prints the table and returns the records.
+
+    With `hier` (a hierarchical backend over the same ranks), the compressed op also runs on it:
+    extra rows with backend "hierarchical"."""
     import compcomm
 
     rank, n, device = be.rank, be.world_size, be.device
@@ -151,6 +157,7 @@ def run_rank(args, be, label: str) -> list[dict] | None:
             raise SystemExit(f"unknown op {op!r} in --ops (choose compressed, allreduce)")
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    lanes = [(op, be, args.backend) for op in ops] + ([("compressed", hier, "hierarchical")] if hier else [])
     busfactor = 2 * (n - 1) / n
     records: list[dict] = []
     lead = rank == 0
@@ -169,7 +176,7 @@ def run_rank(args, be, label: str) -> list[dict] | None:
         exact = x.float() if x.dtype != torch.float32 else x.clone()
         be.all_reduce(exact, "mean")
         rows = {}
-        for op in ops:
+        for op, lane, name in lanes:
             buf = torch.empty_like(x)
             if op == "allreduce":
                 def call():
@@ -183,25 +190,25 @@ def run_rank(args, be, label: str) -> list[dict] | None:
                 ef = compcomm.ErrorFeedback()
 
                 def call():
-                    compcomm.compressed_allreduce(buf, ef, backend=be, op="mean")
+                    compcomm.compressed_allreduce(buf, ef, backend=lane, op="mean")
                 buf.copy_(x)
                 call()  # a fresh ErrorFeedback: the error of one compressed step
                 err = _rel_error(buf, exact)
                 for _ in range(args.warmup - 1):
                     buf.copy_(x)
                     call()
-            times, wire = _time_calls(be, call, args.iters)
+            times, wire = _time_calls(lane, call, args.iters)
             with PeakMemory(device) as probe:
                 call()
             peak = float(_gather_floats(be, probe.bytes).max()) if memory_measurable(device) else float("nan")
-            rows[op] = (times, wire, err, peak)
+            rows[op, name] = (times, wire, err, peak)
         del x, exact
-        for op in ops:
-            times, wire, err, peak = rows[op]
+        for op, _, name in lanes:
+            times, wire, err, peak = rows[op, name]
             t = float(times.mean())
             algbw = size / t / 1e9
             rec = {"op": op, "size_bytes": size, "count": count, "dtype": args.dtype, "world_size": n,
-                   "backend": args.backend, "time_us": t * 1e6, "algbw_GBps": algbw,
+                   "backend": name, "time_us": t * 1e6, "algbw_GBps": algbw,
                    "busbw_GBps": algbw * busfactor, "wire_bytes": int(round(wire)), "rel_error": err,
                    "time_min_us": float(times.min()) * 1e6, "time_max_us": float(times.max()) * 1e6,
                    "iters": args.iters, "warmup": args.warmup,
@@ -209,7 +216,8 @@ def run_rank(args, be, label: str) -> list[dict] | None:
             peak_ratio = peak / (4 * count)
             records.append(rec)
             if lead:
-                print(f"  {size:>11d} {count:>10d} {args.dtype:>8} {op:>10} | {rec['time_us']:>11.1f} "
+                shown = "hier" if name == "hierarchical" else op
+                print(f"  {size:>11d} {count:>10d} {args.dtype:>8} {shown:>10} | {rec['time_us']:>11.1f} "
                       f"{algbw:>11.4f} {rec['busbw_GBps']:>11.4f} {rec['wire_bytes']:>13d} {peak_ratio:>7.3f} {err:>9.2e} | "
                       f"{rec['time_min_us']:>11.1f} {rec['time_max_us']:>11.1f}", flush=True)
         if lead and not args.quiet:
@@ -226,16 +234,20 @@ def run_rank(args, be, label: str) -> list[dict] | None:
 
 
 def _summary(records: list[dict]) -> None:
-    by = {(r["op"], r["size_bytes"]): r for r in records}
-    pairs = [(by[("compressed", s)], by[("allreduce", s)]) for (op, s) in by if op == "compressed"
-             and ("allreduce", s) in by]
-    if not pairs:
-        return
-    print("# speedup (allreduce time / compressed time) and wire-byte ratio per size:")
+    by = {(r["op"], r["backend"] == "hierarchical", r["size_bytes"]): r for r in records}
+    pairs = [(by[("compressed", False, s)], by[("allreduce", False, s)]) for (op, h, s) in by
+             if op == "compressed" and not h and ("allreduce", False, s) in by]
+    if pairs:
+        print("# speedup (allreduce time / compressed time) and wire-byte ratio per size:")
     for c, a in pairs:
         ratio = a["wire_bytes"] / c["wire_bytes"] if c["wire_bytes"] else float("inf")
         print(f"#   {human(c['size_bytes']):>10}: speedup {a['time_us'] / c['time_us']:6.2f}x, "
               f"wire {ratio:5.1f}x less")
+    flat = [(by[key], by[("compressed", False, key[2])]) for key in by if key[1] and ("compressed", False, key[2]) in by]
+    if flat:
+        print("# hierarchical speedup (flat compressed time / hierarchical time) per size:")
+    for h, c in flat:
+        print(f"#   {human(h['size_bytes']):>10}: speedup {c['time_us'] / h['time_us']:6.2f}x")
 
 
 def write_json(records: list[dict], path: str) -> None:
@@ -340,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from compcomm import backends
 
+    if args.hierarchical and (args.backend == "mpi" or "LOCAL_WORLD_SIZE" not in os.environ):
+        raise SystemExit("--hierarchical runs under torchrun or bench/netsim.py --ranks-per-host, which set "
+                         "LOCAL_WORLD_SIZE (ranks per node), with --backend gloo or nccl")
     if args.backend == "mpi":
         if not backends.launched_by_mpi():
             raise SystemExit("--backend mpi runs under an MPI launcher, e.g.: "
@@ -354,8 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         label = "netsim " + os.environ["NETSIM_RATE"] if os.environ.get("NETSIM_RATE") else "torchrun"
         if os.environ.get("NETSIM_DELAY"):
             label += f" +{os.environ['NETSIM_DELAY']}"
+        hier = backends.get("hierarchical") if args.hierarchical else None
         try:
-            run_rank(args, be, label)
+            run_rank(args, be, label, hier)
         finally:
             import torch.distributed as dist
             dist.destroy_process_group()
