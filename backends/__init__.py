@@ -21,11 +21,7 @@ _REGISTRY = {
 _MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 _defaults: dict[str, Backend] = {}
 
-__all__ = ["Backend", "get", "resolve", "names", "launched_by_mpi"]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+__all__ = ["Backend", "get", "resolve", "launched_by_mpi"]
 
 
 def get(name: str, **options) -> Backend:
@@ -47,7 +43,9 @@ def resolve(backend: Backend | str | None, tensor: torch.Tensor | None = None) -
 
     An object is used as is; a name gives a cached default instance of that backend; None
     picks: an initialized torch.distributed default group (nccl for CUDA tensors, gloo for
-    the rest), else MPI when launched by mpirun, else the single-process backend.
+    the rest), else MPI when launched by mpirun, else the single-process backend; but a process
+    that a launcher started as one of several (WORLD_SIZE > 1) without a process group is a
+    RuntimeError naming `init_process_group`, never a silent world of one.
     """
     if isinstance(backend, Backend):
         return backend
@@ -66,4 +64,11 @@ def _auto_name(tensor: torch.Tensor | None) -> str:
         return "nccl" if on_cuda else "gloo"
     if launched_by_mpi():
         return "mpi"
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip() not in ("", "0", "1"):
+        raise RuntimeError(
+            f"this process was launched as one of WORLD_SIZE={world} ranks (torchrun or similar), but "
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() before "
+            "compcomm picks a backend (otherwise every rank would silently run as a world of one), or "
+            "pass backend='local' to reduce within this process on purpose")
     return "local"

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Callable, Hashable, Protocol
 
 import torch
+
+from compcomm import ordering
 
 REDUCE_OPS = ("sum", "mean")
 
@@ -28,12 +30,48 @@ class Backend(ABC):
     `bytes_sent` counts the payload bytes this rank handed to the transport for its peers
     (its own block excluded): (n-1) * L for an all-gather or all-to-all of L-byte blocks, and
     2 (n-1)/n * size for an uncompressed ring all-reduce. Subclasses implement the `_`-methods.
+
+    Every collective runs on this group's `channel` (see `compcomm.ordering`): a private
+    duplicate of the group, opened at the first collective, in one order per group shared by
+    every backend object over it. So the caller's own collectives on the group, and compcomm
+    calls still in flight, never pair with the wrong messages. The `_`-methods send on
+    `self.transport`, the private duplicate.
     """
 
     name = "backend"
 
     def __init__(self) -> None:
         self.bytes_sent = 0
+
+    # -- ordering --------------------------------------------------------------------------
+
+    @abstractmethod
+    def _channel_key(self) -> Hashable:
+        """What identifies the underlying group: equal for every backend object over it."""
+
+    @abstractmethod
+    def _open_transport(self) -> Any:
+        """Make the private duplicate of the group (a collective over its members, made once)."""
+
+    @property
+    def channel(self) -> ordering.Channel:
+        """The ordered lane of this group's compcomm collectives (opened on first use)."""
+        return ordering.channel(self._channel_key(), self._open_transport)
+
+    @property
+    def channels(self) -> list[ordering.Channel]:
+        """Every channel a call on this backend uses (a composite backend has several)."""
+        return [self.channel]
+
+    @property
+    def transport(self) -> Any:
+        return self.channel.transport
+
+    def ordered(self, fn: Callable, *args, async_op: bool = False) -> Any:
+        """fn(*args) in its turn on this backend's channels; async_op returns a handle at once."""
+        if async_op:
+            return ordering.submit(self.channels, fn, *args)
+        return ordering.run(self.channels, fn, *args)
 
     @property
     @abstractmethod
@@ -60,7 +98,7 @@ class Backend(ABC):
         if recv.shape != (self.world_size, send.numel()):
             raise ValueError(f"all_gather: recv shape {tuple(recv.shape)} != ({self.world_size}, {send.numel()})")
         self.bytes_sent += (self.world_size - 1) * send.numel()
-        return self._finish(self._all_gather(send, recv, async_op), async_op)
+        return self._in_turn(self._all_gather, send, recv, async_op)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False) -> Handle:
         """recv[r] <- rank r's send[self.rank], for `send` and `recv` of shape (n, L) (async as all_gather)."""
@@ -69,35 +107,54 @@ class Backend(ABC):
             raise ValueError(f"all_to_all: send {tuple(send.shape)} / recv {tuple(recv.shape)} "
                              f"must both be ({self.world_size}, L)")
         self.bytes_sent += (self.world_size - 1) * send.shape[1]
-        return self._finish(self._all_to_all(send, recv, async_op), async_op)
+        return self._in_turn(self._all_to_all, send, recv, async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Uncompressed in-place all-reduce (warm-up phases, baselines); returns `tensor`."""
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
+        """Uncompressed in-place all-reduce (warm-up phases, baselines); returns `tensor`, or
+        with async_op=True a handle whose `wait()` returns it."""
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
         if not tensor.is_contiguous():
             raise ValueError("all_reduce needs a contiguous tensor")
         n = self.world_size
         self.bytes_sent += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
-        if n > 1:
-            self._all_reduce_sum(tensor)
-        if op == "mean" and n > 1:
-            tensor.div_(n)
-        return tensor
+
+        def reduce() -> torch.Tensor:
+            if n > 1:
+                self._all_reduce_sum(tensor)
+                if op == "mean":
+                    tensor.div_(n)
+            return tensor
+
+        return self.ordered(reduce, async_op=async_op)
 
     def barrier(self) -> None:
         """Wait until every rank of the group reaches this point."""
         if self.world_size > 1:
-            self._barrier()
+            self.ordered(self._barrier)
 
-    @staticmethod
-    def _finish(handle: Handle | None, async_op: bool) -> Handle:
-        if handle is None:
-            return Done()
-        if not async_op:
-            handle.wait()
-            return Done()
-        return handle
+    def _in_turn(self, start: Callable[..., Handle | None], send: torch.Tensor, recv: torch.Tensor,
+                 async_op: bool) -> Handle:
+        """Run a byte collective in its turn. Inside a running compcomm call (which holds the
+        channel) an async collective starts on the wire at once and returns its own handle."""
+        if all(ordering.holds(ch) for ch in self.channels):
+            handle = start(send, recv, async_op)
+            if handle is None:
+                return Done()
+            if not async_op:
+                handle.wait()
+                return Done()
+            return handle
+
+        def blocking() -> None:
+            handle = start(send, recv, False)
+            if handle is not None:
+                handle.wait()
+
+        if async_op:
+            return self.ordered(blocking, async_op=True)
+        self.ordered(blocking)
+        return Done()
 
     def _check_bytes(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         for t in (send, recv):

@@ -1,6 +1,8 @@
 """World size 1: the whole algorithm runs in one process, no launcher, nothing on the wire."""
 from __future__ import annotations
 
+from typing import Any, Hashable
+
 import torch
 
 from .base import Backend
@@ -14,6 +16,12 @@ class LocalBackend(Backend):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self._device = torch.device(device)
+
+    def _channel_key(self) -> Hashable:
+        return ("local",)
+
+    def _open_transport(self) -> Any:
+        return None
 
     @property
     def rank(self) -> int:

@@ -11,7 +11,7 @@ import ctypes
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
@@ -142,6 +142,22 @@ class _CudaBytes:
             "data": (tensor.data_ptr(), False), "version": 3, "strides": None, "stream": None}
 
 
+class _SameObject:
+    """A key equal only for the very same communicator object, which it keeps alive: MPI reuses
+    the handles of freed communicators, so a handle alone could name a stale one."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SameObject) and other.obj is self.obj
+
+
 class _PinnedPool:
     """Page-locked host byte buffers, reused across calls; one per collective in flight."""
 
@@ -219,6 +235,13 @@ class MPIBackend(Backend):
         t = getattr(self.MPI, name, None)
         return None if t is None or t == self.MPI.DATATYPE_NULL else t
 
+    def _channel_key(self) -> Hashable:
+        return ("mpi", _SameObject(self.comm))
+
+    def _open_transport(self) -> Any:
+        """A duplicate of the communicator, private to compcomm (MPI_Comm_dup, collective)."""
+        return self.comm.Dup()
+
     @property
     def rank(self) -> int:
         return self._rank
@@ -265,7 +288,7 @@ class MPIBackend(Backend):
 
     def _collective(self, blocking: str, nonblocking: str, send: torch.Tensor, recv: torch.Tensor,
                     async_op: bool) -> Handle | None:
-        comm = self.comm
+        comm = self.transport
         if send.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the mpi backend cannot send tensors on {send.device}")
         self._sync(send, recv)
@@ -332,16 +355,16 @@ class MPIBackend(Backend):
             try:
                 host = pinned[:nbytes].view(tensor.dtype)
                 host.copy_(tensor.view(-1))
-                self.comm.Allreduce(self.MPI.IN_PLACE, self.buffer(host, datatype), op=self.MPI.SUM)
+                self.transport.Allreduce(self.MPI.IN_PLACE, self.buffer(host, datatype), op=self.MPI.SUM)
                 tensor.view(-1).copy_(host)
             finally:
                 self.staging.give(pinned)
             return
         self._sync(tensor)
-        self.comm.Allreduce(self.MPI.IN_PLACE, self.buffer(tensor, datatype), op=self.MPI.SUM)
+        self.transport.Allreduce(self.MPI.IN_PLACE, self.buffer(tensor, datatype), op=self.MPI.SUM)
 
     def _barrier(self) -> None:
-        self.comm.Barrier()
+        self.transport.Barrier()
 
     def __repr__(self) -> str:
         aware = "CUDA-aware" if self.cuda_aware else "host-staged CUDA"

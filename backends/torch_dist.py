@@ -1,13 +1,13 @@
 """Shared transport over a torch.distributed process group (gloo and NCCL differ only in device)."""
 from __future__ import annotations
 
+import datetime
+from typing import Any, Hashable
+
 import torch
 import torch.distributed as dist
 
 from .base import Backend, Handle
-
-# torch >= 2.11 renamed all_gather_into_tensor; keep both working.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TorchDistBackend(Backend):
@@ -33,6 +33,26 @@ class TorchDistBackend(Backend):
                 f"{used!r}: create one with torch.distributed.new_group(backend='{self.pg_backend}')")
         self.group = group
 
+    def _channel_key(self) -> Hashable:
+        """One private group per set of member ranks (and per initialization of torch.distributed)."""
+        return (self.pg_backend, dist.group.WORLD, tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD)))
+
+    def _open_transport(self) -> Any:
+        """A new process group of the same members and timeout, private to compcomm.
+
+        Built directly on the default store under a prefix of compcomm's own, so that only the
+        members take part and no group counter of torch's is touched (torch's `new_group` needs
+        every rank of the world, and its members-only form collides with groups made before).
+        """
+        group = self.group or dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        store = dist.PrefixStore(f"compcomm/{self.pg_backend}/{','.join(map(str, ranks))}/",
+                                 dist.distributed_c10d._get_default_store())
+        timeout = _timeout(group, self.device)
+        if self.pg_backend == "nccl":
+            return dist.ProcessGroupNCCL(store, dist.get_rank(group), len(ranks))
+        return dist.ProcessGroupGloo(store, dist.get_rank(group), len(ranks), timeout)
+
     @property
     def rank(self) -> int:
         return dist.get_rank(self.group)
@@ -46,13 +66,21 @@ class TorchDistBackend(Backend):
         return torch.device(self.device_type)
 
     def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
-        return _all_gather_single(recv.view(-1), send, group=self.group, async_op=async_op)
+        return self.transport._allgather_base(recv.view(-1), send)
 
     def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
-        return dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group, async_op=async_op)
+        return self.transport.alltoall_base(recv.view(-1), send.view(-1), [], [])
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        self.transport.allreduce([tensor]).wait()
 
     def _barrier(self) -> None:
-        dist.barrier(group=self.group)
+        self.transport.barrier().wait()
+
+
+def _timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta | None:
+    """The caller's group timeout, so that a dead peer fails compcomm's calls as soon as theirs."""
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None

@@ -1,20 +1,33 @@
-"""The error-compensated 1-bit allreduce (SPEC section 3), written once for every backend.
+"""The error-compensated 1-bit allreduce, written once for every backend.
 
 For world size n and N elements padded to M = ceil(N / 8n) * 8n, chunk C = M / n:
 
     worker r:   x' = pad(x) + e_w           s_r = ||x'[:N]|| / sqrt(N)
                 e_w <- x' - s_r sign(x')     (0 on padding)
-    phase 0:    all-gather (status, s_r, N): every rank validates every rank's input
+    phase 0:    all-gather of a `HEADER` per tensor: every rank validates every rank's call
     phase 1:    all-to-all of packed signs: rank j gets chunk j of each sign(x'_r)
     server j:   y = (1/n) sum_r s_r sign(x'_r)[chunk j] + e_s       t_j = ||y[:k]|| / sqrt(k)
                 e_s <- y - t_j sign(y)       (0 beyond the k real elements)
     phase 2:    all-gather of (t_j, packed sign(y)) in one collective
     output:     chunk j of the result is t_j sign(y_j) on every rank, bit for bit.
 
-Nothing is modified before phase 0 has shown that every rank's call is valid, so a rejected
-call raises the same error on every rank and leaves tensors and error state untouched.
+sign(v) is +1 for v >= 0 (so for -0.0 too); bits are packed MSB-first, 1 meaning +1.
+
+Phase 0 decides, before anything is modified, whether the call goes ahead on every rank. It
+rejects, with the same error on every rank: a rank's own bad arguments (TypeError/ValueError
+raised locally, carried as a code), ranks disagreeing on the number of tensors, op, dtype, numel
+or ErrorFeedback tag, ranks out of step (the call's sequence number on the group differs), NaN/Inf
+in any rank's input or error state, and sums that could overflow: with B = sum_r s_r, the server's
+fp32 partial sums stay below B and |y| below B/n (or B for "sum") + max|e_s|, so the call is refused
+(NonFiniteError) when either bound reaches the top of fp32 or of the output dtype. A finite input
+therefore never yields a non-finite output or error state.
 """
 from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Literal, Sequence, overload
 
 import numpy as np
 import torch
@@ -24,14 +37,53 @@ from .backends import Backend, resolve
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
 from .layout import chunk_size, real_count
-from .ordering import Pending, run_in_order, submit
+from .ordering import Pending, sequence_number
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OPS = ("mean", "sum")
-_HEADER = np.dtype([("code", "<i4"), ("scale", "<f4"), ("numel", "<i8")])
-_ERROR_CODES: dict[type, int] = {TypeError: 1, ValueError: 2}
-_ERROR_CLASSES: dict[int, type] = {1: TypeError, 2: ValueError, 3: RuntimeError}
+
+CALL = np.dtype([
+    ("count", "<i8"),       # tensors in the call (coalesced calls carry several)
+    ("seq", "<i8"),         # the call's ticket on the group: equal on every rank unless out of step
+    ("numel", "<i8"),
+    ("tag", "<u4"),         # ErrorFeedback.fingerprint
+    ("op", "u1"),           # index in OPS
+    ("dtype", "u1"),        # index in FLOAT_DTYPES
+    ("reserved", "V2"),
+])
+"""What every rank must agree on, per tensor. Only its digest travels, unless the digests differ."""
+
+HEADER = np.dtype([
+    ("scale", "<f4"),       # s_r, the worker's RMS scale (inf/NaN when x' is not finite)
+    ("server_max", "<f4"),  # max |e_s| of this rank's server error (bounds the server sums)
+    ("digest", "<u4"),      # crc32 of the tensor's CALL record
+    ("code", "<i4"),        # 0, or 1 + index in ERRORS of the error this rank's own checks raised
+])
+"""Phase 0's per-tensor wire format (16 bytes per tensor and rank)."""
+
+SERVER_SCALE_BYTES = 4
+"""Phase 2's message of server j: t_j as fp32 bytes, then the packed signs of sign(y_j)."""
+
+ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, RuntimeError)
+"""Errors a rank's own checks may raise, carried by index in HEADER.code (others as RuntimeError)."""
+
 _MESSAGE_BYTES = 1024
+_HEADROOM = 1.0 - 2.0 ** -10  # fp32 rounding of the partial sums stays well inside this
+_LARGEST = {torch.float32: float(torch.finfo(torch.float32).max),
+            torch.float16: float(torch.finfo(torch.float16).max),
+            torch.bfloat16: float(torch.finfo(torch.bfloat16).max)}
+
+
+@overload
+def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
+                         backend: Backend | str | None = ..., op: str = ...,
+                         async_op: Literal[False] = ...) -> torch.Tensor: ...
+
+
+@overload
+def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
+                         backend: Backend | str | None = ..., op: str = ...,
+                         async_op: Literal[True] = ...) -> Pending: ...
 
 
 def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
@@ -42,36 +94,146 @@ def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
 
     The result is bitwise identical on every rank. Raises TypeError, ValueError or
     NonFiniteError on every rank alike, with nothing modified, when any rank's call is bad.
-    With async_op=True it returns at once a handle whose `wait()` returns the tensor (or
-    raises); calls on one backend run in submission order, so every rank must submit its
-    calls in the same order, as with any collective. Leave the tensor alone until `wait()`.
+    With async_op=True it returns at once a handle (`wait()`, `is_completed()`, `get_future()`)
+    whose `wait()` returns the tensor or raises; leave the tensor alone until then. compcomm's
+    calls on a group run in the order they were submitted, on a private duplicate of the group,
+    so the caller's own collectives may run meanwhile.
     """
     be = resolve(backend, tensor)
-    if async_op:
-        return submit(be, _allreduce, tensor, error_feedback, be, op)
-    return run_in_order(be, _allreduce, tensor, error_feedback, be, op)
+    return be.ordered(lambda: _run([tensor], [error_feedback], be, op)[0], async_op=async_op)
 
 
-def _allreduce(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str) -> torch.Tensor:
-    n = be.world_size
+def compressed_allreduce_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback],
+                                   backend: Backend | str | None = None, op: str = "mean",
+                                   async_op: bool = False) -> list[torch.Tensor] | Pending:
+    """`compressed_allreduce` of several tensors (one ErrorFeedback each) as one call: one
+    phase-0 agreement for all of them, so either every tensor is reduced on every rank or none
+    is and nothing changes (e.g. a NaN in the last bucket leaves the first bucket's error state
+    untouched). Returns the list of tensors, or a handle with async_op=True."""
+    tensors, efs = list(tensors), list(error_feedbacks)
+    if len(tensors) != len(efs) or not tensors:
+        raise ValueError(f"need one ErrorFeedback per tensor and at least one tensor, got "
+                         f"{len(tensors)} tensors and {len(efs)} ErrorFeedbacks")
+    be = resolve(backend, tensors[0])
+    return be.ordered(lambda: _run(tensors, efs, be, op), async_op=async_op)
+
+
+def prepare(tensor: torch.Tensor, error_feedback: ErrorFeedback, backend: Backend,
+            op: str = "mean") -> PreparedCall:
+    """The first half of a call: local checks and the phase-0 agreement over `backend`.
+
+    Raises the agreed error on every rank of `backend`, modifying nothing, or returns the call
+    ready to `commit()`. For composite schedules (a hierarchical backend) that must agree across
+    another group before committing; run both halves inside that schedule's ordered call.
+    """
+    return backend.ordered(lambda: _prepare([tensor], [error_feedback], backend, op)[0])
+
+
+def _run(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str) -> list[torch.Tensor]:
+    with torch.no_grad():
+        for call in _prepare(tensors, efs, be, op):
+            call.commit()
+    return tensors
+
+
+@dataclass
+class PreparedCall:
+    """One tensor's call accepted by phase 0 on every rank: all that phases 1 and 2 need."""
+
+    tensor: torch.Tensor   # the caller's tensor (detached), written at the end
+    flat: torch.Tensor     # its flat fp view or contiguous copy
+    ef: ErrorFeedback
+    be: Backend
+    op: str
+    signs: torch.Tensor    # (n, C/8) packed worker signs, row j for server j
+    scales: np.ndarray     # every rank's s_r (fp32)
+    scale: float           # this rank's s_r
+
+    def commit(self) -> torch.Tensor:
+        """Phases 1 and 2 and the decode; updates the error feedback; returns the tensor."""
+        with torch.no_grad():
+            return self.be.ordered(self._commit)
+
+    def _commit(self) -> torch.Tensor:
+        """Each error update runs while the collective that does not depend on it is in flight."""
+        be, flat, numel = self.be, self.flat, self.flat.numel()
+        n, rank, device = be.world_size, be.rank, flat.device
+        c = chunk_size(numel, n)
+        worker, server = self.ef.buffers(numel, n, device)
+
+        received = torch.empty_like(self.signs)
+        in_flight = be.all_to_all(self.signs, received, async_op=True)
+        codec.error_update_(worker, self.scale, numel, flat)
+        in_flight.wait()
+        self.signs = received  # drop the sent bits
+
+        served = real_count(rank, numel, n)
+        mine = torch.empty(SERVER_SCALE_BYTES + c // 8, dtype=torch.uint8, device=device)
+        divisor = n if self.op == "mean" else 1
+        sum_sq = codec.server_scan_(received, torch.from_numpy(self.scales).to(device), divisor,
+                                    server, served, mine[SERVER_SCALE_BYTES:])
+        server_scale = codec.rms_scale(sum_sq, served)
+        mine[:SERVER_SCALE_BYTES].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
+        everyone = torch.empty(n, mine.numel(), dtype=torch.uint8, device=device)
+        in_flight = be.all_gather(mine, everyone, async_op=True)
+        codec.error_update_(server, server_scale, served)
+        self.ef.record_server_max()
+        in_flight.wait()
+
+        server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
+        for j in range(n):
+            start, k = j * c, real_count(j, numel, n)
+            if k:
+                codec.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], flat[start:start + k])
+        if flat.data_ptr() != self.tensor.data_ptr() or not self.tensor.is_contiguous():
+            self.tensor.copy_(flat.view(self.tensor.shape))
+        return self.tensor
+
+
+def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str) -> list[PreparedCall]:
+    """This rank's checks and worker scans, then phase 0; raises the agreed error everywhere."""
+    count = len(tensors)
+    calls = np.zeros(count, dtype=CALL)
+    calls["count"], calls["seq"] = count, sequence_number(be.channel)
+    headers = np.zeros(count, dtype=HEADER)
+    scanned: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+    failure: Exception | None = None
     try:
-        flat, signs, sum_sq = _local_scan(tensor, ef, be, op)
-        numel = tensor.numel()
-        scale, failure = codec.rms_scale(sum_sq, numel), None
+        _check_distinct(efs)
+        for i, (tensor, ef) in enumerate(zip(tensors, efs)):
+            flat, signs, sum_sq = _local_scan(tensor, ef, be, op)
+            scale = codec.rms_scale(sum_sq, tensor.numel())
+            scanned.append((flat, signs, scale))
+            for field, value in (("numel", tensor.numel()), ("tag", ef.fingerprint), ("op", OPS.index(op)),
+                                 ("dtype", FLOAT_DTYPES.index(tensor.dtype))):
+                calls[field][i] = value
+            headers["scale"][i], headers["server_max"][i] = scale, ef.server_error_max()
     except Exception as exc:  # reported to every rank in phase 0, then raised everywhere
-        flat, signs, scale, numel, failure = None, None, 0.0, 0, exc
+        failure = exc
+        headers["code"] = 1 + next((i for i, cls in enumerate(ERRORS) if type(exc) is cls), len(ERRORS) - 1)
+    headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
 
-    header = np.zeros(1, dtype=_HEADER)
-    header["code"] = 0 if failure is None else _ERROR_CODES.get(type(failure), 3)
-    header["scale"], header["numel"] = scale, numel
-    gathered = torch.empty(n, _HEADER.itemsize, dtype=torch.uint8, device=be.device)
-    be.all_gather(torch.from_numpy(header.view(np.uint8)).to(be.device), gathered)
-    headers = np.frombuffer(gathered.cpu().numpy().tobytes(), dtype=_HEADER)
-    _raise_if_rejected(headers, failure, be)
+    everyone = _exchange(headers, be)
+    _raise_if_rejected(everyone, calls, failure, be)
+    scales = everyone["scale"].astype(np.float32)
+    return [PreparedCall(tensor.detach(), flat, ef, be, op, signs, scales[:, i].copy(), scale)
+            for i, (tensor, ef, (flat, signs, scale)) in enumerate(zip(tensors, efs, scanned))]
 
-    if numel:
-        _reduce(tensor, flat, ef, be, op, signs, headers["scale"].astype(np.float32), scale)
-    return tensor
+
+def _exchange(headers: np.ndarray, be: Backend) -> np.ndarray:
+    """All-gather the headers: (n, count) records. The first record goes alone, so that ranks
+    disagreeing on the count (part of the digest) are caught before sizes differ."""
+    first = _all_gather_records(headers[:1], be)
+    if len(headers) == 1 or (first["digest"] != first["digest"][:1]).any() or first["code"].any():
+        return first
+    return np.concatenate([first, _all_gather_records(headers[1:], be)], axis=1)
+
+
+def _all_gather_records(records: np.ndarray, be: Backend) -> np.ndarray:
+    send = torch.from_numpy(records.view(np.uint8).copy()).to(be.device)
+    recv = torch.empty(be.world_size, send.numel(), dtype=torch.uint8, device=be.device)
+    be.all_gather(send, recv)
+    return recv.cpu().numpy().view(records.dtype).reshape(be.world_size, len(records))
 
 
 def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend,
@@ -89,31 +251,92 @@ def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend,
     if not be.serves(tensor.device):
         raise ValueError(f"the {be.name} backend cannot reduce tensors on {tensor.device} "
                          f"(it serves {be.device.type}); move the tensor or pick another backend")
+    if _overlaps(tensor):
+        raise ValueError(f"the tensor's elements overlap in memory (shape {tuple(tensor.shape)}, strides "
+                         f"{tensor.stride()}, e.g. from expand()); the result cannot be written back: "
+                         "pass a tensor that owns its elements (.clone())")
     why = ef.mismatch(tensor.numel(), be.world_size)
     if why:
         raise ValueError(why)
     n, numel = be.world_size, tensor.numel()
     signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
-    worker = ef.worker_error.to(tensor.device) if ef.initialized else None
-    flat = tensor.reshape(-1)
+    worker = ef.worker_error.to(tensor.device) if ef.worker_error is not None else None
+    flat = tensor.detach().reshape(-1)
     return flat, signs, codec.worker_scan(flat, worker, signs.view(-1))
 
 
-def _raise_if_rejected(headers: np.ndarray, failure: Exception | None, be: Backend) -> None:
-    """Raise the same error on every rank if any rank's call is invalid."""
-    bad = np.flatnonzero(headers["code"])
+def _overlaps(tensor: torch.Tensor) -> bool:
+    """Whether two indices of the tensor can address the same element (strides alone decide:
+    sorted by stride, each dimension must step past everything the smaller ones span)."""
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1)
+    span = 0
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def _check_distinct(efs: list[ErrorFeedback]) -> None:
+    if len({id(ef) for ef in efs}) != len(efs):
+        raise ValueError("the same ErrorFeedback was passed for two tensors of one call; use one per tensor")
+
+
+def _raise_if_rejected(headers: np.ndarray, calls: np.ndarray, failure: Exception | None, be: Backend) -> None:
+    """Raise the same error on every rank if any rank's call is invalid or would overflow."""
+    first = headers[:, 0]
+    bad = np.flatnonzero(first["code"])
     if bad.size:
-        first = int(bad[0])
-        message = _gather_message(str(failure) if failure else "", be)[first]
-        raise _ERROR_CLASSES[int(headers["code"][first])](f"rank {first}: {message}") from failure
-    sizes = headers["numel"]
-    if (sizes != sizes[0]).any():
-        raise ValueError(f"ranks passed tensors of different sizes (numel per rank: {sizes.tolist()}); "
-                         "every rank must reduce the same number of elements")
-    nonfinite = np.flatnonzero(~np.isfinite(headers["scale"]))
-    if nonfinite.size:
-        raise NonFiniteError(f"non-finite values (NaN/Inf) in the input of rank(s) {nonfinite.tolist()}; "
-                             "nothing was reduced and no error state changed")
+        rank = int(bad[0])
+        message = _gather_message(str(failure) if failure else "", be)[rank]
+        raise ERRORS[int(first["code"][rank]) - 1](f"rank {rank}: {message}") from failure
+    if (headers["digest"] != headers["digest"][:1]).any():
+        raise ValueError(_disagreement(_all_gather_records(calls[:1] if headers.shape[1] == 1 else calls, be)))
+    finite = np.isfinite(headers["scale"]) & np.isfinite(headers["server_max"])
+    if not finite.all():
+        raise NonFiniteError(f"non-finite values (NaN/Inf) in the input or error state of rank(s) "
+                             f"{np.flatnonzero(~finite.all(axis=1)).tolist()}; nothing was reduced and no "
+                             "error state changed")
+    for i in range(headers.shape[1]):
+        _check_headroom(headers[:, i], calls[i])
+
+
+def _disagreement(calls: np.ndarray) -> str:
+    """What the ranks disagree on, from everyone's CALL records (fetched on this failure path only)."""
+    if (calls["count"] != calls["count"][:1]).any():
+        return (f"ranks disagree on the number of tensors in the call (per rank: {calls['count'][:, 0].tolist()}); "
+                "nothing was reduced")
+    for field in ("seq", "numel", "op", "dtype", "tag"):
+        differs = np.flatnonzero((calls[field] != calls[field][:1]).any(axis=0))
+        if differs.size:
+            column = calls[field][:, int(differs[0])].tolist()
+            break
+    else:  # the digests differ but no field does: a corrupted header
+        return "the ranks' call headers differ; nothing was reduced"
+    if field == "numel":
+        return (f"ranks passed tensors of different sizes (numel per rank: {column}); "
+                "every rank must reduce the same number of elements")
+    shown = {"op": lambda v: OPS[v], "dtype": lambda v: str(FLOAT_DTYPES[v]).replace("torch.", "")}
+    values = [shown[field](v) for v in column] if field in shown else column
+    what = {"seq": "call sequence numbers on this group", "op": "op", "dtype": "dtype",
+            "tag": "ErrorFeedback tags"}[field]
+    hint = {"seq": "; every rank must make the same compcomm calls on a group in the same order",
+            "tag": "; the ranks paired different ErrorFeedbacks (async calls submitted in different "
+                   "orders?): submit calls in the same order on every rank"}.get(field, "")
+    return f"ranks disagree on the call's {what} (per rank: {values}){hint}; nothing was reduced"
+
+
+def _check_headroom(headers: np.ndarray, call: np.void) -> None:
+    """NonFiniteError when the server sums of this tensor could leave fp32 or the output dtype."""
+    total = float(np.sum(headers["scale"].astype(np.float64)))
+    divisor = len(headers) if OPS[int(call["op"])] == "mean" else 1
+    largest = min(_LARGEST[torch.float32], _LARGEST[FLOAT_DTYPES[int(call["dtype"])]]) * _HEADROOM
+    peak = total / divisor + float(np.max(headers["server_max"].astype(np.float64)))
+    if total >= _LARGEST[torch.float32] * _HEADROOM or peak >= largest or not math.isfinite(peak):
+        raise NonFiniteError(
+            f"the reduction would overflow: the ranks' scales sum to {total:.3e} and the server values could "
+            f"reach {peak:.3e}, beyond the {largest:.3e} that fp32 and the tensor's dtype hold; nothing was "
+            "reduced and no error state changed (scale the tensor down)")
 
 
 def _gather_message(text: str, be: Backend) -> list[str]:
@@ -122,40 +345,3 @@ def _gather_message(text: str, be: Backend) -> list[str]:
     out = torch.empty(be.world_size, _MESSAGE_BYTES, dtype=torch.uint8, device=be.device)
     be.all_gather(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(be.device), out)
     return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out.cpu().numpy()]
-
-
-def _reduce(tensor: torch.Tensor, flat: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str,
-            signs: torch.Tensor, scales: np.ndarray, scale: float) -> None:
-    """Phases 1 and 2 and the decode, once phase 0 has accepted every rank's call.
-
-    Each error update runs while the collective that does not depend on it is in flight.
-    """
-    n, rank, numel, device = be.world_size, be.rank, tensor.numel(), tensor.device
-    c = chunk_size(numel, n)
-    worker, server = ef.buffers(numel, n, device)
-
-    received = torch.empty_like(signs)
-    in_flight = be.all_to_all(signs, received, async_op=True)
-    codec.error_update_(worker, scale, numel, flat)
-    in_flight.wait()
-    del signs
-
-    served = real_count(rank, numel, n)
-    mine = torch.empty(4 + c // 8, dtype=torch.uint8, device=device)
-    sum_sq = codec.server_scan_(received, torch.from_numpy(scales).to(device), n if op == "mean" else 1,
-                                server, served, mine[4:])
-    del received
-    server_scale = codec.rms_scale(sum_sq, served)
-    mine[:4].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
-    everyone = torch.empty(n, 4 + c // 8, dtype=torch.uint8, device=device)
-    in_flight = be.all_gather(mine, everyone, async_op=True)
-    codec.error_update_(server, server_scale, served)
-    in_flight.wait()
-
-    server_scales = everyone[:, :4].reshape(-1).view(torch.float32).tolist()
-    for j in range(n):
-        start, k = j * c, real_count(j, numel, n)
-        if k:
-            codec.decode(everyone[j, 4:], server_scales[j], flat[start:start + k])
-    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-        tensor.copy_(flat.view(tensor.shape))

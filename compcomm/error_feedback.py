@@ -1,11 +1,16 @@
 """Persistent error-feedback state of one repeatedly reduced tensor."""
 from __future__ import annotations
 
-from typing import Any
+import os
+import sys
+import zlib
+from typing import Any, Mapping
 
 import torch
 
 from .layout import chunk_size, padded_size
+
+_KEYS = ("worker_error", "server_error", "numel", "world_size")
 
 
 class ErrorFeedback:
@@ -16,17 +21,30 @@ class ErrorFeedback:
     Both are None until the first successful call, which sizes them for its (numel, world
     size); using the instance for another numel or world size is a ValueError, because the
     carried errors would belong to other elements. Checkpoint it with `state_dict()`.
+
+    `tag` names the reduced tensor in each call's header, so that ranks pairing different
+    ErrorFeedbacks in one call (async calls submitted in different orders) raise a ValueError
+    instead of mixing tensors. By default it is where the instance was created (function, line
+    and column), which is the same on every rank of an SPMD program; pass a string where that is
+    not enough (ErrorFeedbacks made in one loop share their site).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tag: str | None = None) -> None:
         self.worker_error: torch.Tensor | None = None
         self.server_error: torch.Tensor | None = None
         self.numel: int | None = None
         self.world_size: int | None = None
+        self._server_max: float | None = None
+        self.tag = tag if tag is not None else _creation_site(sys._getframe(1))
 
     @property
     def initialized(self) -> bool:
         return self.worker_error is not None
+
+    @property
+    def fingerprint(self) -> int:
+        """A 32-bit digest of `tag`, carried in every call's header."""
+        return zlib.crc32(self.tag.encode())
 
     def mismatch(self, numel: int, world_size: int) -> str | None:
         """Why this state cannot serve a call of (numel, world_size), or None if it can."""
@@ -36,12 +54,27 @@ class ErrorFeedback:
                 f"{self.world_size} ranks, not {numel} elements over {world_size}; use one "
                 "ErrorFeedback per reduced tensor (or reset() it)")
 
+    def server_error_max(self) -> float:
+        """max |server_error| (0 before first use): bounds the next server sum in phase 0."""
+        if self.server_error is None:
+            return 0.0
+        if self._server_max is None:
+            self.record_server_max()
+        assert self._server_max is not None
+        return self._server_max
+
+    def record_server_max(self) -> None:
+        """Re-measure max |server_error| after the algorithm updated it (one pass over C elements)."""
+        assert self.server_error is not None
+        low, high = torch.aminmax(self.server_error)
+        self._server_max = max(-float(low), float(high))
+
     def buffers(self, numel: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The (worker, server) error tensors on `device`, allocated as zeros on first use."""
-        if not self.initialized:
+        if self.worker_error is None or self.server_error is None:
             self.worker_error = torch.zeros(padded_size(numel, world_size), dtype=torch.float32, device=device)
             self.server_error = torch.zeros(chunk_size(numel, world_size), dtype=torch.float32, device=device)
-            self.numel, self.world_size = numel, world_size
+            self.numel, self.world_size, self._server_max = numel, world_size, 0.0
         elif self.worker_error.device != device:
             self.worker_error = self.worker_error.to(device)
             self.server_error = self.server_error.to(device)
@@ -49,25 +82,71 @@ class ErrorFeedback:
 
     def reset(self) -> None:
         """Forget the carried errors (the next call starts from zero)."""
-        self.__init__()
+        self.worker_error = self.server_error = None
+        self.numel = self.world_size = None
+        self._server_max = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"worker_error": self.worker_error, "server_error": self.server_error,
                 "numel": self.numel, "world_size": self.world_size}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore errors saved by `state_dict()`; they are moved to the tensor's device on use."""
-        worker, server = state.get("worker_error"), state.get("server_error")
-        numel, world = state.get("numel"), state.get("world_size")
-        if worker is None and server is None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore errors saved by `state_dict()`; they are moved to the tensor's device on use.
+
+        A ValueError, with this instance unchanged, for anything `state_dict()` cannot have
+        produced: missing keys, tensors of another shape, dtype or rank, non-finite values,
+        non-zero padding. A never-used instance's state (all None) resets this one.
+        """
+        if not isinstance(state, Mapping) or any(key not in state for key in _KEYS):
+            raise ValueError(f"ErrorFeedback state must be a dict with the keys {', '.join(_KEYS)} "
+                             f"(as state_dict() returns), got {_describe(state)}")
+        worker, server, numel, world = (state[key] for key in _KEYS)
+        if worker is None and server is None and numel is None and world is None:
             self.reset()
             return
-        if worker is None or server is None or numel is None or world is None:
-            raise ValueError("ErrorFeedback state needs worker_error, server_error, numel and world_size")
-        if tuple(worker.shape) != (padded_size(numel, world),) or \
-                tuple(server.shape) != (chunk_size(numel, world),):
-            raise ValueError(f"ErrorFeedback state has shapes {tuple(worker.shape)}/{tuple(server.shape)}, "
-                             f"which do not fit {numel} elements over {world} ranks")
-        self.worker_error = worker.detach().to(torch.float32).clone()
-        self.server_error = server.detach().to(torch.float32).clone()
-        self.numel, self.world_size = int(numel), int(world)
+        numel, world = _count("numel", numel, 0), _count("world_size", world, 1)
+        worker = _error_tensor("worker_error", worker, padded_size(numel, world))
+        server = _error_tensor("server_error", server, chunk_size(numel, world))
+        if bool(worker[numel:].any()):
+            raise ValueError("ErrorFeedback state: worker_error is not zero on the padding beyond numel")
+        self.worker_error, self.server_error = worker, server
+        self.numel, self.world_size, self._server_max = numel, world, None
+
+
+def _creation_site(frame: Any) -> str:
+    """file:function:line:column of a call, stable across ranks, paths and Python builds."""
+    code = frame.f_code
+    column = None
+    if hasattr(code, "co_positions"):
+        positions = list(code.co_positions())
+        index = frame.f_lasti // 2
+        if 0 <= index < len(positions):
+            column = positions[index][2]
+    return f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}:{column}"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"a dict with keys {sorted(map(str, value))}"
+    return type(value).__name__
+
+
+def _count(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"ErrorFeedback state: {name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _error_tensor(name: str, value: Any, length: int) -> torch.Tensor:
+    """A validated fp32 copy of a saved error buffer."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"ErrorFeedback state: {name} must be a tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise ValueError(f"ErrorFeedback state: {name} must be a float tensor, got {value.dtype}")
+    if tuple(value.shape) != (length,):
+        raise ValueError(f"ErrorFeedback state: {name} has shape {tuple(value.shape)}; shapes that do not fit "
+                         f"the saved numel and world_size (needs ({length},))")
+    copy = value.detach().to(torch.float32).clone()  # values beyond fp32's range become inf: rejected
+    if not bool(torch.isfinite(copy).all()):
+        raise ValueError(f"ErrorFeedback state: {name} holds NaN or Inf (or values beyond fp32's range)")
+    return copy

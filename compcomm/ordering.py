@@ -1,21 +1,74 @@
-"""Asynchronous calls that keep collectives in the same order on every rank.
+"""The order of compcomm's collectives: one ordered lane per process group, on a private transport.
 
-Each backend gets one worker thread; async calls queue on it and synchronous calls made
-while it has work queue behind them, so the order of collectives on the wire is always the
-order of the calls. The heavy lifting (C kernels, collectives) releases the GIL, so the
-caller computes meanwhile.
+Every collective compcomm issues (a compressed call's phases, the optimizers' uncompressed
+all-reduces, barriers) runs on a `Channel`: a private duplicate of the caller's group (made once,
+at the first call), so it can never pair with the caller's own collectives on that group, and
+a FIFO of tickets, so that compcomm's own calls leave in the order they were submitted, whatever
+thread submitted them and however many backend objects share the group. A call takes its tickets
+(one per channel it uses, all at once, under one lock, so calls over several channels cannot
+deadlock) when it is submitted, and runs when every one of its tickets is being served:
+synchronous calls in the caller's thread, async ones on the channel's worker thread. The heavy
+work (C kernels, transfers) releases the GIL, so the caller computes meanwhile.
+
+What stays the caller's job, as with any collective: every rank submits the same calls in the same
+order per group. Calls submitted from several threads are ordered by submission time on each rank,
+which only matches across ranks when the threads are themselves ordered.
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-_executors: dict[int, ThreadPoolExecutor] = {}
-_pending: dict[int, int] = {}
-_lock = threading.Lock()
+_cond = threading.Condition()
+_registry: dict[Hashable, "Channel"] = {}
+_opening: dict[Hashable, threading.Lock] = {}
+_held = threading.local()
+
+
+class Channel:
+    """One ordered lane of collectives over one private transport (a process group or communicator)."""
+
+    def __init__(self, key: Hashable, transport: Any) -> None:
+        self.key = key
+        self.transport = transport
+        self._issued = 0
+        self._serving = 0
+        self._worker: ThreadPoolExecutor | None = None
+
+    def worker(self) -> ThreadPoolExecutor:
+        """The thread that runs this channel's async calls (made on first use)."""
+        with _cond:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compcomm")
+            return self._worker
+
+    def __repr__(self) -> str:
+        return f"<Channel {self.key!r}: {self._issued} issued, serving {self._serving}>"
+
+
+def channel(key: Hashable, open_transport: Callable[[], Any]) -> Channel:
+    """The channel of `key`, opening its private transport on first use.
+
+    Opening is a collective over the group's members (a rendezvous), so it happens in the
+    caller's thread at the first call, which every member makes; two threads asking at once
+    open it once.
+    """
+    with _cond:
+        found = _registry.get(key)
+        if found is not None:
+            return found
+        lock = _opening.setdefault(key, threading.Lock())
+    with lock:
+        with _cond:
+            found = _registry.get(key)
+        if found is None:
+            found = Channel(key, open_transport())
+            with _cond:
+                _registry[key] = found
+        return found
 
 
 class Pending:
@@ -46,28 +99,59 @@ class Pending:
         return out
 
 
-def submit(owner: object, fn: Callable, *args) -> Pending:
-    """Queue fn(*args) on `owner`'s worker thread."""
-    key = id(owner)
-    with _lock:
-        if key not in _executors:
-            _executors[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compcomm")
-        _pending[key] = _pending.get(key, 0) + 1
-        future = _executors[key].submit(fn, *args)
-    future.add_done_callback(lambda _: _done(key))
-    return Pending(future)
+def _holding() -> set[int]:
+    if not hasattr(_held, "channels"):
+        _held.channels = set()
+    return _held.channels
 
 
-def _done(key: int) -> None:
-    with _lock:
-        _pending[key] -= 1
+def holds(channel_: Channel) -> bool:
+    """Whether this thread is running a call that holds `channel_`."""
+    return id(channel_) in _holding()
 
 
-def run_in_order(owner: object, fn: Callable, *args) -> Any:
-    """fn(*args) now, or behind `owner`'s queued async calls if it has any."""
-    with _lock:
-        busy = _pending.get(id(owner), 0) > 0
-    return submit(owner, fn, *args).wait() if busy else fn(*args)
+def _take(channels: Sequence[Channel]) -> list[int]:
+    with _cond:
+        tickets = [ch._issued for ch in channels]
+        for ch in channels:
+            ch._issued += 1
+    return tickets
+
+
+def _execute(channels: Sequence[Channel], tickets: list[int], fn: Callable, args: tuple) -> Any:
+    with _cond:
+        while any(ch._serving != t for ch, t in zip(channels, tickets)):
+            _cond.wait()
+    held = _holding()
+    mine = {id(ch) for ch in channels} - held
+    held |= mine
+    try:
+        return fn(*args)
+    finally:
+        held -= mine
+        with _cond:
+            for ch in channels:
+                ch._serving += 1
+            _cond.notify_all()
+
+
+def run(channels: Sequence[Channel], fn: Callable, *args) -> Any:
+    """fn(*args) in this thread, in its turn on every channel (at once if this thread already
+    holds them all, i.e. fn is part of a call that is running)."""
+    if all(holds(ch) for ch in channels):
+        return fn(*args)
+    return _execute(channels, _take(channels), fn, args)
+
+
+def submit(channels: Sequence[Channel], fn: Callable, *args) -> Pending:
+    """fn(*args) on the first channel's worker thread, in its turn on every channel."""
+    tickets = _take(channels)
+    return Pending(channels[0].worker().submit(_execute, channels, tickets, fn, args))
+
+
+def sequence_number(channel_: Channel) -> int:
+    """The ticket of the call running now on `channel_` (the same on every rank for the same call)."""
+    return channel_._serving
 
 
 def wait_all(handles: list[Pending]) -> None:

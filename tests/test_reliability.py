@@ -1,0 +1,316 @@
+"""Misuse that real users commit: no hang, no silent non-finite result, no half-done call.
+
+Every multi-rank case runs on real gloo ranks; a hang fails the test through the pool's timeout.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import compcomm
+from rankpool import caught
+
+NUMEL = 96
+
+
+def seeded(rank: int, numel: int = NUMEL, step: int = 0) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(7919 * rank + step))
+
+
+def rank_of() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def snapshot(ef: compcomm.ErrorFeedback) -> tuple:
+    return tuple(None if t is None else t.clone() for t in (ef.worker_error, ef.server_error))
+
+
+def unchanged(ef: compcomm.ErrorFeedback, before: tuple) -> bool:
+    now = (ef.worker_error, ef.server_error)
+    return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(before, now))
+
+
+# ----------------------------------------------------------------- ordering and isolation
+
+def async_then_own_collective() -> dict:
+    """An async compressed call in flight while the caller runs its own all_reduce on the
+    same group, then a second backend object over that group, then an optimizer step."""
+    import torch.distributed as dist
+
+    rank = rank_of()
+    reference = seeded(rank)
+    compcomm.compressed_allreduce(reference, compcomm.ErrorFeedback(), backend="gloo")
+
+    first, second = compcomm.backends.get("gloo"), compcomm.backends.get("gloo")
+    t = seeded(rank)
+    handle = compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(), backend=first, async_op=True)
+    mine = torch.full((5,), float(rank))
+    dist.all_reduce(mine)  # the caller's own collective, while compcomm's is in flight
+    other = seeded(rank, 40)
+    compcomm.compressed_allreduce(other, compcomm.ErrorFeedback(), backend=second)  # another object, same group
+    flag = torch.ones(1)
+    second.all_reduce(flag)
+    handle.wait()
+
+    model = torch.nn.Linear(6, 3)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    opt = compcomm.optim.OnebitAdam(model.parameters(), freeze_step=5, backend=first)
+    model(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    later = seeded(rank, 64)
+    pending = compcomm.compressed_allreduce(later, compcomm.ErrorFeedback(), backend=first, async_op=True)
+    opt.step()  # its uncompressed all-reduces queue behind the call in flight
+    future = pending.get_future()
+    pending.wait()
+    return {"same": torch.equal(t, reference), "mine": mine.tolist(), "flag": flag.item(),
+            "other": other.numpy().tobytes(), "later": later.numpy().tobytes(), "future": future.wait() is later,
+            "params": [p.detach().numpy().tobytes() for p in model.parameters()]}
+
+
+def test_async_call_with_the_callers_own_collectives_and_a_second_backend(pool):
+    results = pool.run(async_then_own_collective)
+    assert all(r["same"] for r in results), "the async result differs from the synchronous one"
+    assert all(r["mine"] == [6.0] * 5 and r["flag"] == 4.0 for r in results)
+    for key in ("other", "later", "params"):
+        assert len({repr(r[key]) for r in results}) == 1, f"{key} differs between ranks"
+    assert all(r["future"] for r in results)
+
+
+def threads_in_different_orders() -> tuple | None:
+    """Two threads each submit one async call of the same size; the ranks submit in opposite
+    orders. The ErrorFeedbacks were made at different places, so the mix-up is detected."""
+    rank = rank_of()
+    a, b = seeded(rank, 64, 1), seeded(rank, 64, 2)
+    ef_a = compcomm.ErrorFeedback()
+    ef_b = compcomm.ErrorFeedback()
+    order = [(a, ef_a), (b, ef_b)] if rank % 2 == 0 else [(b, ef_b), (a, ef_a)]
+    handles: list = []
+    turn = threading.Event()
+
+    def submit(i: int) -> None:
+        if i == 1:
+            turn.wait()
+        handles.append(compcomm.compressed_allreduce(*order[i], backend="gloo", async_op=True))
+        turn.set()
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    outcomes = [caught(h.wait) for h in handles]
+    return outcomes[0]
+
+
+def test_async_calls_paired_in_different_orders_raise_everywhere(pool):
+    results = pool.run(threads_in_different_orders)
+    assert all(r is not None and r[0] == "ValueError" for r in results), results
+    assert "ErrorFeedback" in results[0][1]
+
+
+def mismatched(case: str) -> dict:
+    rank = rank_of()
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(seeded(rank), ef, backend="gloo")
+    before = snapshot(ef)
+    t = seeded(rank, step=1)
+    kwargs: dict = {}
+    if case == "op" and rank == 2:
+        kwargs["op"] = "sum"
+    if case == "dtype" and rank == 1:
+        t = t.to(torch.bfloat16)
+    original = t.clone()
+    error = caught(compcomm.compressed_allreduce, t, ef, backend="gloo", **kwargs)
+    return {"error": error, "kept": unchanged(ef, before) and torch.equal(t, original)}
+
+
+@pytest.mark.parametrize("case", ["op", "dtype"])
+def test_ranks_passing_different_op_or_dtype(pool, case):
+    results = pool.run(mismatched, case)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1, errors
+    kind, message = errors.pop()
+    assert kind == "ValueError" and case in message
+    assert all(r["kept"] for r in results)
+
+
+# ----------------------------------------------------------------- overflow and non-finite state
+
+def near_the_top(case: str) -> dict:
+    """Finite inputs near fp32's top: a finite result or NonFiniteError everywhere, never inf/NaN."""
+    rank = rank_of()
+    ef = compcomm.ErrorFeedback()
+    outcomes, finite = [], True
+    for step in range(6):
+        if case == "3e38-mean":
+            t = torch.full((NUMEL,), 3e38)
+            op = "mean"
+        elif case == "2e38-sum":
+            t = torch.full((NUMEL,), 2e38)
+            op = "sum"
+        elif case == "1e38-signs":
+            t = torch.randint(0, 2, (NUMEL,), generator=torch.Generator().manual_seed(rank * 31 + step)) * 2e38 - 1e38
+            op = "mean"
+        else:  # fp16 values near its top, mean
+            t = torch.full((NUMEL,), 6.0e4, dtype=torch.float16) * (1 if rank % 2 else -1)
+            op = "mean"
+        before, original = snapshot(ef), t.clone()
+        error = caught(compcomm.compressed_allreduce, t, ef, backend="gloo", op=op)
+        outcomes.append(None if error is None else error[0])
+        if error is not None:
+            finite &= unchanged(ef, before) and torch.equal(t, original)
+        else:
+            finite &= bool(torch.isfinite(t).all())
+        if ef.worker_error is not None:
+            finite &= bool(torch.isfinite(ef.worker_error).all() and torch.isfinite(ef.server_error).all())
+    return {"outcomes": outcomes, "finite": finite}
+
+
+@pytest.mark.parametrize("case", ["3e38-mean", "2e38-sum", "1e38-signs", "fp16-top"])
+def test_finite_input_never_gives_non_finite_output(pool, case):
+    results = pool.run(near_the_top, case)
+    assert all(r["finite"] for r in results), results
+    assert len({tuple(r["outcomes"]) for r in results}) == 1, "ranks disagree on which calls failed"
+    assert set(results[0]["outcomes"]) <= {None, "NonFiniteError"}
+    if case in ("3e38-mean", "2e38-sum"):
+        assert results[0]["outcomes"][0] == "NonFiniteError"
+
+
+def coalesced(bad: bool) -> dict:
+    """One agreement for several tensors: a NaN in the last leaves the first untouched."""
+    rank = rank_of()
+    efs = [compcomm.ErrorFeedback(tag=f"bucket{i}") for i in range(3)]
+    singles = [compcomm.ErrorFeedback(tag=f"bucket{i}") for i in range(3)]
+    tensors = [seeded(rank, 50 + 10 * i, step=i) for i in range(3)]
+    expected = [t.clone() for t in tensors]
+    compcomm.compressed_allreduce_coalesced(tensors, efs, backend="gloo")
+    for t, ef in zip(expected, singles):
+        compcomm.compressed_allreduce(t, ef, backend="gloo")
+    same = all(torch.equal(a, b) for a, b in zip(tensors, expected))
+    before = [snapshot(ef) for ef in efs]
+    again = [seeded(rank, 50 + 10 * i, step=5 + i) for i in range(3)]
+    if bad and rank == 3:
+        again[2][7] = float("nan")
+    error = caught(compcomm.compressed_allreduce_coalesced, again, efs, backend="gloo")
+    kept = all(unchanged(ef, b) for ef, b in zip(efs, before))
+    return {"same": same, "error": error, "kept": kept}
+
+
+def test_coalesced_is_all_or_nothing(pool):
+    good = pool.run(coalesced, False)
+    assert all(r["same"] and r["error"] is None for r in good)
+    bad = pool.run(coalesced, True)
+    assert {r["error"][0] for r in bad} == {"NonFiniteError"} and all(r["kept"] for r in bad)
+
+
+# ----------------------------------------------------------------- half-done calls
+
+def overlapping_input() -> dict:
+    """An expanded tensor on one rank: ValueError everywhere, nothing changed, group usable."""
+    rank = rank_of()
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(seeded(rank), ef, backend="gloo")
+    before = snapshot(ef)
+    t = torch.randn(1).expand(NUMEL) if rank == 1 else seeded(rank, step=1)
+    error = caught(compcomm.compressed_allreduce, t, ef, backend="gloo")
+    kept = unchanged(ef, before)
+    after = seeded(rank, step=2)
+    compcomm.compressed_allreduce(after, ef, backend="gloo")
+    return {"error": error, "kept": kept, "after": after.numpy().tobytes()}
+
+
+def test_overlapping_tensor_rejected_on_every_rank(pool):
+    results = pool.run(overlapping_input)
+    assert {r["error"][0] for r in results} == {"ValueError"}
+    assert all("overlap" in r["error"][1] for r in results)
+    assert all(r["kept"] for r in results)
+    assert len({r["after"] for r in results}) == 1
+
+
+def grad_tensors(calls: int) -> dict:
+    """Non-contiguous tensors that require grad: same numbers as plain tensors, no graph kept."""
+    rank = rank_of()
+    ef_grad, ef_plain = compcomm.ErrorFeedback(), compcomm.ErrorFeedback()
+    same = True
+    for step in range(calls):
+        base = seeded(rank, 12 * 8, step).view(12, 8)
+        leaf = base.clone().t().requires_grad_(True)
+        plain = base.clone().t()
+        compcomm.compressed_allreduce(leaf, ef_grad, backend="gloo")
+        compcomm.compressed_allreduce(plain, ef_plain, backend="gloo")
+        same &= torch.equal(leaf.detach(), plain)
+    return {"same": same, "graph": ef_grad.worker_error.grad_fn is not None or ef_grad.worker_error.requires_grad}
+
+
+def test_tensors_that_require_grad(pool):
+    assert all(r == {"same": True, "graph": False} for r in pool.run(grad_tensors, 3))
+
+
+# ----------------------------------------------------------------- single-process checks
+
+@pytest.mark.parametrize("state", [
+    {}, None, [], {"worker_error": None},
+    {"worker_error": torch.full((8,), float("nan")), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
+    {"worker_error": torch.zeros(16), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
+    {"worker_error": torch.zeros(8, dtype=torch.int32), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
+    {"worker_error": torch.zeros(8, dtype=torch.complex64), "server_error": torch.zeros(8), "numel": 8,
+     "world_size": 1},
+    {"worker_error": [0.0] * 8, "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
+    {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": "8", "world_size": 1},
+    {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": 8, "world_size": 0},
+    {"worker_error": torch.ones(8), "server_error": torch.zeros(8), "numel": 5, "world_size": 1},
+    {"worker_error": torch.zeros(8, dtype=torch.float64), "server_error": torch.full((8,), 1e300, dtype=torch.float64),
+     "numel": 8, "world_size": 1},
+], ids=["empty", "none", "list", "partial", "nan", "shape", "int", "complex", "list-tensor", "str-numel",
+        "world-0", "padding", "beyond-fp32"])
+def test_load_state_dict_rejects_malformed_state(state):
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(torch.randn(8), ef)
+    before = snapshot(ef)
+    with pytest.raises(ValueError):
+        ef.load_state_dict(state)
+    assert unchanged(ef, before)
+
+
+def test_fresh_state_loads_as_a_reset():
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(torch.randn(8), ef)
+    ef.load_state_dict(compcomm.ErrorFeedback().state_dict())
+    assert ef.worker_error is None and ef.server_error is None
+
+
+def test_optim_reachable_from_the_package():
+    import importlib
+    import subprocess
+    import sys
+
+    code = "import compcomm; print(compcomm.optim.OnebitAdam.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "OnebitAdam", out.stderr
+    assert importlib.import_module("compcomm.optim") is compcomm.optim
+
+
+def test_launcher_without_process_group_is_an_error():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, compcomm\n"
+            "try:\n"
+            "    compcomm.compressed_allreduce(torch.ones(4), compcomm.ErrorFeedback())\n"
+            "except RuntimeError as exc:\n"
+            "    print('raised:', exc)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_"))}
+    env.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.stdout.startswith("raised:") and "init_process_group" in out.stdout, (out.stdout, out.stderr)
+    env["WORLD_SIZE"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "raised" not in out.stdout, (out.stdout, out.stderr)
