@@ -11,14 +11,15 @@ as torchrun numbers them). For a tensor of N elements the compressed allreduce r
                 v_i = z_i / k for op="mean", z_i for op="sum"
     across nodes: the 1-bit algorithm of `compressed_allreduce` (same op) on v_i over `inter`,
                 with this rank's ErrorFeedback, which therefore holds part i: (N_i, H)
-    all-gather: the H-rank results of every part inside the node, written back in the tensor's dtype
+    all-gather: every part's phase-2 bytes (its servers' t_j and packed signs) inside the node;
+                every rank decodes every part from them, in the tensor's dtype
 
-so the output is (1/H) sum over nodes of the 1-bit code of the node means (or the sum for "sum"),
-bitwise identical on all n ranks (every part's bits are decoded identically by the H ranks that
-share it, then copied to the node). Only inter-node bytes are 1-bit: per rank about
-2 (H-1)/H * N/(8k) bytes between nodes, plus (k-1)/k * 4N twice inside the node (an all-to-all
-reduce-scatter sends half the bytes of an fp32 all-reduce, so it is the one used), and each rank
-runs the codec on N/k elements instead of N.
+so the output is the 1-bit mean over nodes of the node means (or the sum of the node sums for
+"sum"), bitwise identical on all n ranks, since all decode the same bytes. Only inter-node bytes
+are 1-bit: per rank about 2 (H-1)/H * N/(8k) bytes between nodes; inside the node (k-1)/k * 4N
+bytes of fp32 parts (an all-to-all reduce-scatter sends half the bytes of an fp32 all-reduce, so
+it is the one used) and about (k-1)/k * N/8 bytes of results. Each rank runs the worker and
+server codec on N/k elements instead of N, and decodes all N.
 
 Errors (SPEC-like, across both levels): first this rank's own checks and an agreement over all n
 ranks (count, sequence, numel, op, dtype, ErrorFeedback tag), then, after the reduce-scatter, the
@@ -124,12 +125,38 @@ class HierarchicalBackend(Backend):
         except Exception as exc:  # agreed on this inter group: now agreed inside the node too
             failure = exc
         self._agree_inside_node(failure)
-        for call in calls:
+        for call, tensor in zip(calls, tensors):
             call.commit()
-        for tensor, part in zip(tensors, parts):
-            whole = self._gather_parts(part).view(-1)[:tensor.numel()]
-            tensor.detach().copy_(whole.view(tensor.shape))
+            self._share_result(call, tensor)
         return tensors
+
+    def _share_result(self, call: Any, tensor: torch.Tensor) -> None:
+        """All-gather every part's phase-2 bytes (1 bit per element) inside the node, then every
+        rank decodes every part from the same bytes: the tensor, bitwise equal everywhere."""
+        from compcomm.allreduce import decode_result
+
+        k, numel = self.intra.world_size, tensor.numel()
+        size = chunk_size(numel, k)
+        longest = self._result_bytes(size)
+        mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        mine[:call.result.numel()].copy_(call.result.view(-1))
+        everyone = torch.empty(k, longest, dtype=torch.uint8, device=self.device)
+        self.intra.all_gather(mine, everyone)
+        flat = tensor.detach().reshape(-1)
+        for i in range(k):
+            real = real_count(i, numel, k)
+            if real:
+                rows = everyone[i, :self._result_bytes(real)].view(self.inter.world_size, -1)
+                decode_result(rows, flat[i * size:i * size + real])
+        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            tensor.detach().copy_(flat.view(tensor.shape))
+
+    def _result_bytes(self, numel: int) -> int:
+        """Bytes of phase 2's result of a `numel`-element call across the H nodes."""
+        from compcomm.allreduce import SERVER_SCALE_BYTES
+
+        h = self.inter.world_size
+        return h * (SERVER_SCALE_BYTES + chunk_size(numel, h) // 8)
 
     def _agree_inside_node(self, failure: Exception | None) -> None:
         """Raise, on every rank of the node, the verdict of the lowest local index that failed.

@@ -18,6 +18,12 @@ all ranks at once, each part of the flat 1-bit collective on its own, then the w
               serr overlapping gather)
     allreduce the uncompressed fp32 all_reduce (the baseline)
 
+and with K > 1 ranks per host (LOCAL_WORLD_SIZE), for the hierarchical backend:
+
+    rs        the reduce-scatter's all-to-all of fp32 parts inside the host, (K-1) blocks of 4N/K bytes
+    share     the all-gather of the parts' phase-2 bytes inside the host, (K-1) blocks of ~N/(8K)
+    hier      compressed_allreduce over the hierarchical backend
+
 Every rank runs each part at once, so the codec passes share the machine's cores as they do in
 a real call. Each figure is the median over --iters calls of the slowest rank (a barrier first);
 a first untimed round over the smallest size opens the connections.
@@ -38,6 +44,7 @@ import torch.distributed as dist
 from allreduce_bw import _gather_floats, parse_size, write_json
 
 PARTS = ("header", "scan", "a2a", "werr", "server", "gather", "serr", "decode", "call", "allreduce")
+NODE_PARTS = ("rs", "share", "hier")  # with several ranks per host (LOCAL_WORLD_SIZE > 1)
 
 
 def _timed(be, fn) -> float:
@@ -48,7 +55,7 @@ def _timed(be, fn) -> float:
     return float(_gather_floats(be, time.perf_counter() - start).max())
 
 
-def measure(be, numel: int, iters: int, parts: list[str]) -> dict:
+def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
     """One record: every part's time for a `numel`-element fp32 tensor on this group."""
     import compcomm
     from compcomm import codec
@@ -85,6 +92,18 @@ def measure(be, numel: int, iters: int, parts: list[str]) -> dict:
         "call": lambda: compcomm.compressed_allreduce(buf, ef, backend=be),
         "allreduce": lambda: be.all_reduce(buf, "mean"),
     }
+    if hier is not None:
+        k = hier.intra.world_size
+        size = chunk_size(numel, k)
+        fp32_parts = torch.zeros(k, 4 * size, dtype=torch.uint8)
+        fp32_received = torch.empty_like(fp32_parts)
+        result = torch.zeros(hier.inter.world_size * (4 + chunk_size(size, hier.inter.world_size) // 8),
+                             dtype=torch.uint8)
+        results = torch.empty(k, result.numel(), dtype=torch.uint8)
+        ef_hier = compcomm.ErrorFeedback()
+        calls.update({"rs": lambda: hier.intra.all_to_all(fp32_parts, fp32_received),
+                      "share": lambda: hier.intra.all_gather(result, results),
+                      "hier": lambda: compcomm.compressed_allreduce(buf, ef_hier, backend=hier)})
     record = {"world_size": n, "numel": numel, "size_bytes": 4 * numel, "chunk": c,
               "ranks_per_host": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
               "rate": os.environ.get("NETSIM_RATE", ""), "threads": torch.get_num_threads()}
@@ -110,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("run under torchrun or bench/netsim.py, e.g.: python bench/netsim.py --hosts 4 -- "
                          "python bench/phases.py")
     parts = [part for part in args.parts.split(",") if part]
-    unknown = set(parts) - set(PARTS)
+    unknown = set(parts) - set(PARTS) - set(NODE_PARTS)
     if unknown:
         raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -120,12 +139,15 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("gloo")
     be = backends.get("gloo")
+    hier = backends.get("hierarchical") if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1 else None
+    if hier is not None:
+        parts += [part for part in NODE_PARTS if part not in parts]
     records, rank = [], be.rank
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     try:
-        measure(be, min(sizes) // 4, 1, parts)  # connections and caches warm
+        measure(be, min(sizes) // 4, 1, parts, hier)  # connections and caches warm
         for size in sizes:
-            record = measure(be, size // 4, args.iters, parts)
+            record = measure(be, size // 4, args.iters, parts, hier)
             records.append(record)
             if rank == 0:
                 cells = " ".join(f"{part} {record[part + '_s'] * 1e3:9.2f}" for part in parts)

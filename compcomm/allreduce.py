@@ -185,6 +185,7 @@ class PreparedCall:
     signs: torch.Tensor    # (n, C/8) packed worker signs, row j for server j
     scales: np.ndarray     # every rank's s_r (fp32)
     scale: float           # this rank's s_r
+    result: torch.Tensor | None = None  # after commit: phase 2's bytes, (n, 4 + C/8), see `decode_result`
 
     def commit(self) -> torch.Tensor:
         """Phases 1 and 2 and the decode; updates the error feedback; returns the tensor."""
@@ -217,14 +218,23 @@ class PreparedCall:
         self.ef.record_server_max()
         in_flight.wait()
 
-        server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
-        for j in range(n):
-            start, k = j * c, real_count(j, numel, n)
-            if k:
-                codec.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], flat[start:start + k])
+        self.result = everyone
+        decode_result(everyone, flat)
         if flat.data_ptr() != self.tensor.data_ptr() or not self.tensor.is_contiguous():
             self.tensor.copy_(flat.view(self.tensor.shape))
         return self.tensor
+
+
+def decode_result(everyone: torch.Tensor, out: torch.Tensor) -> None:
+    """out (the N-element flat output, any float dtype) <- the call's result, from phase 2's bytes:
+    row j holds server j's t_j (fp32) and the packed signs of its chunk."""
+    n, numel = everyone.shape[0], out.numel()
+    c = chunk_size(numel, n)
+    server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
+    for j in range(n):
+        start, k = j * c, real_count(j, numel, n)
+        if k:
+            codec.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start:start + k])
 
 
 def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
