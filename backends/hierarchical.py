@@ -184,8 +184,12 @@ class HierarchicalBackend(Backend):
         """This rank's part (S elements of `dtype`, zero beyond the tensor) of the node's sum,
         added in local rank order: an all-to-all of the parts, then a local sum."""
         k = self.intra.world_size
-        send = torch.zeros(k, chunk_size(flat.numel(), k), dtype=dtype, device=flat.device)
-        send.view(-1)[:flat.numel()].copy_(flat)
+        size = chunk_size(flat.numel(), k)
+        if flat.dtype == dtype and flat.numel() == k * size and flat.is_contiguous():
+            send = flat.view(k, size)  # already in place: no copy
+        else:
+            send = torch.zeros(k, size, dtype=dtype, device=flat.device)
+            send.view(-1)[:flat.numel()].copy_(flat)
         received = torch.empty_like(send)
         self.intra.all_to_all(send.view(torch.uint8), received.view(torch.uint8))
         total = received[0].clone()
