@@ -60,6 +60,7 @@ class HierarchicalBackend(Backend):
         if intra.device.type != inter.device.type:
             raise ValueError(f"intra ({intra.device}) and inter ({inter.device}) backends must serve one device type")
         self.intra, self.inter = intra, inter
+        self._scratch: list[torch.Tensor] = []  # one reused receive buffer per tensor of a call
         super().__init__()
 
     # The count lives in the two transports; the generic accounting's writes are ignored.
@@ -113,7 +114,7 @@ class HierarchicalBackend(Backend):
         from compcomm import allreduce
 
         allreduce.agree(tensors, efs, self, op, self.part)
-        parts = [self._reduce_scatter(t.detach().reshape(-1), torch.float32) for t in tensors]
+        parts = [self._reduce_scatter(t.detach().reshape(-1), torch.float32, i) for i, t in enumerate(tensors)]
         if op == "mean":
             for part in parts:
                 part.div_(self.intra.world_size)
@@ -180,9 +181,22 @@ class HierarchicalBackend(Backend):
 
     # -- exact collectives inside the node -------------------------------------------------------
 
-    def _reduce_scatter(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _received(self, slot: int, rows: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """A (rows, size) buffer of `dtype` for the call's tensor number `slot`, reused from call
+        to call (one call runs at a time on this backend's channels): fresh pages of a large
+        buffer cost more to fault in here than the reduction itself. Each slot grows to its
+        largest call and is held until the backend goes."""
+        nbytes = rows * size * torch.empty((), dtype=dtype).element_size()
+        while len(self._scratch) <= slot:
+            self._scratch.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._scratch[slot].numel() < nbytes:
+            self._scratch[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._scratch[slot][:nbytes].view(dtype).view(rows, size)
+
+    def _reduce_scatter(self, flat: torch.Tensor, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
         """This rank's part (S elements of `dtype`, zero beyond the tensor) of the node's sum,
-        added in local rank order: an all-to-all of the parts, then a local sum."""
+        added in local rank order: an all-to-all of the parts, then a local sum. It lives in the
+        reused buffer until the next call."""
         k = self.intra.world_size
         size = chunk_size(flat.numel(), k)
         if flat.dtype == dtype and flat.numel() == k * size and flat.is_contiguous():
@@ -190,9 +204,9 @@ class HierarchicalBackend(Backend):
         else:
             send = torch.zeros(k, size, dtype=dtype, device=flat.device)
             send.view(-1)[:flat.numel()].copy_(flat)
-        received = torch.empty_like(send)
+        received = self._received(slot, k, size, dtype)
         self.intra.all_to_all(send.view(torch.uint8), received.view(torch.uint8))
-        total = received[0].clone()
+        total = received[0]
         for row in received[1:]:
             total += row
         return total

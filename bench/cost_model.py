@@ -71,17 +71,20 @@ def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float) -> dict[st
     return t
 
 
-def calibrate(record: dict, cores: int) -> dict:
+def calibrate(record: dict, cores: int, loopback: dict | None = None) -> dict:
+    """alpha, B and the gammas from one flat run (1 rank per host); B_lo from the `rs` part of
+    a run with several ranks per host."""
     n, numel = record["world_size"], record["numel"]
     share = max(1.0, n * record.get("threads", 1) / cores)
     b = flat_bytes(numel, n)
     p = {"burst": BURST, "alpha": record["header_s"] / ((n - 1) * share),
          "gamma": {part: b[part] * share / record[part + "_s"] for part in CODEC}}
-    p["B"] = (b["a2a"] + b["gather"] - 2 * BURST) / (record["a2a_s"] + record["gather_s"] - 2 * p["alpha"] * (n - 1) * share)
-    k = record.get("ranks_per_host", 1)
-    if k > 1 and "rs_s" in record:
-        sent = (k - 1) * 4.0 * chunk(numel, k)
-        p["B_lo"] = sent / max(1e-9, record["rs_s"] - p["alpha"] * (k - 1) * share)
+    sent = b["a2a"] + b["gather"] + b["allreduce"] - 3 * BURST
+    p["B"] = sent / (record["a2a_s"] + record["gather_s"] + record["allreduce_s"] - 4 * p["alpha"] * (n - 1) * share)
+    if loopback is not None:
+        k, lo_share = loopback["ranks_per_host"], max(1.0, loopback["world_size"] * loopback.get("threads", 1) / cores)
+        moved = (k - 1) * 4.0 * chunk(loopback["numel"], k)
+        p["B_lo"] = moved / max(1e-9, loopback["rs_s"] - p["alpha"] * (k - 1) * lo_share)
     return p
 
 
@@ -130,12 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibrate", required=True, help="phases JSON whose largest size calibrates the model")
     ap.add_argument("files", nargs="*", help="phases JSON files to predict")
+    ap.add_argument("--loopback", help="phases JSON with several ranks per host: its largest rs row gives B_lo")
     ap.add_argument("--cores", type=int, default=2, help="cores of the machine the runs shared (default 2)")
     ap.add_argument("--extrapolate", action="store_true", help="print the 64-1024 rank table (100 MiB fp32)")
     args = ap.parse_args(argv)
     with open(args.calibrate) as f:
         base = max(json.load(f), key=lambda r: r["numel"])
-    p = calibrate(base, args.cores)
+    loopback = None
+    if args.loopback:
+        with open(args.loopback) as f:
+            loopback = max(json.load(f), key=lambda r: r["numel"])
+    p = calibrate(base, args.cores, loopback)
     print(f"# calibrated on {args.calibrate} ({base['world_size']} ranks, {base['size_bytes']} bytes): "
           f"alpha {p['alpha'] * 1e6:.0f} us/step, B {p['B'] / 1e6:.1f} MB/s"
           + (f", B_lo {p['B_lo'] / 1e6:.0f} MB/s" if "B_lo" in p else "") + ", gamma (GB/s) "

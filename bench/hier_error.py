@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(threads))
     dist.init_process_group("gloo")
     flat, hier = backends.get("gloo"), backends.get("hierarchical")
-    rank, numel = flat.rank, args.size // 4
+    rank, world, numel = flat.rank, flat.world_size, args.size // 4
     methods = {"flat": (flat, compcomm.ErrorFeedback("flat")), "hierarchical": (hier, compcomm.ErrorFeedback("hier"))}
     errors: dict[str, list[float]] = {name: [] for name in methods}
     sums = {name: torch.zeros(numel, dtype=torch.float64) for name in [*methods, "exact"]}
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     if rank:
         return 0
-    result = {"world_size": flat.world_size, "ranks_per_node": int(os.environ["LOCAL_WORLD_SIZE"]),
+    result = {"world_size": world, "ranks_per_node": int(os.environ["LOCAL_WORLD_SIZE"]),
               "size_bytes": 4 * numel, "calls": args.calls}
     for name in methods:
         result[f"{name}_mean_rel_error"] = sum(errors[name]) / len(errors[name])

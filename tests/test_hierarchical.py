@@ -199,7 +199,11 @@ def coalesced_all_or_nothing(layout: str) -> dict:
         bad[1][0] = float("inf")
     error = caught(compcomm.compressed_allreduce_coalesced, bad, efs, backend=be)
     kept = all(torch.equal(ef.worker_error, b) for ef, b in zip(efs, before))
-    return {"good": b"".join(t.numpy().tobytes() for t in good), "error": error, "kept": kept}
+    one_by_one = [make_input(rank, 0, 50), make_input(rank, 1, 33)]
+    for t, tag in zip(one_by_one, "ab"):
+        compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(tag), backend=be)
+    return {"good": b"".join(t.numpy().tobytes() for t in good), "error": error, "kept": kept,
+            "same_as_separate_calls": all(torch.equal(a, b) for a, b in zip(good, one_by_one))}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -207,7 +211,7 @@ def test_coalesced_call_through_hierarchical_is_all_or_nothing(six, layout):
     results = six.run(coalesced_all_or_nothing, layout, ranks=ranks_of(layout))
     assert len({r["good"] for r in results}) == 1
     assert len({r["error"] for r in results}) == 1 and results[0]["error"][0] == "NonFiniteError"
-    assert all(r["kept"] for r in results)
+    assert all(r["kept"] and r["same_as_separate_calls"] for r in results)
 
 
 def train(layout: str, steps: int) -> dict:
