@@ -44,30 +44,35 @@ def comm_time(p: dict, bytes_: float, steps: int, share: float, bandwidth: float
     return p["alpha"] * steps * share + max(0.0, bytes_ - p["burst"]) / bandwidth
 
 
-def flat_parts(p: dict, numel: int, n: int, share: float, link: float) -> dict[str, float]:
-    """Predicted seconds of every part of the flat call; `link` is each rank's share of its host's link."""
+def flat_parts(p: dict, numel: int, n: int, share: float, k: int = 1) -> dict[str, float]:
+    """Predicted seconds of every part of the flat call over n ranks, k per host: the k ranks
+    share the host's link (B/k each) for the (n-k)/(n-1) of their blocks that leave the host;
+    the ring all-reduce, in rank order, sends one stream per host link."""
     b = flat_bytes(numel, n)
     t = {part: b[part] / p["gamma"][part] * share for part in CODEC}
-    t["header"] = comm_time(p, 0.0, n - 1, share, link)
-    t["a2a"] = comm_time(p, b["a2a"], n - 1, share, link)
-    t["gather"] = comm_time(p, b["gather"], n - 1, share, link)
-    t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, link)
+    crossing = (n - k) / (n - 1) if n > 1 else 0.0
+    t["header"] = comm_time(p, 0.0, n - 1, share, p["B"])
+    t["a2a"] = comm_time(p, b["a2a"] * crossing, n - 1, share, p["B"] / k)
+    t["gather"] = comm_time(p, b["gather"] * crossing, n - 1, share, p["B"] / k)
+    t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, p["B"])
     t["call"] = (t["header"] + t["scan"] + max(t["a2a"], t["werr"]) + t["server"] + max(t["gather"], t["serr"])
                  + t["decode"])
     return t
 
 
 def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float) -> dict[str, float]:
-    """The hierarchical call: exact reduce-scatter over the host's loopback, the flat call on the
-    N/k-element part across hosts (k ranks share the host's link), the results shared, all decoded."""
+    """The hierarchical call: exact reduce-scatter over the host's loopback (all-to-all, then a
+    sum and the mean's division over the part, at the werr pass's bandwidth), the flat call on the
+    N/k-element part across hosts (its k ranks sharing the host's link), the parts' results
+    shared, and every part decoded."""
     part = chunk(numel, k)
-    inner = flat_parts(p, part, hosts, share, p["B"] / k)
-    t = {"rs": comm_time(p, (k - 1) * 4.0 * part, k - 1, share, p["B_lo"]) + 12.0 * numel / p["gamma"]["werr"] * share,
+    inner = flat_parts(p, part, hosts, share, k)
+    local = ((k + 1) * 4.0 + 8.0) * part / p["gamma"]["werr"] * share
+    t = {"rs": comm_time(p, (k - 1) * 4.0 * part, k - 1, share, p["B_lo"]),
          "share": comm_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k - 1, share, p["B_lo"]),
          "agree": comm_time(p, 0.0, 2 * (k - 1) + (hosts - 1), share, p["B_lo"]),
          "decode_all": flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share}
-    across = inner["call"] - inner["decode"]
-    t["hier"] = t["agree"] + t["rs"] + across + t["share"] + t["decode_all"]
+    t["hier"] = t["agree"] + t["rs"] + local + inner["call"] + t["share"] + t["decode_all"]
     return t
 
 
@@ -105,7 +110,7 @@ def extrapolate(numel: int) -> list[str]:
         p = {"alpha": x["alpha"], "burst": 0.0, "B": bandwidth * x["k"], "B_lo": x["nvlink"],
              "gamma": {part: x["gamma_codec"] for part in CODEC}}
         for n in (64, 128, 256, 512, 1024):
-            flat = flat_parts(p, numel, n, 1.0, bandwidth)
+            flat = flat_parts(p, numel, n, 1.0, x["k"])
             latency = x["alpha"] * (n - 1) * 3
             hier = hier_parts(p, numel, n // x["k"], x["k"], 1.0)["hier"]
             rows.append(f"| {n} | {gbit} Gbit/s | {flat['allreduce'] * 1e3:.1f} ms | {flat['call'] * 1e3:.1f} ms | "
@@ -117,7 +122,7 @@ def extrapolate(numel: int) -> list[str]:
 def compare(record: dict, p: dict, cores: int) -> list[str]:
     n, numel, k = record["world_size"], record["numel"], record.get("ranks_per_host", 1)
     share = max(1.0, n * record.get("threads", 1) / cores)
-    pred = flat_parts(p, numel, n, share, p["B"] / k)
+    pred = flat_parts(p, numel, n, share, k)
     if k > 1 and "B_lo" in p:
         pred.update(hier_parts(p, numel, n // k, k, share))
     rows = []
