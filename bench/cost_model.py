@@ -44,16 +44,17 @@ def comm_time(p: dict, bytes_: float, steps: int, share: float, bandwidth: float
     return p["alpha"] * steps * share + max(0.0, bytes_ - p["burst"]) / bandwidth
 
 
-def flat_parts(p: dict, numel: int, n: int, share: float, k: int = 1) -> dict[str, float]:
-    """Predicted seconds of every part of the flat call over n ranks, k per host: the k ranks
-    share the host's link (B/k each) for the (n-k)/(n-1) of their blocks that leave the host;
-    the ring all-reduce, in rank order, sends one stream per host link."""
+def flat_parts(p: dict, numel: int, n: int, share: float, k: int = 1, sharing_link: int | None = None) -> dict[str, float]:
+    """Predicted seconds of every part of the flat call over n ranks, k per host: the ranks
+    share the host's link (B/k each, or B/sharing_link) for the (n-k)/(n-1) of their blocks that
+    leave the host; the ring all-reduce, in rank order, sends one stream per host link."""
+    link = p["B"] / (sharing_link or k)
     b = flat_bytes(numel, n)
     t = {part: b[part] / p["gamma"][part] * share for part in CODEC}
     crossing = (n - k) / (n - 1) if n > 1 else 0.0
     t["header"] = comm_time(p, 0.0, n - 1, share, p["B"])
-    t["a2a"] = comm_time(p, b["a2a"] * crossing, n - 1, share, p["B"] / k)
-    t["gather"] = comm_time(p, b["gather"] * crossing, n - 1, share, p["B"] / k)
+    t["a2a"] = comm_time(p, b["a2a"] * crossing, n - 1, share, link)
+    t["gather"] = comm_time(p, b["gather"] * crossing, n - 1, share, link)
     t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, p["B"])
     t["call"] = (t["header"] + t["scan"] + max(t["a2a"], t["werr"]) + t["server"] + max(t["gather"], t["serr"])
                  + t["decode"])
@@ -66,7 +67,7 @@ def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float) -> dict[st
     N/k-element part across hosts (its k ranks sharing the host's link), the parts' results
     shared, and every part decoded."""
     part = chunk(numel, k)
-    inner = flat_parts(p, part, hosts, share, k)
+    inner = flat_parts(p, part, hosts, share, 1, sharing_link=k)
     local = ((k + 1) * 4.0 + 8.0) * part / p["gamma"]["werr"] * share
     t = {"rs": comm_time(p, (k - 1) * 4.0 * part, k - 1, share, p["B_lo"]),
          "share": comm_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k - 1, share, p["B_lo"]),
