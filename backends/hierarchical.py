@@ -34,7 +34,8 @@ accepted anywhere a backend is (optimizers' warm-up, the DDP hook).
 from __future__ import annotations
 
 import os
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 

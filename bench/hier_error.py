@@ -18,7 +18,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 from allreduce_bw import _rel_error, parse_size, write_json
 
 

@@ -40,7 +40,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-
 from allreduce_bw import _gather_floats, parse_size, write_json
 
 PARTS = ("header", "scan", "a2a", "werr", "server", "gather", "serr", "decode", "call", "allreduce")
