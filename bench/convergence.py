@@ -25,15 +25,15 @@ import datetime
 import glob
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
-import socket
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from compcomm import launch
 
 RUNS = {  # name: (optimizer, compressed)
     "adam": ("adam", False), "onebit_adam": ("adam", True),
@@ -181,13 +181,12 @@ def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+def _spawned(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """One self-spawned rank (compcomm.launch set torchrun's environment): rank 0's results."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     try:
         results = rank_main(args)
-        if rank == 0:
-            queue.put(results)
+        return results if dist.get_rank() == 0 else None
     finally:
         dist.destroy_process_group()
 
@@ -257,7 +256,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+    if launch.launcher() == "torchrun":
         dist.init_process_group("gloo")
         results = rank_main(args)
         if dist.get_rank() == 0:
@@ -266,29 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             write_outputs(report, args.out)
         dist.destroy_process_group()
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, args.world_size, port, args, queue))
-             for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    results = None
-    while results is None:
-        try:
-            results = queue.get(timeout=2)
-        except Exception:  # queue.Empty: make sure no rank died
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                raise SystemExit("a rank failed")
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit("a rank failed")
+    results = launch.spawn(_spawned, args.world_size, args)[0]
     report = summarize(results, args, args.world_size)
     print_report(report)
     write_outputs(report, args.out)

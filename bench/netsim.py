@@ -115,7 +115,7 @@ class Cluster:
             raise NetsimError(f"`{' '.join(cmd)}` failed: {why}")
         return res
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         try:
             self.build()
         except BaseException:

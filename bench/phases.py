@@ -62,6 +62,7 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
 
     n, rank = be.world_size, be.rank
     m, c = padded_size(numel, n), chunk_size(numel, n)
+    coder = codec.codec_for(torch.device("cpu"))
     served = real_count(rank, numel, n)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     buf, out = x.clone(), torch.empty(m)
@@ -77,16 +78,16 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
 
     def decode() -> None:
         for j in range(n):
-            codec.decode(everyone[j, 4:], 1.0, out[j * c:(j + 1) * c])
+            coder.decode(everyone[j, 4:], 1.0, out[j * c:(j + 1) * c])
 
     calls = {
         "header": lambda: be.all_gather(header, headers),
-        "scan": lambda: codec.worker_scan(x, worker, signs.view(-1)),
+        "scan": lambda: coder.worker_scan(x, worker, signs.view(-1)),
         "a2a": lambda: be.all_to_all(signs, received),
-        "werr": lambda: codec.error_update_(worker, 1.0, numel, x),
-        "server": lambda: codec.server_scan_(received, scales, n, server, served, mine[4:]),
+        "werr": lambda: coder.error_update_(worker, 1.0, numel, x),
+        "server": lambda: coder.server_scan_(received, scales, n, server, served, mine[4:]),
         "gather": lambda: be.all_gather(mine, everyone),
-        "serr": lambda: codec.error_update_(server, 1.0, served),
+        "serr": lambda: coder.error_update_(server, 1.0, served),
         "decode": decode,
         "call": lambda: compcomm.compressed_allreduce(buf, ef, backend=be),
         "allreduce": lambda: be.all_reduce(buf, "mean"),

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence, overload
+from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -198,23 +199,24 @@ class PreparedCall:
         n, rank, device = be.world_size, be.rank, flat.device
         c = chunk_size(numel, n)
         worker, server = self.ef.buffers(numel, n, device)
+        coder = codec.codec_for(device)
 
         received = torch.empty_like(self.signs)
         in_flight = be.all_to_all(self.signs, received, async_op=True)
-        codec.error_update_(worker, self.scale, numel, flat)
+        coder.error_update_(worker, self.scale, numel, flat)
         in_flight.wait()
         self.signs = received  # drop the sent bits
 
         served = real_count(rank, numel, n)
         mine = torch.empty(SERVER_SCALE_BYTES + c // 8, dtype=torch.uint8, device=device)
         divisor = n if self.op == "mean" else 1
-        sum_sq = codec.server_scan_(received, torch.from_numpy(self.scales).to(device), divisor,
+        sum_sq = coder.server_scan_(received, torch.from_numpy(self.scales).to(device), divisor,
                                     server, served, mine[SERVER_SCALE_BYTES:])
         server_scale = codec.rms_scale(sum_sq, served)
         mine[:SERVER_SCALE_BYTES].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
         everyone = torch.empty(n, mine.numel(), dtype=torch.uint8, device=device)
         in_flight = be.all_gather(mine, everyone, async_op=True)
-        codec.error_update_(server, server_scale, served)
+        coder.error_update_(server, server_scale, served)
         self.ef.record_server_max()
         in_flight.wait()
 
@@ -230,11 +232,12 @@ def decode_result(everyone: torch.Tensor, out: torch.Tensor) -> None:
     row j holds server j's t_j (fp32) and the packed signs of its chunk."""
     n, numel = everyone.shape[0], out.numel()
     c = chunk_size(numel, n)
+    coder = codec.codec_for(out.device)
     server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
     for j in range(n):
         start, k = j * c, real_count(j, numel, n)
         if k:
-            codec.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start:start + k])
+            coder.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start:start + k])
 
 
 def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
@@ -303,7 +306,7 @@ def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend,
     signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
     worker = ef.worker_error.to(tensor.device) if ef.worker_error is not None else None
     flat = tensor.detach().reshape(-1)
-    return flat, signs, codec.worker_scan(flat, worker, signs.view(-1))
+    return flat, signs, codec.codec_for(tensor.device).worker_scan(flat, worker, signs.view(-1))
 
 
 def check_arguments(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str,

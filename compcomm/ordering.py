@@ -16,14 +16,16 @@ which only matches across ranks when the threads are themselves ordered.
 """
 from __future__ import annotations
 
+import atexit
 import threading
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
 _cond = threading.Condition()
-_registry: dict[Hashable, "Channel"] = {}
+_registry: dict[Hashable, Channel] = {}
 _opening: dict[Hashable, threading.Lock] = {}
 _held = threading.local()
 
@@ -69,6 +71,19 @@ def channel(key: Hashable, open_transport: Callable[[], Any]) -> Channel:
             with _cond:
                 _registry[key] = found
         return found
+
+
+@atexit.register
+def _close_all() -> None:
+    """Let the workers finish and drop the private transports while the interpreter is still
+    whole: their destructors join native threads, which must not happen during its teardown."""
+    with _cond:
+        channels = list(_registry.values())
+        _registry.clear()
+    for ch in channels:
+        if ch._worker is not None:
+            ch._worker.shutdown(wait=True)
+        ch.transport = None
 
 
 class Pending:

@@ -61,7 +61,8 @@ SKIP = _why_skip()
 
 
 def needs_netns(test):
-    """The `netns` marker, and a skip with the reason where namespaces cannot be built."""
+    """Marked `netns` (pytest -m netns runs these alone); skipped with the reason where
+    namespaces cannot be made."""
     return pytest.mark.netns(pytest.mark.skipif(SKIP is not None, reason=SKIP or "")(test))
 
 

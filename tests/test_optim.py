@@ -9,6 +9,7 @@ import torch
 
 import compcomm
 from compcomm.optim import OnebitAdam, OnebitLamb, OnebitOptimizer
+
 from rankpool import caught, group
 
 OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}

@@ -19,7 +19,7 @@ compensates across steps as in compressed SGD with momentum.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

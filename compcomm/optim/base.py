@@ -24,7 +24,8 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -67,6 +68,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
     """
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    freeze_step: int
+    last_step_skipped: bool
+    _backend_arg: Backend | str | None
+    _step_count: int
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], freeze_step: int,
                  backend: Backend | str | None) -> None:
@@ -148,9 +153,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Average `tensors` (one per parameter, any float dtype) over all ranks, bucket by bucket.
 
         Uncompressed: `backend.all_reduce(mean)`; compressed: `compressed_allreduce` with the
-        bucket's ErrorFeedback, all buckets in flight at once (async_op), then waited. Returns fp32 views (into the bucket buffers) of the averages,
-        in parameter order, valid until the next call. Every collective of the optimizer's
-        payload is issued here, one per bucket.
+        bucket's ErrorFeedback, all buckets in flight at once (async_op), then waited. Returns fp32
+        views (into the bucket buffers) of the averages, in parameter order, valid until the next
+        call. Every collective of the optimizer's payload is issued here, one per bucket.
         """
         bucketer, be = self._layout(), self.backend
         out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -251,12 +256,12 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """torch's optimizer state plus, under "compcomm", the step count, the world size and
         the error feedback of every bucket (what exact resumption needs)."""
         sd = super().state_dict()
-        self._layout()
+        bucketer = self._layout()
         sd[_EXTRA_KEY] = {
             "step": self._step_count,
             "freeze_step": self.freeze_step,
             "world_size": self.backend.world_size,
-            "bucket_numels": [b.numel for b in self._bucketer],
+            "bucket_numels": [b.numel for b in bucketer],
             "error_feedback": [ef.state_dict() for ef in self._error_feedback],
         }
         return sd
@@ -271,14 +276,14 @@ class OnebitOptimizer(torch.optim.Optimizer):
         extra = state_dict.get(_EXTRA_KEY)
         if extra is None:
             raise ValueError(f"not a {type(self).__name__} state dict (no {_EXTRA_KEY!r} entry)")
-        self._layout()
+        bucketer = self._layout()
         world = self.backend.world_size
         if extra["world_size"] is not None and extra["world_size"] != world:
             raise ValueError(
                 f"this checkpoint was saved on {extra['world_size']} ranks and cannot resume on {world}: "
                 "its error-feedback buffers belong to another split of the buckets. To resume anyway "
                 "with the errors reset to zero, load OnebitOptimizer.drop_error_feedback(state_dict)")
-        numels = [b.numel for b in self._bucketer]
+        numels = [b.numel for b in bucketer]
         if list(extra["bucket_numels"]) != numels:
             raise ValueError(f"the checkpoint's buckets ({extra['bucket_numels']} elements) do not match "
                              f"this optimizer's ({numels}): different parameters or bucket_bytes")

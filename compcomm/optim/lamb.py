@@ -34,7 +34,8 @@ on every rank and the rescaled result stays bitwise identical everywhere.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -97,7 +98,8 @@ class OnebitLamb(OnebitOptimizer):
             state = self._moments(p)
             beta1, beta2 = group["betas"]
             update_moments(state, g, group["betas"])
-            u_pre = state["exp_avg"].div(1 - beta1 ** t).div_(adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"]))
+            denominator = adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"])
+            u_pre = state["exp_avg"].div(1 - beta1 ** t).div_(denominator)
 
             def coeff(w: torch.Tensor, _u_pre: torch.Tensor, u: torch.Tensor, state=state, group=group) -> float:
                 ratio = trust_ratio(w, u)
