@@ -266,7 +266,8 @@ def from_torch(local_world_size: int | None = None, transport: str | None = None
     from . import get
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("get('hierarchical') needs torch.distributed: call torch.distributed.init_process_group() first")
+        raise RuntimeError("get('hierarchical') needs torch.distributed: call "
+                           "torch.distributed.init_process_group() first")
     if local_world_size is None:
         if "LOCAL_WORLD_SIZE" not in os.environ:
             raise ValueError("get('hierarchical') needs the ranks per node: set LOCAL_WORLD_SIZE (torchrun does) "

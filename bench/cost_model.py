@@ -44,7 +44,8 @@ def comm_time(p: dict, bytes_: float, steps: int, share: float, bandwidth: float
     return p["alpha"] * steps * share + max(0.0, bytes_ - p["burst"]) / bandwidth
 
 
-def flat_parts(p: dict, numel: int, n: int, share: float, k: int = 1, sharing_link: int | None = None) -> dict[str, float]:
+def flat_parts(p: dict, numel: int, n: int, share: float, k: int = 1,
+               sharing_link: int | None = None) -> dict[str, float]:
     """Predicted seconds of every part of the flat call over n ranks, k per host: the ranks
     share the host's link (B/k each, or B/sharing_link) for the (n-k)/(n-1) of their blocks that
     leave the host; the ring all-reduce, in rank order, sends one stream per host link."""
@@ -104,7 +105,8 @@ EXTRAPOLATION = {
 
 def extrapolate(numel: int) -> list[str]:
     x = EXTRAPOLATION
-    rows = ["| ranks | link | fp32 ring allreduce | flat 1-bit | of which latency | hierarchical (8/node) | flat speedup | hier speedup |",
+    rows = ["| ranks | link | fp32 ring allreduce | flat 1-bit | of which latency | hierarchical (8/node) "
+            "| flat speedup | hier speedup |",
             "|---|---|---|---|---|---|---|---|"]
     for gbit in (25, 100):
         bandwidth = gbit / 8 * 1e9 * x["efficiency"]

@@ -9,11 +9,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from rankpool import RankPool, caught
-from reference import reference_allreduce
 
 import compcomm
 from compcomm.layout import chunk_size, padded_size, real_count
+
+from rankpool import RankPool, caught
+from reference import reference_allreduce
 
 _backends: dict[str, object] = {}  # per rank process: layout name -> its HierarchicalBackend
 LAYOUTS = {"2x2": (2, 2), "2x3": (2, 3)}  # nodes x ranks per node
@@ -252,6 +253,7 @@ def _wrong_layout() -> tuple | None:
 
 def empty_flat() -> dict:
     import torch.distributed as dist
+
     from rankpool import group
     if dist.get_rank() >= 2:
         return {}
