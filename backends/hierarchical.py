@@ -65,7 +65,7 @@ class HierarchicalBackend(Backend):
         super().__init__()
 
     # The count lives in the two transports; the generic accounting's writes are ignored.
-    @property  # type: ignore[override]
+    @property
     def bytes_sent(self) -> int:
         return self.intra.bytes_sent + self.inter.bytes_sent
 
