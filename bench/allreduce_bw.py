@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to spawn locally when not launched by torchrun/mpirun (default 4)")
     p.add_argument("--ops", default="compressed,allreduce",
                    help="comma-separated ops to run: compressed, allreduce (default both)")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="also run the compressed op on compcomm.backends.get('hierarchical'): exact within "
+                        "each node of LOCAL_WORLD_SIZE ranks, 1-bit across nodes (torchrun/netsim launches)")
     p.add_argument("--json", metavar="PATH", help="write the result records (SPEC 7 keys) as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of busbw vs size, compressed vs allreduce")
     p.add_argument("--title", default=None, help="plot title suffix (e.g. the simulated link)")
@@ -176,7 +179,8 @@ def print_header(args, n: int, label: str) -> None:
 def print_row(rec: dict) -> None:
     peak = rec["peak_transient_bytes"]
     ratio = f"{peak / (4 * rec['count']):>7.3f}" if peak is not None else f"{'n/a':>7}"
-    print(f"  {rec['size_bytes']:>11d} {rec['count']:>10d} {rec['dtype']:>8} {rec['op']:>10} | "
+    shown = "hier" if rec["backend"] == "hierarchical" else rec["op"]
+    print(f"  {rec['size_bytes']:>11d} {rec['count']:>10d} {rec['dtype']:>8} {shown:>10} | "
           f"{rec['time_us']:>11.1f} {rec['algbw_GBps']:>11.4f} {rec['busbw_GBps']:>11.4f} "
           f"{rec['wire_busbw_GBps']:>12.4f} {rec['wire_bytes']:>13d} {ratio} {rec['rel_error']:>9.2e} | "
           f"{rec['time_min_us']:>11.1f} {rec['time_max_us']:>11.1f}", flush=True)
@@ -204,8 +208,9 @@ def operation(op: str, be, x: torch.Tensor, exact: torch.Tensor, warmup: int):
     return call, err
 
 
-def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int) -> dict:
-    """The record of one op at one size: times, bandwidths, wire bytes, error, peak memory."""
+def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int, name: str | None = None) -> dict:
+    """The record of one op at one size: times, bandwidths, wire bytes, error, peak memory
+    (`name`: the backend column, default --backend)."""
     n = be.world_size
     call, err = operation(op, be, x, exact, args.warmup)
     times, wire = _time_calls(be, call, args.iters)
@@ -215,7 +220,7 @@ def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int) 
     t = float(times.mean())
     algbw = size / t / 1e9
     return {"op": op, "size_bytes": size, "count": x.numel(), "dtype": args.dtype, "world_size": n,
-            "backend": args.backend, "time_us": t * 1e6, "algbw_GBps": algbw,
+            "backend": name or args.backend, "time_us": t * 1e6, "algbw_GBps": algbw,
             "busbw_GBps": algbw * 2 * (n - 1) / n, "wire_bytes": int(round(wire)), "rel_error": err,
             "wire_busbw_GBps": wire / t / 1e9,
             "time_min_us": float(times.min()) * 1e6, "time_max_us": float(times.max()) * 1e6,
@@ -223,8 +228,10 @@ def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int) 
             "peak_transient_bytes": None if math.isnan(peak) else int(peak)}
 
 
-def run_rank(args, be, label: str) -> list[dict] | None:
-    """Run the sweep on one rank; rank 0 prints the table and writes the outputs."""
+def run_rank(args, be, label: str, hier=None) -> list[dict] | None:
+    """Run the sweep on one rank; rank 0 prints the table and writes the outputs. With `hier`
+    (a hierarchical backend over the same ranks), the compressed op also runs on it: extra rows
+    with backend "hierarchical"."""
     rank, device, dtype = be.rank, be.device, DTYPES[args.dtype]
     ops = check_args(args)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -241,6 +248,8 @@ def run_rank(args, be, label: str) -> list[dict] | None:
         exact = x.float() if x.dtype != torch.float32 else x.clone()
         be.all_reduce(exact, "mean")
         rows = [measure(op, be, x, exact, args, size) for op in ops]
+        if hier is not None:
+            rows.append(measure("compressed", hier, x, exact, args, size, "hierarchical"))
         records += rows
         if lead:
             for rec in rows:
@@ -263,16 +272,21 @@ def _summary(records: list[dict]) -> None:
         rows = [r for r in records if r["op"] == op]
         if rows:  # as nccl-tests ends its table
             print(f"# Avg bus bandwidth    : {sum(r['busbw_GBps'] for r in rows) / len(rows):.4f} ({op})")
-    by = {(r["op"], r["size_bytes"]): r for r in records}
+    by = {(r["op"], r["size_bytes"]): r for r in records if r["backend"] != "hierarchical"}
     pairs = [(by[("compressed", s)], by[("allreduce", s)]) for (op, s) in by if op == "compressed"
              and ("allreduce", s) in by]
-    if not pairs:
-        return
-    print("# speedup (allreduce time / compressed time) and wire-byte ratio per size:")
+    if pairs:
+        print("# speedup (allreduce time / compressed time) and wire-byte ratio per size:")
     for c, a in pairs:
         ratio = a["wire_bytes"] / c["wire_bytes"] if c["wire_bytes"] else float("inf")
         print(f"#   {human(c['size_bytes']):>10}: speedup {a['time_us'] / c['time_us']:6.2f}x, "
               f"wire {ratio:5.1f}x less")
+    flat = [(h, by[("compressed", h["size_bytes"])]) for h in records
+            if h["backend"] == "hierarchical" and ("compressed", h["size_bytes"]) in by]
+    if flat:
+        print("# hierarchical speedup (flat compressed time / hierarchical time) per size:")
+    for h, c in flat:
+        print(f"#   {human(h['size_bytes']):>10}: speedup {c['time_us'] / h['time_us']:6.2f}x")
 
 
 def write_json(records: list[dict], path: str) -> None:
@@ -348,7 +362,8 @@ def _torch_dist_rank(args, label: str) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(args.backend, timeout=datetime.timedelta(minutes=30))
     try:
-        run_rank(args, backends.get(args.backend), label)
+        hier = backends.get("hierarchical") if args.hierarchical else None
+        run_rank(args, backends.get(args.backend), label, hier)
     finally:
         dist.destroy_process_group()
 
@@ -374,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     from compcomm import backends, launch
 
     how = launch.launcher()
+    if args.hierarchical and (args.backend == "mpi" or how != "torchrun"):
+        raise SystemExit("--hierarchical runs under torchrun or bench/netsim.py --ranks-per-host, which set "
+                         "LOCAL_WORLD_SIZE (ranks per node), with --backend gloo or nccl")
     if args.backend == "mpi":
         if how != "mpirun":
             raise SystemExit("--backend mpi runs under an MPI launcher, e.g.: "
