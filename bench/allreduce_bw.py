@@ -9,8 +9,10 @@
 For every size, one row for `compcomm.compressed_allreduce` ("compressed") and one for the
 backend's uncompressed `all_reduce` ("allreduce"), both with op="mean":
 
-    time(us)     per call, averaged over --iters timed calls, then over ranks (min/max shown too)
+    time(us)     per call, averaged over --iters timed calls (min/max over those calls shown too);
+                 a call's time is the slowest rank's
     algbw(GB/s)  logical bytes / time;   busbw = algbw * 2(n-1)/n
+    wirebw(GB/s) bytes this rank put on the wire per call / time (what the links carried)
     wire(B)      bytes this rank handed to the transport per call (the backend's bytes_sent)
     peak(x)      peak transient memory of one call (max over ranks) beyond what existed before
                  it, as a multiple of the tensor's fp32 size (bench/peak_memory.py)
@@ -30,22 +32,21 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import time
 
 import numpy as np
 import torch
 
-from peak_memory import PeakMemory, mmap_threshold_env, supported as memory_measurable
+from netsim import parse_rate
+from peak_memory import PeakMemory, mmap_threshold_env
+from peak_memory import supported as memory_measurable
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-RECORD_KEYS = ("op", "size_bytes", "count", "dtype", "world_size", "backend", "time_us",
-               "algbw_GBps", "busbw_GBps", "wire_bytes", "rel_error")
 
 
 def parse_size(text: str) -> int:
@@ -93,9 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to spawn locally when not launched by torchrun/mpirun (default 4)")
     p.add_argument("--ops", default="compressed,allreduce",
                    help="comma-separated ops to run: compressed, allreduce (default both)")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="also run the compressed op on compcomm.backends.get('hierarchical'): exact within "
+                        "each node of LOCAL_WORLD_SIZE ranks, 1-bit across nodes (torchrun/netsim launches)")
     p.add_argument("--json", metavar="PATH", help="write the result records (SPEC 7 keys) as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of busbw vs size, compressed vs allreduce")
     p.add_argument("--title", default=None, help="plot title suffix (e.g. the simulated link)")
+    p.add_argument("--link-rate", default=None,
+                   help="per-host link rate drawn on the plot, tc syntax (e.g. 1gbit; default: bench/netsim.py's)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     return p
@@ -109,26 +115,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _gather_floats(be, value: float) -> np.ndarray:
-    """Every rank's `value` (through the backend's own uint8 all_gather; works on any backend)."""
-    send = torch.from_numpy(np.array([value], dtype=np.float64).view(np.uint8).copy()).to(be.device)
-    recv = torch.empty(be.world_size, 8, dtype=torch.uint8, device=be.device)
+def _gather_floats(be, values) -> np.ndarray:
+    """Every rank's `values` (a float or a list of k floats), as an (n,) or (n, k) array,
+    through the backend's own uint8 all_gather (works on any backend)."""
+    mine = np.atleast_1d(np.asarray(values, dtype=np.float64))
+    send = torch.from_numpy(mine.view(np.uint8).copy()).to(be.device)
+    recv = torch.empty(be.world_size, send.numel(), dtype=torch.uint8, device=be.device)
     be.all_gather(send, recv)
-    return recv.cpu().numpy().copy().view(np.float64).reshape(-1)
+    out = recv.cpu().numpy().copy().view(np.float64).reshape(be.world_size, -1)
+    return out.reshape(-1) if np.ndim(values) == 0 else out
 
 
 def _time_calls(be, fn, iters: int) -> tuple[np.ndarray, float]:
-    """(per-call seconds on every rank, wire bytes per call on this rank)."""
+    """(seconds of each call, as the slowest rank saw it; wire bytes per call on this rank).
+
+    Ranks start together (a barrier), then run the calls back to back; call i's time is the
+    largest over ranks of its own duration."""
     be.barrier()
     _sync(be.device)
     sent = be.bytes_sent
-    start = time.perf_counter()
+    durations = []
     for _ in range(iters):
+        start = time.perf_counter()
         fn()
-    _sync(be.device)
-    elapsed = (time.perf_counter() - start) / iters
+        _sync(be.device)
+        durations.append(time.perf_counter() - start)
     wire = (be.bytes_sent - sent) / iters
-    return _gather_floats(be, elapsed), wire
+    return _gather_floats(be, durations).max(axis=0), wire
 
 
 def _rel_error(out: torch.Tensor, exact: torch.Tensor) -> float:
@@ -137,105 +150,143 @@ def _rel_error(out: torch.Tensor, exact: torch.Tensor) -> float:
     return float(diff.norm()) / norm if norm > 0 else float(diff.norm())
 
 
-def run_rank(args, be, label: str) -> list[dict] | None:
-    """Run the sweep on one rank; rank 0 prints the table and returns the records."""
-    import compcomm
-
-    rank, n, device = be.rank, be.world_size, be.device
-    dtype = DTYPES[args.dtype]
-    elem = torch.empty((), dtype=dtype).element_size()
-    sizes = sweep_sizes(args.min_bytes, args.max_bytes, args.factor, elem)
+def check_args(args) -> list[str]:
+    """The ops to run, after rejecting bad --ops / --iters / --warmup."""
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     for op in ops:
         if op not in ("compressed", "allreduce"):
             raise SystemExit(f"unknown op {op!r} in --ops (choose compressed, allreduce)")
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
-    busfactor = 2 * (n - 1) / n
-    records: list[dict] = []
+    return ops
+
+
+def print_header(args, n: int, label: str) -> None:
+    import compcomm
+
+    codecs = ", ".join(f"{device}: {what}" for device, what in compcomm.codec_info().items())
+    print(f"# compcomm allreduce_bw: {label}, world size {n}, backend {args.backend}, dtype {args.dtype}, "
+          f"iters {args.iters}, warmup {args.warmup}, op mean")
+    print(f"# codec: {codecs}")
+    if not memory_measurable(torch.device("cpu")):
+        print(f"# peak(x): not measured on CPU here (start the ranks with {mmap_threshold_env()} to measure it)")
+    print("#" + " " * 78 + "|  time across iterations (us)")
+    print(f"# {'size(B)':>11} {'count':>10} {'type':>8} {'op':>10} | {'time(us)':>11} {'algbw(GB/s)':>11} "
+          f"{'busbw(GB/s)':>11} {'wirebw(GB/s)':>12} {'wire(B)/rank':>13} {'peak(x)':>7} {'rel_err':>9} | "
+          f"{'min':>11} {'max':>11}", flush=True)
+
+
+def print_row(rec: dict) -> None:
+    peak = rec["peak_transient_bytes"]
+    ratio = f"{peak / (4 * rec['count']):>7.3f}" if peak is not None else f"{'n/a':>7}"
+    shown = "hier" if rec["backend"] == "hierarchical" else rec["op"]
+    print(f"  {rec['size_bytes']:>11d} {rec['count']:>10d} {rec['dtype']:>8} {shown:>10} | "
+          f"{rec['time_us']:>11.1f} {rec['algbw_GBps']:>11.4f} {rec['busbw_GBps']:>11.4f} "
+          f"{rec['wire_busbw_GBps']:>12.4f} {rec['wire_bytes']:>13d} {ratio} {rec['rel_error']:>9.2e} | "
+          f"{rec['time_min_us']:>11.1f} {rec['time_max_us']:>11.1f}", flush=True)
+
+
+def operation(op: str, be, x: torch.Tensor, exact: torch.Tensor, warmup: int):
+    """(call, rel_error) for one op on a fresh copy of x: `call()` runs it once more in place;
+    the error is that of the first call (for the compressed op, with zero error feedback)."""
+    import compcomm
+
+    buf = x.clone()
+    if op == "allreduce":
+        def call() -> None:
+            be.all_reduce(buf, "mean")
+    else:
+        ef = compcomm.ErrorFeedback()
+
+        def call() -> None:
+            compcomm.compressed_allreduce(buf, ef, backend=be, op="mean")
+    call()
+    err = _rel_error(buf, exact)
+    for _ in range(warmup - 1):
+        buf.copy_(x)
+        call()
+    return call, err
+
+
+def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int, name: str | None = None) -> dict:
+    """The record of one op at one size: times, bandwidths, wire bytes, error, peak memory
+    (`name`: the backend column, default --backend)."""
+    n = be.world_size
+    call, err = operation(op, be, x, exact, args.warmup)
+    times, wire = _time_calls(be, call, args.iters)
+    with PeakMemory(be.device) as probe:
+        call()
+    peak = float(_gather_floats(be, probe.bytes).max()) if memory_measurable(be.device) else math.nan
+    t = float(times.mean())
+    algbw = size / t / 1e9
+    return {"op": op, "size_bytes": size, "count": x.numel(), "dtype": args.dtype, "world_size": n,
+            "backend": name or args.backend, "time_us": t * 1e6, "algbw_GBps": algbw,
+            "busbw_GBps": algbw * 2 * (n - 1) / n, "wire_bytes": int(round(wire)), "rel_error": err,
+            "wire_busbw_GBps": wire / t / 1e9,
+            "time_min_us": float(times.min()) * 1e6, "time_max_us": float(times.max()) * 1e6,
+            "iters": args.iters, "warmup": args.warmup,
+            "peak_transient_bytes": None if math.isnan(peak) else int(peak)}
+
+
+def run_rank(args, be, label: str, hier=None) -> list[dict] | None:
+    """Run the sweep on one rank; rank 0 prints the table and writes the outputs. With `hier`
+    (a hierarchical backend over the same ranks), the compressed op also runs on it: extra rows
+    with backend "hierarchical"."""
+    rank, device, dtype = be.rank, be.device, DTYPES[args.dtype]
+    ops = check_args(args)
+    elem = torch.empty((), dtype=dtype).element_size()
+    sizes = sweep_sizes(args.min_bytes, args.max_bytes, args.factor, elem)
     lead = rank == 0
     if lead:
-        print(f"# compcomm allreduce_bw: {label}, world size {n}, backend {args.backend}, dtype {args.dtype}, "
-              f"iters {args.iters}, warmup {args.warmup}, op mean")
-        print("#" + " " * 64 + "|  time across ranks (us)")
-        print(f"# {'size(B)':>11} {'count':>10} {'type':>8} {'op':>10} | {'time(us)':>11} {'algbw(GB/s)':>11} "
-              f"{'busbw(GB/s)':>11} {'wire(B)/rank':>13} {'peak(x)':>7} {'rel_err':>9} | {'min':>11} {'max':>11}", flush=True)
+        print_header(args, be.world_size, label)
+    records: list[dict] = []
     t_start = time.perf_counter()
     for index, size in enumerate(sizes):
-        count = size // elem
         gen = torch.Generator().manual_seed(args.seed + 7919 * rank + 104729 * index)
-        x = torch.randn(count, generator=gen, dtype=torch.float32).to(dtype=dtype, device=device)
+        x = torch.randn(size // elem, generator=gen, dtype=torch.float32).to(dtype=dtype, device=device)
         # The exact mean, from an uncompressed fp32 allreduce of the same inputs (also a warm-up).
         exact = x.float() if x.dtype != torch.float32 else x.clone()
         be.all_reduce(exact, "mean")
-        rows = {}
-        for op in ops:
-            buf = torch.empty_like(x)
-            if op == "allreduce":
-                def call():
-                    be.all_reduce(buf, "mean")
-                buf.copy_(x)
-                call()
-                err = _rel_error(buf, exact)
-                for _ in range(args.warmup - 1):
-                    call()
-            else:
-                ef = compcomm.ErrorFeedback()
-
-                def call():
-                    compcomm.compressed_allreduce(buf, ef, backend=be, op="mean")
-                buf.copy_(x)
-                call()  # a fresh ErrorFeedback: the error of one compressed step
-                err = _rel_error(buf, exact)
-                for _ in range(args.warmup - 1):
-                    buf.copy_(x)
-                    call()
-            times, wire = _time_calls(be, call, args.iters)
-            with PeakMemory(device) as probe:
-                call()
-            peak = float(_gather_floats(be, probe.bytes).max()) if memory_measurable(device) else float("nan")
-            rows[op] = (times, wire, err, peak)
-        del x, exact
-        for op in ops:
-            times, wire, err, peak = rows[op]
-            t = float(times.mean())
-            algbw = size / t / 1e9
-            rec = {"op": op, "size_bytes": size, "count": count, "dtype": args.dtype, "world_size": n,
-                   "backend": args.backend, "time_us": t * 1e6, "algbw_GBps": algbw,
-                   "busbw_GBps": algbw * busfactor, "wire_bytes": int(round(wire)), "rel_error": err,
-                   "time_min_us": float(times.min()) * 1e6, "time_max_us": float(times.max()) * 1e6,
-                   "iters": args.iters, "warmup": args.warmup,
-                   "peak_transient_bytes": None if math.isnan(peak) else int(peak)}
-            peak_ratio = peak / (4 * count)
-            records.append(rec)
-            if lead:
-                print(f"  {size:>11d} {count:>10d} {args.dtype:>8} {op:>10} | {rec['time_us']:>11.1f} "
-                      f"{algbw:>11.4f} {rec['busbw_GBps']:>11.4f} {rec['wire_bytes']:>13d} {peak_ratio:>7.3f} {err:>9.2e} | "
-                      f"{rec['time_min_us']:>11.1f} {rec['time_max_us']:>11.1f}", flush=True)
-        if lead and not args.quiet:
-            print(f"[allreduce_bw] {index + 1}/{len(sizes)} sizes done ({human(size)}), "
-                  f"{time.perf_counter() - t_start:.1f}s elapsed", file=sys.stderr, flush=True)
-    if lead:
-        _summary(records)
-        if args.json:
-            write_json(records, args.json)
-        if args.plot:
-            write_plot(records, args.plot, args.title or label)
-        return records
-    return None
+        rows = [measure(op, be, x, exact, args, size) for op in ops]
+        if hier is not None:
+            rows.append(measure("compressed", hier, x, exact, args, size, "hierarchical"))
+        records += rows
+        if lead:
+            for rec in rows:
+                print_row(rec)
+            if not args.quiet:
+                print(f"[allreduce_bw] {index + 1}/{len(sizes)} sizes done ({human(size)}), "
+                      f"{time.perf_counter() - t_start:.1f}s elapsed", file=sys.stderr, flush=True)
+    if not lead:
+        return None
+    _summary(records)
+    if args.json:
+        write_json(records, args.json)
+    if args.plot:
+        write_plot(records, args.plot, args.title or label, link_rate(args))
+    return records
 
 
 def _summary(records: list[dict]) -> None:
-    by = {(r["op"], r["size_bytes"]): r for r in records}
+    for op in ("compressed", "allreduce"):
+        rows = [r for r in records if r["op"] == op]
+        if rows:  # as nccl-tests ends its table
+            print(f"# Avg bus bandwidth    : {sum(r['busbw_GBps'] for r in rows) / len(rows):.4f} ({op})")
+    by = {(r["op"], r["size_bytes"]): r for r in records if r["backend"] != "hierarchical"}
     pairs = [(by[("compressed", s)], by[("allreduce", s)]) for (op, s) in by if op == "compressed"
              and ("allreduce", s) in by]
-    if not pairs:
-        return
-    print("# speedup (allreduce time / compressed time) and wire-byte ratio per size:")
+    if pairs:
+        print("# speedup (allreduce time / compressed time) and wire-byte ratio per size:")
     for c, a in pairs:
         ratio = a["wire_bytes"] / c["wire_bytes"] if c["wire_bytes"] else float("inf")
         print(f"#   {human(c['size_bytes']):>10}: speedup {a['time_us'] / c['time_us']:6.2f}x, "
               f"wire {ratio:5.1f}x less")
+    flat = [(h, by[("compressed", h["size_bytes"])]) for h in records
+            if h["backend"] == "hierarchical" and ("compressed", h["size_bytes"]) in by]
+    if flat:
+        print("# hierarchical speedup (flat compressed time / hierarchical time) per size:")
+    for h, c in flat:
+        print(f"#   {human(h['size_bytes']):>10}: speedup {c['time_us'] / h['time_us']:6.2f}x")
 
 
 def write_json(records: list[dict], path: str) -> None:
@@ -245,7 +296,16 @@ def write_json(records: list[dict], path: str) -> None:
         f.write("\n")
 
 
-def write_plot(records: list[dict], path: str, title: str) -> None:
+def link_rate(args) -> float | None:
+    """The per-host link rate in GB/s to draw on the plot: --link-rate, else the simulated
+    network's (NETSIM_RATE, set by bench/netsim.py), else None."""
+    text = args.link_rate or os.environ.get("NETSIM_RATE")
+    return parse_rate(text) / 8e9 if text else None
+
+
+def write_plot(records: list[dict], path: str, title: str, rate_GBps: float | None = None) -> None:
+    """busbw against size (MiB) for both ops; with a link rate, the line an uncompressed
+    allreduce cannot pass and the 1-bit ideal (the link carrying only sign bits)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -257,18 +317,23 @@ def write_plot(records: list[dict], path: str, title: str) -> None:
     for op, style in (("compressed", "o-"), ("allreduce", "s--")):
         rows = sorted((r for r in records if r["op"] == op), key=lambda r: r["size_bytes"])
         if rows:
-            ax.plot([r["size_bytes"] for r in rows], [r["busbw_GBps"] for r in rows], style,
+            ax.plot([r["size_bytes"] / 2**20 for r in rows], [r["busbw_GBps"] for r in rows], style,
                     label=f"{op} (mean)")
     if records:
         r0 = records[0]
         title = f"{title}: {r0['world_size']} ranks, {r0['backend']}, {r0['dtype']}"
+        if rate_GBps is not None:
+            bits_per_element = 8 * r0["size_bytes"] // r0["count"]
+            ax.axhline(rate_GBps, color="grey", linestyle=":", label=f"link rate ({rate_GBps:g} GB/s)")
+            ax.axhline(rate_GBps * bits_per_element, color="grey", linestyle="-.",
+                       label=f"1-bit ideal ({bits_per_element}x link rate)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("size (bytes)")
+    ax.set_xlabel("size (MiB)")
     ax.set_ylabel("busbw (GB/s) = size/time * 2(n-1)/n")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -276,7 +341,7 @@ def write_plot(records: list[dict], path: str, title: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# launch modes
+# launch modes (compcomm.launch: torchrun / netsim environment, mpirun, or self-spawned ranks)
 
 def _set_threads() -> None:
     threads = os.environ.get("OMP_NUM_THREADS")
@@ -284,49 +349,33 @@ def _set_threads() -> None:
         torch.set_num_threads(int(threads))
 
 
-def _torch_dist_backend(name: str, local_rank: int):
+def _torch_dist_rank(args, label: str) -> None:
+    """One rank started with torchrun's environment: join the group, run, leave."""
     import torch.distributed as dist
+
     from compcomm import backends
 
-    if name == "nccl":
+    _set_threads()
+    if args.backend == "nccl":
         if not torch.cuda.is_available():
             raise SystemExit("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    if not dist.is_initialized():
-        dist.init_process_group(name, timeout=datetime.timedelta(minutes=30))
-    return backends.get(name)
-
-
-def _spawned(rank: int, args, world: int, port: int, result_path: str | None) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    _set_threads()
-    import torch.distributed as dist
-
-    be = _torch_dist_backend(args.backend, rank)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(minutes=30))
     try:
-        run_rank(args, be, f"{world} local ranks (self-spawned)")
+        hier = backends.get("hierarchical") if args.hierarchical else None
+        run_rank(args, backends.get(args.backend), label, hier)
     finally:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _reexec_for_memory_measurement() -> None:
-    """Restart once with large allocations bypassing glibc's heap, which would hide reuse."""
-    env = mmap_threshold_env()
-    if sys.platform.startswith("linux") and any(os.environ.get(k) != v for k, v in env.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+def _launch_label() -> str:
+    if os.environ.get("NETSIM_RATE"):
+        delay = os.environ.get("NETSIM_DELAY")
+        return "netsim " + os.environ["NETSIM_RATE"] + (f" +{delay}" if delay else "")
+    return "torchrun"
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:
-        _reexec_for_memory_measurement()
     args = build_parser().parse_args(argv)
     try:
         sweep_sizes(args.min_bytes, args.max_bytes, args.factor, 1)
@@ -336,35 +385,29 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise SystemExit("--plot needs matplotlib; install it (pip install matplotlib) or drop --plot")
+            raise SystemExit("--plot needs matplotlib; install it (pip install matplotlib) or drop --plot") from None
+    from compcomm import backends, launch
 
-    from compcomm import backends
-
+    how = launch.launcher()
+    if args.hierarchical and (args.backend == "mpi" or how != "torchrun"):
+        raise SystemExit("--hierarchical runs under torchrun or bench/netsim.py --ranks-per-host, which set "
+                         "LOCAL_WORLD_SIZE (ranks per node), with --backend gloo or nccl")
     if args.backend == "mpi":
-        if not backends.launched_by_mpi():
+        if how != "mpirun":
             raise SystemExit("--backend mpi runs under an MPI launcher, e.g.: "
                              f"mpirun -n {args.nprocs} {sys.executable} {' '.join(sys.argv)}")
         _set_threads()
-        be = backends.get("mpi")
-        run_rank(args, be, "mpirun")
-        return 0
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _set_threads()
-        be = _torch_dist_backend(args.backend, int(os.environ.get("LOCAL_RANK", "0")))
-        label = "netsim " + os.environ["NETSIM_RATE"] if os.environ.get("NETSIM_RATE") else "torchrun"
-        if os.environ.get("NETSIM_DELAY"):
-            label += f" +{os.environ['NETSIM_DELAY']}"
-        try:
-            run_rank(args, be, label)
-        finally:
-            import torch.distributed as dist
-            dist.destroy_process_group()
-        return 0
-    if args.nprocs < 1:
-        raise SystemExit("--nprocs must be >= 1")
-    import torch.multiprocessing as mp
-
-    mp.spawn(_spawned, args=(args, args.nprocs, _free_port(), None), nprocs=args.nprocs, join=True)
+        run_rank(args, backends.get("mpi"), "mpirun")
+    elif how == "torchrun":
+        _torch_dist_rank(args, _launch_label())
+    else:
+        if args.nprocs < 1:
+            raise SystemExit("--nprocs must be >= 1")
+        # Ranks start with large allocations bypassing glibc's heap (which would hide reuse from
+        # the peak-memory column) and an even share of the cores.
+        os.environ.update(mmap_threshold_env())
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nprocs)))
+        launch.spawn(_torch_dist_rank, args.nprocs, args, f"{args.nprocs} local ranks (self-spawned)")
     return 0
 
 

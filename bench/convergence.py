@@ -1,21 +1,30 @@
-"""Convergence of 1-bit Adam / 1-bit LAMB against their uncompressed selves, on a real task.
+"""Convergence of the compressed optimizers against their uncompressed selves, on real text.
 
-A small character-level language model (embedding of a fixed context window -> MLP -> next
-character) learns Python's own standard-library sources (read from the local installation,
-nothing downloaded). Data-parallel over local gloo ranks that this program spawns itself
-(or under torchrun), each rank drawing its own minibatches. Four runs with identical data:
+Two tasks, data-parallel over local gloo ranks that this program spawns itself (or under
+torchrun), each rank drawing its own minibatches of windows of text:
+
+    --task char-mlp      a character-level MLP language model (embedding of a fixed context
+                         window -> MLP -> next character) on Python's own standard-library
+                         sources (read from the local installation)
+    --task transformer   a small causal transformer (2 layers, next character at every
+                         position) on the English prose of Python's help topics
+                         (`pydoc_data.topics`, shipped with Python)
+
+Nothing is downloaded. Five runs with identical data and initial model:
 
     adam          OnebitAdam with freeze_step = steps  (never compresses: fp32 allreduce Adam)
     onebit_adam   OnebitAdam with freeze_step = warm-up fraction * steps
     lamb          OnebitLamb with freeze_step = steps
     onebit_lamb   OnebitLamb with freeze_step = warm-up fraction * steps
+    zeroone       ZeroOneAdam (0/1 Adam), var_freeze_step = warm-up fraction * steps; its
+                  uncompressed baseline is adam
 
-It prints the final validation losses, the gaps, and the bytes each rank handed to the
-transport (backend.bytes_sent), and writes `convergence.json` and `convergence.png`
-(matplotlib, optional) to --out.
+It prints the final validation losses, the gaps to the baselines, and the bytes each rank
+handed to the transport (backend.bytes_sent), and writes `convergence[_TASK].json` and
+`.png` (matplotlib, optional) to --out.
 
-    python bench/convergence.py                      # the recorded run (4 ranks, a few minutes)
-    python bench/convergence.py --steps 3000 --hidden 512 --context 32    # a bigger one
+    python bench/convergence.py                              # char-mlp, 4 ranks, a few minutes
+    python bench/convergence.py --task transformer
     torchrun --nproc-per-node 4 bench/convergence.py
 """
 from __future__ import annotations
@@ -25,25 +34,28 @@ import datetime
 import glob
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
-import socket
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-RUNS = {  # name: (optimizer, compressed)
-    "adam": ("adam", False), "onebit_adam": ("adam", True),
-    "lamb": ("lamb", False), "onebit_lamb": ("lamb", True),
+from compcomm import launch
+
+RUNS = {  # name: (optimizer, compressed, uncompressed baseline)
+    "adam": ("adam", False, None), "onebit_adam": ("adam", True, "adam"),
+    "lamb": ("lamb", False, None), "onebit_lamb": ("lamb", True, "lamb"),
+    "zeroone": ("zeroone", True, "adam"),
 }
+TASKS = ("char-mlp", "transformer")
 VOCAB = 128  # ids: ASCII codes compacted to the characters seen often (see load_text)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", choices=TASKS, default="char-mlp")
     ap.add_argument("--world-size", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--warmup", type=float, default=0.15, help="fraction of steps before compression")
@@ -53,10 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr-adam", type=float, default=3e-3)
     ap.add_argument("--lr-lamb", type=float, default=1e-2)
+    ap.add_argument("--var-update-scaler", type=int, default=8, help="ZeroOneAdam's var_update_scaler")
+    ap.add_argument("--local-step-scaler", type=int, default=40, help="ZeroOneAdam's local_step_scaler")
+    ap.add_argument("--local-step-clipper", type=int, default=16, help="ZeroOneAdam's local_step_clipper")
     ap.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
                     help="learning rate: cosine decay to 10%% over the run, or constant")
     ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--text-bytes", type=int, default=1_000_000, help="characters of stdlib source to use")
+    ap.add_argument("--text-bytes", type=int, default=1_000_000, help="characters of text to use")
     ap.add_argument("--val-windows", type=int, default=4096)
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
@@ -71,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------ data and model
 
-def load_text(limit: int) -> torch.Tensor:
-    """The standard library's .py sources (sorted, deterministic), as ASCII codes."""
+def stdlib_sources(limit: int) -> bytes:
+    """The standard library's .py sources (sorted, deterministic)."""
     root = os.path.dirname(os.__file__)
     chunks, total = [], 0
     for path in sorted(glob.glob(os.path.join(root, "*.py"))):
@@ -82,12 +97,21 @@ def load_text(limit: int) -> torch.Tensor:
         total += len(data)
         if total >= limit:
             break
-    raw = b"".join(chunks)[:limit]
+    return b"".join(chunks)[:limit]
+
+
+def help_topics(limit: int) -> bytes:
+    """The English text of Python's help topics (pydoc_data.topics), in sorted topic order."""
+    from pydoc_data.topics import topics
+    return "".join(topics[k] for k in sorted(topics)).encode("ascii", "replace")[:limit]
+
+
+def load_text(task: str, limit: int) -> torch.Tensor:
+    """The task's corpus as character ids."""
+    raw = stdlib_sources(limit) if task == "char-mlp" else help_topics(limit)
     codes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
-    # Characters rarer than 1 in 10^4 (and non-ASCII bytes) share id 0. This matters for the
-    # compression stage: an embedding row whose gradient is (almost) always zero has a frozen
-    # second moment of ~0, and a 1-bit momentum (never exactly zero) divided by sqrt(v) + eps
-    # would blow it up -- the reason DeepSpeed's 1-bit Adam has an `exp_avg_mask`.
+    # Characters rarer than 1 in 10^4 (and non-ASCII bytes) share id 0, so that every id
+    # occurs in training.
     counts = torch.bincount(codes, minlength=256)
     keep = (counts >= max(1, len(codes) // 10_000)).nonzero().flatten()
     keep = keep[keep < 128]
@@ -96,10 +120,9 @@ def load_text(limit: int) -> torch.Tensor:
     return table[codes]
 
 
-def windows(text: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = starts[:, None] + torch.arange(context + 1)
-    seq = text[idx]
-    return seq[:, :-1], seq[:, -1]
+def windows(text: torch.Tensor, starts: torch.Tensor, context: int) -> torch.Tensor:
+    """Sequences of context + 1 characters starting at `starts`."""
+    return text[starts[:, None] + torch.arange(context + 1)]
 
 
 class CharMLP(torch.nn.Module):
@@ -113,28 +136,65 @@ class CharMLP(torch.nn.Module):
             torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
             torch.nn.Linear(hidden, VOCAB))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(self.embed(x).flatten(1))
+    def loss(self, seq: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the last character given the others."""
+        logits = self.net(self.embed(seq[:, :-1]).flatten(1))
+        return torch.nn.functional.cross_entropy(logits, seq[:, -1])
+
+
+class CharTransformer(torch.nn.Module):
+    """A causal transformer encoder (pre-norm) predicting the next character at every position."""
+
+    def __init__(self, context: int, width: int, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.position = torch.nn.Parameter(torch.randn(context, width) * 0.02)
+        block = torch.nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True,
+                                                 norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, VOCAB)
+        self.register_buffer("causal", torch.nn.Transformer.generate_square_subsequent_mask(context))
+
+    def loss(self, seq: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of every next character."""
+        x = self.embed(seq[:, :-1]) + self.position
+        h = self.blocks(x, mask=self.causal, is_causal=True)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), seq[:, 1:].flatten())
+
+
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    if args.task == "char-mlp":
+        return CharMLP(args.context, args.embed, args.hidden)
+    return CharTransformer(args.context, args.hidden)
 
 
 # ------------------------------------------------------------------ one rank
 
-def run_one(name: str, args: argparse.Namespace, text: torch.Tensor, split: int,
-            val: tuple[torch.Tensor, torch.Tensor], rank: int) -> dict[str, Any]:
-    import compcomm
-    from compcomm.optim import OnebitAdam, OnebitLamb
+def make_optimizer(name: str, model: torch.nn.Module, args: argparse.Namespace, backend) -> torch.optim.Optimizer:
+    from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 
-    kind, compressed = RUNS[name]
-    torch.manual_seed(args.seed)  # the same initial model on every rank and in every run
-    model = CharMLP(args.context, args.embed, args.hidden)
-    backend = compcomm.backends.get("gloo")
+    kind, compressed, _ = RUNS[name]
     freeze = max(1, round(args.warmup * args.steps)) if compressed else args.steps
     if kind == "adam":
-        opt = OnebitAdam(model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay,
-                         freeze_step=freeze, backend=backend)
-    else:
-        opt = OnebitLamb(model.parameters(), lr=args.lr_lamb, weight_decay=args.weight_decay,
-                         freeze_step=freeze, backend=backend)
+        return OnebitAdam(model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay,
+                          freeze_step=freeze, backend=backend)
+    if kind == "lamb":
+        return OnebitLamb(model.parameters(), lr=args.lr_lamb, weight_decay=args.weight_decay,
+                          freeze_step=freeze, backend=backend)
+    return ZeroOneAdam(model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay,
+                       var_freeze_step=freeze, var_update_scaler=args.var_update_scaler,
+                       local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper,
+                       backend=backend)
+
+
+def run_one(name: str, args: argparse.Namespace, text: torch.Tensor, split: int,
+            val: torch.Tensor, rank: int) -> dict[str, Any]:
+    import compcomm
+
+    torch.manual_seed(args.seed)  # the same initial model on every rank and in every run
+    model = make_model(args)
+    backend = compcomm.backends.get("gloo")
+    opt = make_optimizer(name, model, args, backend)
     if args.schedule == "cosine":
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
@@ -142,31 +202,32 @@ def run_one(name: str, args: argparse.Namespace, text: torch.Tensor, split: int,
     curve, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         starts = torch.randint(0, split - args.context - 1, (args.batch,), generator=gen)
-        x, y = windows(text, starts, args.context)
         model.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = model.loss(windows(text, starts, args.context))
         loss.backward()
         opt.step()
         if args.schedule == "cosine":
             sched.step()
         if step % args.eval_every == 0 or step == args.steps:
-            curve.append({"step": step, "train_loss": loss.item(), "val_loss": evaluate(model, val)})
-    return {"name": name, "optimizer": type(opt).__name__, "freeze_step": freeze,
+            curve.append({"step": step, "train_loss": loss.item(), "val_loss": evaluate(model, val),
+                          "bytes_sent": backend.bytes_sent})
+    return {"name": name, "optimizer": type(opt).__name__,
+            "freeze_step": getattr(opt, "freeze_step", getattr(opt, "var_freeze_step", None)),
             "lr": opt.defaults["lr"], "final_val_loss": curve[-1]["val_loss"],
             "bytes_sent": backend.bytes_sent, "seconds": time.perf_counter() - t0, "curve": curve,
+            "skipped_steps": opt.skipped_steps,
             "params": sum(p.numel() for p in model.parameters()), "buckets": len(opt._layout())}
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val: tuple[torch.Tensor, torch.Tensor]) -> float:
-    x, y = val
-    return torch.nn.functional.cross_entropy(model(x), y).item()
+def evaluate(model: torch.nn.Module, val: torch.Tensor) -> float:
+    return float(model.loss(val))
 
 
 def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    text = load_text(args.text_bytes)
+    text = load_text(args.task, args.text_bytes)
     split = int(len(text) * 0.9)
     vgen = torch.Generator().manual_seed(12345)
     val_starts = split + torch.randint(0, len(text) - split - args.context - 1, (args.val_windows,), generator=vgen)
@@ -181,15 +242,28 @@ def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+def _spawned(rank_fn, args: argparse.Namespace) -> Any:
+    """One self-spawned rank (compcomm.launch set torchrun's environment): rank 0's result."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     try:
-        results = rank_main(args)
-        if rank == 0:
-            queue.put(results)
+        results = rank_fn(args)
+        return results if dist.get_rank() == 0 else None
     finally:
         dist.destroy_process_group()
+
+
+def run_ranks(rank_fn, args: argparse.Namespace, world: int) -> tuple[Any, int]:
+    """Run `rank_fn(args)` on every rank: under torchrun (or bench/netsim.py) in this process,
+    else on `world` local gloo ranks spawned here. Returns rank 0's result (None on other
+    ranks) and the world size."""
+    if launch.launcher() == "torchrun":
+        dist.init_process_group("gloo")
+        try:
+            results = rank_fn(args)
+            return (results if dist.get_rank() == 0 else None), dist.get_world_size()
+        finally:
+            dist.destroy_process_group()
+    return launch.spawn(_spawned, world, rank_fn, args)[0], world
 
 
 # ------------------------------------------------------------------ report
@@ -197,25 +271,31 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, queue) 
 def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: int) -> dict[str, Any]:
     by = {r["name"]: r for r in results}
     summary: dict[str, Any] = {}
-    for base, onebit in (("adam", "onebit_adam"), ("lamb", "onebit_lamb")):
-        if base in by and onebit in by:
-            b, o = by[base]["final_val_loss"], by[onebit]["final_val_loss"]
-            summary[f"{onebit}_vs_{base}_gap_pct"] = 100.0 * (o - b) / b
+    for name, (_, _, base) in RUNS.items():
+        if base in by and name in by:
+            b, o = by[base]["final_val_loss"], by[name]["final_val_loss"]
+            summary[f"{name}_vs_{base}_gap_pct"] = 100.0 * (o - b) / b
     if "adam" in by:
         for r in results:
             r["bytes_reduction_vs_fp32_adam"] = by["adam"]["bytes_sent"] / r["bytes_sent"]
+    if "zeroone" in by and "onebit_adam" in by:
+        summary["onebit_adam_bytes_over_zeroone_bytes"] = by["onebit_adam"]["bytes_sent"] / by["zeroone"]["bytes_sent"]
     warm = args.warmup
-    summary["expected_reduction_at_warmup"] = 1.0 / (warm + (1 - warm) / 32)
-    return {"task": "char-level LM (MLP) on Python stdlib sources", "world_size": world, "backend": "gloo",
-            "args": vars(args), "host": platform.node(), "torch": torch.__version__,
+    summary["expected_onebit_reduction_at_warmup"] = 1.0 / (warm + (1 - warm) / 32)
+    task = {"char-mlp": "char-level LM (MLP) on Python stdlib sources",
+            "transformer": "char-level causal transformer on Python's help topics (pydoc_data)"}[args.task]
+    return {"task": task, "world_size": world, "backend": "gloo",
+            "args": {k: v for k, v in vars(args).items() if k != "out"}, "host": platform.node(),
+            "torch": torch.__version__,
             "summary": summary, "runs": results}
 
 
 def write_outputs(report: dict[str, Any], out: str) -> None:
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "convergence.json"), "w") as f:
+    stem = "convergence" if report["args"]["task"] == "char-mlp" else f"convergence_{report['args']['task']}"
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump(report, f, indent=1)
-    print(f"wrote {os.path.join(out, 'convergence.json')}")
+    print(f"wrote {os.path.join(out, stem + '.json')}")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -223,26 +303,29 @@ def write_outputs(report: dict[str, Any], out: str) -> None:
     except ImportError:
         print("matplotlib not installed (pip install compcomm[plot]): no plot")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, kind in zip(axes, ("adam", "lamb")):
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey=True)
+    for column, family in enumerate(("adam", "lamb")):
         for r in report["runs"]:
-            if RUNS[r["name"]][0] != kind:
+            if (RUNS[r["name"]][2] or r["name"]) != family:
                 continue
-            steps = [c["step"] for c in r["curve"]]
             label = f"{r['name']} (val {r['final_val_loss']:.3f}, {r['bytes_sent'] / 2**20:.1f} MiB/rank)"
-            ax.plot(steps, [c["val_loss"] for c in r["curve"]], label=label,
-                    linestyle="--" if r["name"].startswith("onebit") else "-")
-            if r["name"].startswith("onebit"):
-                ax.axvline(r["freeze_step"], color="grey", linewidth=0.8, linestyle=":")
-        ax.set_title(f"{kind.upper()} vs 1-bit {kind.upper()} ({report['world_size']} ranks)")
-        ax.set_xlabel("step")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("validation cross-entropy (nats/char)")
+            style = "-" if RUNS[r["name"]][2] is None else "--"
+            for row, x in enumerate(([c["step"] for c in r["curve"]], [c["bytes_sent"] / 2**20 for c in r["curve"]])):
+                axes[row][column].plot(x, [c["val_loss"] for c in r["curve"]], style, label=label)
+        axes[0][column].set_title(f"{family.upper()} family ({report['world_size']} ranks)")
+        axes[0][column].set_xlabel("step")
+        axes[1][column].set_xlabel("MiB sent per rank")
+        axes[1][column].set_xscale("log")
+        for row in range(2):
+            if axes[row][column].get_legend_handles_labels()[0]:
+                axes[row][column].legend(fontsize=7)
+            axes[row][column].grid(alpha=0.3)
+    for row in range(2):
+        axes[row][0].set_ylabel("validation cross-entropy (nats/char)")
+    fig.suptitle(report["task"])
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "convergence.png"), dpi=120)
-    print(f"wrote {os.path.join(out, 'convergence.png')}")
+    fig.savefig(os.path.join(out, f"{stem}.png"), dpi=110)
+    print(f"wrote {os.path.join(out, stem + '.png')}")
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -257,41 +340,11 @@ def print_report(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
-        results = rank_main(args)
-        if dist.get_rank() == 0:
-            report = summarize(results, args, dist.get_world_size())
-            print_report(report)
-            write_outputs(report, args.out)
-        dist.destroy_process_group()
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, args.world_size, port, args, queue))
-             for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    results = None
-    while results is None:
-        try:
-            results = queue.get(timeout=2)
-        except Exception:  # queue.Empty: make sure no rank died
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                raise SystemExit("a rank failed")
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit("a rank failed")
-    report = summarize(results, args, args.world_size)
-    print_report(report)
-    write_outputs(report, args.out)
+    results, world = run_ranks(rank_main, args, args.world_size)
+    if results is not None:
+        report = summarize(results, args, world)
+        print_report(report)
+        write_outputs(report, args.out)
 
 
 if __name__ == "__main__":

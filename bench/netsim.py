@@ -2,15 +2,20 @@
 """A simulated Ethernet cluster on one machine, for benchmarking collectives over a slow link.
 
     python bench/netsim.py --hosts 4 --rate 1gbit [--delay 0.1ms] -- python bench/allreduce_bw.py
+    python bench/netsim.py --hosts 2 --ranks-per-host 2 -- python bench/allreduce_bw.py
 
 creates `--hosts` network namespaces joined by one Linux bridge through veth pairs, shapes every
 link with tc (a tbf at `--rate`, plus a netem delay when `--delay` is given) on *both* ends of
 each veth, so that each host's link is limited in both directions, like a host on a switch port.
-It then starts the command once per host inside its namespace with the torchrun environment
-(RANK, WORLD_SIZE, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR = host 0, MASTER_PORT,
-GLOO_SOCKET_IFNAME = the namespace's interface), waits for all of them and exits with the worst
-exit code. Namespaces, veths and the bridge are always removed: on success, failure, Ctrl-C or
-SIGTERM.
+It then starts the command `--ranks-per-host` times (K, default 1) per host inside its namespace
+with the torchrun environment (RANK = host * K + LOCAL_RANK, WORLD_SIZE = hosts * K, LOCAL_RANK,
+LOCAL_WORLD_SIZE = K, GROUP_RANK = host, MASTER_ADDR = host 0, MASTER_PORT, GLOO_SOCKET_IFNAME =
+the namespace's interface), waits for all of them and exits with the worst exit code.
+Namespaces, veths and the bridge are always removed: on success, failure, Ctrl-C or SIGTERM.
+
+Ranks of one host reach each other at the host's own address, which the kernel routes through
+the namespace's loopback: traffic inside a host is unshaped (the fast intra-node link), traffic
+between hosts crosses the shaped veths.
 
 Needs root and iproute2 (`ip`, `tc`). Traffic stays inside the namespaces this program creates,
 on a private /24 of its own (`--subnet`, default 10.77.0.0/24; the bridge has no address, so the
@@ -66,9 +71,12 @@ class Cluster:
     """N namespaces on a bridge. Use as a context manager: exiting always tears it all down."""
 
     def __init__(self, hosts: int, rate: str | None, delay: str | None = None,
-                 subnet: str = DEFAULT_SUBNET, tag: str | None = None, verbose: bool = False) -> None:
+                 subnet: str = DEFAULT_SUBNET, tag: str | None = None, verbose: bool = False,
+                 ranks_per_host: int = 1) -> None:
         if hosts < 1:
             raise NetsimError(f"--hosts must be at least 1, got {hosts}")
+        if ranks_per_host < 1:
+            raise NetsimError(f"--ranks-per-host must be at least 1, got {ranks_per_host}")
         net = ipaddress.ip_network(subnet, strict=False)
         if net.version != 4 or not net.is_private:
             raise NetsimError(f"--subnet must be a private IPv4 network, got {subnet}")
@@ -76,6 +84,7 @@ class Cluster:
         if hosts > len(usable):
             raise NetsimError(f"{subnet} has room for {len(usable)} hosts, not {hosts}")
         self.hosts, self.rate, self.delay, self.verbose = hosts, rate, delay, verbose
+        self.ranks_per_host = ranks_per_host
         self.prefixlen = net.prefixlen
         self.addresses = [str(a) for a in usable[:hosts]]
         # Short, unique names: interface names are limited to 15 characters.
@@ -106,7 +115,7 @@ class Cluster:
             raise NetsimError(f"`{' '.join(cmd)}` failed: {why}")
         return res
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         try:
             self.build()
         except BaseException:
@@ -185,10 +194,17 @@ class Cluster:
         return left
 
     # -- running --------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.ranks_per_host
+
     def environment(self, rank: int, port: int, threads: int) -> dict[str, str]:
+        """torchrun's variables for global `rank` (host rank // K, local index rank % K)."""
+        k, world = self.ranks_per_host, self.world_size
         env = dict(os.environ)
-        env.update(RANK=str(rank), WORLD_SIZE=str(self.hosts), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   GROUP_RANK=str(rank), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(self.hosts),
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % k), LOCAL_WORLD_SIZE=str(k),
+                   GROUP_RANK=str(rank // k), GROUP_WORLD_SIZE=str(self.hosts),
+                   ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world),
                    MASTER_ADDR=self.addresses[0], MASTER_PORT=str(port),
                    GLOO_SOCKET_IFNAME=NS_IFNAME, NCCL_SOCKET_IFNAME=NS_IFNAME,
                    OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
@@ -197,14 +213,15 @@ class Cluster:
 
     def run(self, command: list[str], port: int, threads: int, timeout: float | None = None,
             grace: float = 30.0) -> int:
-        """Start `command` on every host, wait for all; the worst exit code (0 if all succeeded).
+        """Start `command` K times on every host, wait for all; the worst exit code (0 if all succeeded).
 
         When one rank fails the others get `grace` seconds to finish before they are killed,
         so that a crashed rank never leaves its peers hanging in a collective.
         """
         procs: list[subprocess.Popen] = []
         try:
-            for rank, ns in enumerate(self.namespaces):
+            for rank in range(self.world_size):
+                ns = self.namespaces[rank // self.ranks_per_host]
                 procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *command],
                                               env=self.environment(rank, port, threads),
                                               start_new_session=True))
@@ -275,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         command = []
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 usage="%(prog)s [options] -- command [args...]")
-    p.add_argument("--hosts", type=int, default=4, help="simulated hosts, one rank each (default 4)")
+    p.add_argument("--hosts", type=int, default=4, help="simulated hosts (default 4)")
+    p.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
+                   help="ranks per host, joined by the host's unshaped loopback (default 1)")
     p.add_argument("--rate", default="1gbit", help="link rate in tc syntax, e.g. 1gbit, 10gbit, 100mbit; "
                    "'none' for unshaped (default 1gbit)")
     p.add_argument("--delay", default=None, help="one-way netem delay per link end, e.g. 0.1ms (default none)")
@@ -295,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             parse_rate(rate)
         except argparse.ArgumentTypeError as exc:
             p.error(str(exc))
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.hosts)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // (args.hosts * args.ranks_per_host))
 
     def on_signal(signum, frame):
         raise _Terminated(signum)
@@ -303,8 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         preflight()
-        with Cluster(args.hosts, rate, args.delay, args.subnet, args.tag, args.verbose) as cluster:
-            print(f"[netsim] {args.hosts} hosts on {args.subnet} ({', '.join(cluster.addresses)}), "
+        with Cluster(args.hosts, rate, args.delay, args.subnet, args.tag, args.verbose,
+                     args.ranks_per_host) as cluster:
+            print(f"[netsim] {args.hosts} hosts x {args.ranks_per_host} rank(s) on {args.subnet} "
+                  f"({', '.join(cluster.addresses)}), "
                   f"link {rate or 'unshaped'}{', delay ' + args.delay if args.delay else ''}, "
                   f"{threads} thread(s) per rank", file=sys.stderr)
             return cluster.run(command, args.port, threads, args.timeout)

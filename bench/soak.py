@@ -19,7 +19,6 @@ import datetime
 import hashlib
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import compcomm
+from compcomm import launch
 
 
 def rss_mib() -> float:
@@ -110,15 +110,13 @@ def run_rank(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def _spawned(rank: int, args: argparse.Namespace, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=5))
+def _spawned(args: argparse.Namespace) -> int:
+    """One self-spawned rank (compcomm.launch set torchrun's environment); its exit code."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     try:
-        code = run_rank(args)
+        return run_rank(args)
     finally:
         dist.destroy_process_group()
-    if code:
-        sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,22 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.calls < args.every:
         p.error("--calls must be at least --every")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if launch.launcher() == "torchrun":
         dist.init_process_group("gloo")
         try:
             return run_rank(args)
         finally:
             dist.destroy_process_group()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    import torch.multiprocessing as mp
-
-    try:
-        mp.spawn(_spawned, args=(args, args.nprocs, port), nprocs=args.nprocs, join=True)
-    except mp.ProcessExitedException:
-        return 1
-    return 0
+    return max(launch.spawn(_spawned, args.nprocs, args))
 
 
 if __name__ == "__main__":

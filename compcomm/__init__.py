@@ -1,10 +1,34 @@
-"""compcomm: compressed (error-compensated 1-bit) collectives for PyTorch data-parallel training."""
-from . import backends, layout
+"""compcomm: compressed (error-compensated 1-bit) collectives for PyTorch data-parallel training.
+
+`compressed_allreduce(tensor, error_feedback)` averages (or sums) a tensor over all ranks in
+place, sending one sign bit per element plus one fp32 scale per rank and chunk (~32x less than
+fp32); an `ErrorFeedback` per reduced tensor carries what the 1-bit code drops into the next
+call, so the sum over calls stays exact. The result is bitwise identical on every rank.
+
+    import compcomm
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(grad, ef)              # backend=None: torch.distributed, mpirun or 1 rank
+    compcomm.compressed_allreduce(grad, ef, backend=compcomm.backends.get("mpi"), op="sum")
+
+`compressed_allreduce_coalesced(tensors, error_feedbacks)` reduces several tensors with one
+agreement: all complete or none changes.
+
+Transports: `compcomm.backends` (gloo, nccl, mpi, local; `get(name, group=... / comm=...)`).
+Optimizers that own the gradient communication: `compcomm.optim` (OnebitAdam, OnebitLamb).
+Bucketing helpers: `compcomm.layout`. Which codec kernels run here: `compcomm.codec_info()`.
+Any rank's bad input raises the same error on every rank with nothing changed: TypeError,
+ValueError, or `NonFiniteError` for NaN/Inf.
+"""
+from . import (
+           backends,
+           layout,
+           optim,  # noqa: E402  (after the collective it builds on)
+)
 from .allreduce import compressed_allreduce, compressed_allreduce_coalesced
+from .codec import codec_info
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
-from . import optim  # noqa: E402  (after the collective it builds on)
 
 __all__ = ["compressed_allreduce", "compressed_allreduce_coalesced", "ErrorFeedback", "NonFiniteError",
-           "backends", "layout", "optim"]
+           "backends", "codec_info", "layout", "optim"]
 __version__ = "0.1.0"

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence, overload
+from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -119,17 +120,54 @@ def compressed_allreduce_coalesced(tensors: Sequence[torch.Tensor], error_feedba
 
 
 def prepare(tensor: torch.Tensor, error_feedback: ErrorFeedback, backend: Backend,
-            op: str = "mean") -> PreparedCall:
+            op: str = "mean", dtype: torch.dtype | None = None) -> PreparedCall:
     """The first half of a call: local checks and the phase-0 agreement over `backend`.
 
     Raises the agreed error on every rank of `backend`, modifying nothing, or returns the call
     ready to `commit()`. For composite schedules (a hierarchical backend) that must agree across
     another group before committing; run both halves inside that schedule's ordered call.
+    `dtype` is the dtype the result ends in when not the tensor's (a composite reducing an fp32
+    part of a half-precision tensor), for the overflow verdict.
     """
-    return backend.ordered(lambda: _prepare([tensor], [error_feedback], backend, op)[0])
+    return prepare_coalesced([tensor], [error_feedback], backend, op, None if dtype is None else [dtype])[0]
+
+
+def prepare_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback],
+                      backend: Backend, op: str = "mean",
+                      dtypes: Sequence[torch.dtype] | None = None) -> list[PreparedCall]:
+    """`prepare` of several tensors with one phase-0 agreement (as `compressed_allreduce_coalesced`)."""
+    tensors, efs = list(tensors), list(error_feedbacks)
+    return backend.ordered(lambda: _prepare(tensors, efs, backend, op, dtypes))
+
+
+def agree(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback], backend: Backend,
+          op: str, part: Callable[[int], tuple[int, int]]) -> None:
+    """Phase 0 of a composite call, without the worker scan: this rank's checks of its
+    arguments, each ErrorFeedback serving the (numel, world_size) `part(tensor.numel())` of the
+    work, then agreement over `backend` on count, sequence, numel, op, dtype and tag. Raises the
+    agreed error on every rank of `backend`, modifying nothing. Run it inside the composite's
+    ordered call."""
+    tensors, efs = list(tensors), list(error_feedbacks)
+    calls, headers = np.zeros(len(tensors), dtype=CALL), np.zeros(len(tensors), dtype=HEADER)
+    calls["count"], calls["seq"] = len(tensors), sequence_number(backend.channel)
+    failure: Exception | None = None
+    try:
+        _check_distinct(efs)
+        for i, (tensor, ef) in enumerate(zip(tensors, efs)):
+            check_arguments(tensor, ef, backend, op, part)
+            _describe_call(calls, i, tensor, ef, op, tensor.dtype)
+    except Exception as exc:  # reported to every rank, then raised everywhere
+        failure = exc
+        headers["code"] = _error_code(exc)
+    headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
+    _raise_if_rejected(_exchange(headers, backend), calls, failure, backend)
 
 
 def _run(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str) -> list[torch.Tensor]:
+    schedule = getattr(be, "compressed_schedule", None)  # a composite backend's own schedule
+    if schedule is not None:
+        with torch.no_grad():
+            return schedule(tensors, efs, op)
     with torch.no_grad():
         for call in _prepare(tensors, efs, be, op):
             call.commit()
@@ -148,6 +186,7 @@ class PreparedCall:
     signs: torch.Tensor    # (n, C/8) packed worker signs, row j for server j
     scales: np.ndarray     # every rank's s_r (fp32)
     scale: float           # this rank's s_r
+    result: torch.Tensor | None = None  # after commit: phase 2's bytes, (n, 4 + C/8), see `decode_result`
 
     def commit(self) -> torch.Tensor:
         """Phases 1 and 2 and the decode; updates the error feedback; returns the tensor."""
@@ -160,37 +199,49 @@ class PreparedCall:
         n, rank, device = be.world_size, be.rank, flat.device
         c = chunk_size(numel, n)
         worker, server = self.ef.buffers(numel, n, device)
+        coder = codec.codec_for(device)
 
         received = torch.empty_like(self.signs)
         in_flight = be.all_to_all(self.signs, received, async_op=True)
-        codec.error_update_(worker, self.scale, numel, flat)
+        coder.error_update_(worker, self.scale, numel, flat)
         in_flight.wait()
         self.signs = received  # drop the sent bits
 
         served = real_count(rank, numel, n)
         mine = torch.empty(SERVER_SCALE_BYTES + c // 8, dtype=torch.uint8, device=device)
         divisor = n if self.op == "mean" else 1
-        sum_sq = codec.server_scan_(received, torch.from_numpy(self.scales).to(device), divisor,
+        sum_sq = coder.server_scan_(received, torch.from_numpy(self.scales).to(device), divisor,
                                     server, served, mine[SERVER_SCALE_BYTES:])
         server_scale = codec.rms_scale(sum_sq, served)
         mine[:SERVER_SCALE_BYTES].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
         everyone = torch.empty(n, mine.numel(), dtype=torch.uint8, device=device)
         in_flight = be.all_gather(mine, everyone, async_op=True)
-        codec.error_update_(server, server_scale, served)
+        coder.error_update_(server, server_scale, served)
         self.ef.record_server_max()
         in_flight.wait()
 
-        server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
-        for j in range(n):
-            start, k = j * c, real_count(j, numel, n)
-            if k:
-                codec.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], flat[start:start + k])
+        self.result = everyone
+        decode_result(everyone, flat)
         if flat.data_ptr() != self.tensor.data_ptr() or not self.tensor.is_contiguous():
             self.tensor.copy_(flat.view(self.tensor.shape))
         return self.tensor
 
 
-def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str) -> list[PreparedCall]:
+def decode_result(everyone: torch.Tensor, out: torch.Tensor) -> None:
+    """out (the N-element flat output, any float dtype) <- the call's result, from phase 2's bytes:
+    row j holds server j's t_j (fp32) and the packed signs of its chunk."""
+    n, numel = everyone.shape[0], out.numel()
+    c = chunk_size(numel, n)
+    coder = codec.codec_for(out.device)
+    server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
+    for j in range(n):
+        start, k = j * c, real_count(j, numel, n)
+        if k:
+            coder.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start:start + k])
+
+
+def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
+             dtypes: Sequence[torch.dtype] | None = None) -> list[PreparedCall]:
     """This rank's checks and worker scans, then phase 0; raises the agreed error everywhere."""
     count = len(tensors)
     calls = np.zeros(count, dtype=CALL)
@@ -204,13 +255,11 @@ def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend,
             flat, signs, sum_sq = _local_scan(tensor, ef, be, op)
             scale = codec.rms_scale(sum_sq, tensor.numel())
             scanned.append((flat, signs, scale))
-            for field, value in (("numel", tensor.numel()), ("tag", ef.fingerprint), ("op", OPS.index(op)),
-                                 ("dtype", FLOAT_DTYPES.index(tensor.dtype))):
-                calls[field][i] = value
+            _describe_call(calls, i, tensor, ef, op, tensor.dtype if dtypes is None else dtypes[i])
             headers["scale"][i], headers["server_max"][i] = scale, ef.server_error_max()
     except Exception as exc:  # reported to every rank in phase 0, then raised everywhere
         failure = exc
-        headers["code"] = 1 + next((i for i, cls in enumerate(ERRORS) if type(exc) is cls), len(ERRORS) - 1)
+        headers["code"] = _error_code(exc)
     headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
 
     everyone = _exchange(headers, be)
@@ -218,6 +267,18 @@ def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend,
     scales = everyone["scale"].astype(np.float32)
     return [PreparedCall(tensor.detach(), flat, ef, be, op, signs, scales[:, i].copy(), scale)
             for i, (tensor, ef, (flat, signs, scale)) in enumerate(zip(tensors, efs, scanned))]
+
+
+def _describe_call(calls: np.ndarray, i: int, tensor: torch.Tensor, ef: ErrorFeedback, op: str,
+                   dtype: torch.dtype) -> None:
+    for field, value in (("numel", tensor.numel()), ("tag", ef.fingerprint), ("op", OPS.index(op)),
+                         ("dtype", FLOAT_DTYPES.index(dtype))):
+        calls[field][i] = value
+
+
+def _error_code(exc: Exception) -> int:
+    """HEADER.code of a rank's own error: 1 + its index in ERRORS (RuntimeError for the rest)."""
+    return 1 + next((i for i, cls in enumerate(ERRORS) if type(exc) is cls), len(ERRORS) - 1)
 
 
 def _exchange(headers: np.ndarray, be: Backend) -> np.ndarray:
@@ -240,6 +301,18 @@ def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend,
                 op: str) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Validate this rank's arguments; return the flattened tensor (a view when contiguous),
     its packed worker signs (n, C/8) and sum(x'^2). Nothing is modified."""
+    check_arguments(tensor, ef, be, op)
+    n, numel = be.world_size, tensor.numel()
+    signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
+    worker = ef.worker_error.to(tensor.device) if ef.worker_error is not None else None
+    flat = tensor.detach().reshape(-1)
+    return flat, signs, codec.codec_for(tensor.device).worker_scan(flat, worker, signs.view(-1))
+
+
+def check_arguments(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str,
+                    part: Callable[[int], tuple[int, int]] | None = None) -> None:
+    """This rank's own checks of a call (TypeError/ValueError); `ef` serves the (numel,
+    world_size) `part(tensor.numel())`, by default (tensor.numel(), be.world_size)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"compressed_allreduce takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
@@ -255,14 +328,9 @@ def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend,
         raise ValueError(f"the tensor's elements overlap in memory (shape {tuple(tensor.shape)}, strides "
                          f"{tensor.stride()}, e.g. from expand()); the result cannot be written back: "
                          "pass a tensor that owns its elements (.clone())")
-    why = ef.mismatch(tensor.numel(), be.world_size)
+    why = ef.mismatch(*(part(tensor.numel()) if part else (tensor.numel(), be.world_size)))
     if why:
         raise ValueError(why)
-    n, numel = be.world_size, tensor.numel()
-    signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
-    worker = ef.worker_error.to(tensor.device) if ef.worker_error is not None else None
-    flat = tensor.detach().reshape(-1)
-    return flat, signs, codec.worker_scan(flat, worker, signs.view(-1))
 
 
 def _overlaps(tensor: torch.Tensor) -> bool:

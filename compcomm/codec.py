@@ -1,7 +1,8 @@
 """The 1-bit sign/scale codec: every pass over tensor-sized memory lives here.
 
 A value v is coded as one bit, 1 for sign(v) = +1 (v >= 0, so -0.0 too) and 0 for -1, packed
-MSB-first into bytes, plus one fp32 scale per rank and chunk. The passes, in call order:
+MSB-first into bytes, plus one fp32 scale per rank and chunk. A `Codec` has four passes, which
+the allreduce calls in this order:
 
 - `worker_scan`: v = x + e_w; bits = sign(v); returns sum(v[:N]^2). Writes only the bits,
   so the call can still be rejected afterwards with nothing changed.
@@ -9,35 +10,36 @@ MSB-first into bytes, plus one fp32 scale per rank and chunk. The passes, in cal
 - `server_scan_`: y = (1/n) sum_r s_r sign_r + e_s, stored in e_s; bits = sign(y); sum(y^2).
 - `decode`: out = t sign, written in the output dtype.
 
-Each pass runs as one fused kernel: C on contiguous CPU tensors (`_native`), CUDA through
-cupy on contiguous CUDA tensors (`_cuda`), and otherwise as block-wise torch code (any
-device) whose temporaries stay a few MiB. All do the same fp32 operations in the same order
-and give the same bits; scales are summed in float64 so that every device rounds them to the
-same fp32 value.
+Each pass runs as one fused kernel when the codec's kernel set takes the tensors (C on
+contiguous CPU tensors, CUDA through cupy on contiguous CUDA tensors; see `codec_info()`),
+and otherwise as block-wise torch code (any device) whose temporaries stay a few MiB. All do
+the same fp32 operations in the same order and give the same bits; scales are summed in
+float64 so that every device rounds them to the same fp32 value. `codec_for(device)` chooses
+the kernels once per device; a test builds `Codec(kernels)` with the set it wants.
+
+The seam for another code (2-bit, 8-bit, top-k): backends only move the uint8 buffers these
+passes fill, so they need no change. A second codec class with the same four passes (its
+`worker_scan` writing its own wire bytes per chunk instead of C/8 sign bytes, `decode` reading
+them) plus the byte count per chunk is what the allreduce's schedule would take as a parameter
+where it sizes its buffers today (`chunk_size // 8`); the phases, the error feedback and the
+phase-0 agreement stay as they are.
 """
 from __future__ import annotations
 
 import math
+import os
+import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from . import _cuda, _native
+from ._abi import DTYPE_CODES, Arg, Kernels
 
 _BLOCK = {"cpu": 1 << 18}
 _DEFAULT_BLOCK = 1 << 24
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def native_available() -> bool:
-    """Whether the fused C kernels were built and loaded."""
-    return _native.LIB is not None
-
-
-def _native_ok(*tensors: torch.Tensor | None) -> bool:
-    return _native.LIB is not None and all(
-        t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+_FALLBACK_SLOWDOWN = "about 20x slower on CPU"
 
 
 def block_size(device: torch.device) -> int:
@@ -70,106 +72,191 @@ def sign_table(plus: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
     return torch.where(bits.to(plus.device), plus, minus)
 
 
-def worker_scan(x: torch.Tensor, error: torch.Tensor | None, bits: torch.Tensor) -> float:
-    """bits <- sign(v) for v = pad(x) + error over the padded length 8 * len(bits);
-    returns sum(v[:len(x)]^2) in float64. `error` may be None (zeros)."""
-    m = 8 * bits.numel()
-    if _native_ok(x, error, bits):
-        return _native.LIB.cc_worker_scan(x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(),
-                                          None if error is None else error.data_ptr(), m, bits.data_ptr())
-    if _cuda.usable(x, error, bits):
-        total = _cuda.launch_sum("cc_worker_scan", bits.device, m, x.data_ptr(), np.int32(_DTYPE_CODES[x.dtype]),
-                                 np.int64(x.numel()), 0 if error is None else error.data_ptr(), np.int64(m),
-                                 bits.data_ptr())
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class Codec:
+    """The four passes, on fused `kernels` where they take the tensors, else in torch code.
+
+    `kernels=None` is the torch code alone; `why` says in words what runs and why (see
+    `codec_info()`).
+    """
+
+    def __init__(self, kernels: Kernels | None = None, why: str = "") -> None:
+        self.kernels = kernels
+        self.why = why or (kernels.description if kernels is not None else "torch kernels")
+
+    def _fused(self, kernel: str, device: torch.device, count: int, tensors: Sequence[torch.Tensor | None],
+               args: Sequence[Arg]) -> bool:
+        """Run `kernel` if the kernel set takes `tensors`; False when the torch code must."""
+        if self.kernels is None or not self.kernels.accepts(tensors):
+            return False
+        self.kernels.launch(kernel, device, count, args)
+        return True
+
+    def _fused_sum(self, kernel: str, device: torch.device, count: int, tensors: Sequence[torch.Tensor | None],
+                   args: Sequence[Arg]) -> float | None:
+        """`_fused` for a kernel writing float64 partial sums: their total (added in a fixed
+        order), or None when the torch code must run."""
+        if self.kernels is None or not self.kernels.accepts(tensors):
+            return None
+        partial = torch.empty(self.kernels.blocks(count), dtype=torch.float64, device=device)
+        self.kernels.launch(kernel, device, count, [*args, partial.data_ptr()])
+        return float(partial.sum())
+
+    def worker_scan(self, x: torch.Tensor, error: torch.Tensor | None, bits: torch.Tensor) -> float:
+        """bits <- sign(v) for v = pad(x) + error over the padded length 8 * len(bits);
+        returns sum(v[:len(x)]^2) in float64. `error` may be None (zeros)."""
+        m, n = 8 * bits.numel(), x.numel()
+        total = self._fused_sum("cc_worker_scan", bits.device, m, (x, error, bits),
+                                (x.data_ptr(), DTYPE_CODES[x.dtype], n, _ptr(error), m, bits.data_ptr()))
         if total is not None:
             return total
-    total = torch.zeros((), dtype=torch.float64, device=bits.device)
-    step, n = block_size(bits.device), x.numel()
-    for start in range(0, m, step):
-        stop = min(start + step, m)
-        v = torch.zeros(stop - start, dtype=torch.float32, device=bits.device)
-        live = max(0, min(n, stop) - start)
-        v[:live] = x[start:start + live]
-        if error is not None:
-            v += error[start:stop]
-        head = v[:live].double()
-        total += torch.dot(head, head)
-        pack_signs(v, bits[start // 8:stop // 8])
-    return float(total)
+        acc = torch.zeros((), dtype=torch.float64, device=bits.device)
+        step = block_size(bits.device)
+        for start in range(0, m, step):
+            stop = min(start + step, m)
+            v = torch.zeros(stop - start, dtype=torch.float32, device=bits.device)
+            live = max(0, min(n, stop) - start)
+            v[:live] = x[start:start + live]
+            if error is not None:
+                v += error[start:stop]
+            head = v[:live].double()
+            acc += torch.dot(head, head)
+            pack_signs(v, bits[start // 8:stop // 8])
+        return float(acc)
 
+    def error_update_(self, error: torch.Tensor, scale: float, real: int, x: torch.Tensor | None = None) -> None:
+        """error <- v - scale * sign(v) with v = error (+ x on x's length) on [:real], 0 beyond."""
+        n = 0 if x is None else x.numel()
+        if self._fused("cc_error_update", error.device, error.numel(), (x, error),
+                       (_ptr(x), 0 if x is None else DTYPE_CODES[x.dtype], n, error.data_ptr(), real,
+                        error.numel(), scale)):
+            return
+        plus = torch.tensor(scale, dtype=torch.float32, device=error.device)
+        minus, step = -plus, block_size(error.device)
+        for start in range(0, real, step):
+            v = error[start:min(start + step, real)]
+            live = max(0, min(n, start + v.numel()) - start)
+            if live:
+                assert x is not None
+                v[:live] += x[start:start + live]
+            v -= torch.where(v >= 0, plus, minus)
+        error[real:].zero_()
 
-def error_update_(error: torch.Tensor, scale: float, real: int, x: torch.Tensor | None = None) -> None:
-    """error <- v - scale * sign(v) with v = error (+ x on x's length) on [:real], 0 beyond."""
-    if _native_ok(x, error):
-        _native.LIB.cc_error_update(None if x is None else x.data_ptr(), 0 if x is None else _DTYPE_CODES[x.dtype],
-                                    0 if x is None else x.numel(), error.data_ptr(), real, error.numel(), scale)
-        return
-    if _cuda.usable(x, error) and _cuda.launch(
-            "cc_error_update", error.device, error.numel(), 0 if x is None else x.data_ptr(),
-            np.int32(0 if x is None else _DTYPE_CODES[x.dtype]), np.int64(0 if x is None else min(x.numel(), real)),
-            error.data_ptr(), np.int64(real), np.int64(error.numel()), np.float32(scale)):
-        return
-    plus = torch.tensor(scale, dtype=torch.float32, device=error.device)
-    minus, step = -plus, block_size(error.device)
-    n = 0 if x is None else x.numel()
-    for start in range(0, real, step):
-        v = error[start:min(start + step, real)]
-        live = max(0, min(n, start + v.numel()) - start)
-        if live:
-            v[:live] += x[start:start + live]
-        v -= torch.where(v >= 0, plus, minus)
-    error[real:].zero_()
-
-
-def server_scan_(bits: torch.Tensor, scales: torch.Tensor, divisor: int, error: torch.Tensor, real: int,
-                 out_bits: torch.Tensor) -> float:
-    """error <- y = (sum_r scales[r] sign_r) / divisor + error, summed in rank order, where row r
-    of `bits` (n, C/8) holds rank r's signs of this chunk; out_bits <- sign(y).
-    Returns sum(y[:real]^2) in float64."""
-    n, c = bits.shape[0], error.numel()
-    if _native_ok(bits, scales, error, out_bits):
-        return _native.LIB.cc_server_scan(bits.data_ptr(), bits.stride(0), n, scales.data_ptr(), float(divisor),
-                                          error.data_ptr(), c, real, out_bits.data_ptr())
-    if _cuda.usable(bits, scales, error, out_bits):
-        total = _cuda.launch_sum("cc_server_scan", error.device, c, bits.data_ptr(), np.int64(bits.stride(0)),
-                                 np.int32(n), scales.data_ptr(), np.float32(divisor), error.data_ptr(), np.int64(c),
-                                 np.int64(real), out_bits.data_ptr())
+    def server_scan_(self, bits: torch.Tensor, scales: torch.Tensor, divisor: int, error: torch.Tensor, real: int,
+                     out_bits: torch.Tensor) -> float:
+        """error <- y = (sum_r scales[r] sign_r) / divisor + error, summed in rank order, where row r
+        of `bits` (n, C/8) holds rank r's signs of this chunk; out_bits <- sign(y).
+        Returns sum(y[:real]^2) in float64."""
+        n, c = bits.shape[0], error.numel()
+        total = self._fused_sum("cc_server_scan", error.device, c, (bits, scales, error, out_bits),
+                                (bits.data_ptr(), bits.stride(0), n, scales.data_ptr(), float(divisor),
+                                 error.data_ptr(), c, real, out_bits.data_ptr()))
         if total is not None:
             return total
-    tables = [sign_table(s, -s) for s in scales]
-    total = torch.zeros((), dtype=torch.float64, device=error.device)
-    step = block_size(error.device)
-    for start in range(0, c, step):
-        stop = min(start + step, c)
-        a = tables[0][bits[0, start // 8:stop // 8].long()].view(-1)
-        for r in range(1, n):
-            a += tables[r][bits[r, start // 8:stop // 8].long()].view(-1)
-        if divisor != 1:  # by a tensor: CUDA would multiply by 1/divisor for a Python number
-            a /= torch.tensor(float(divisor), device=a.device)
-        y = error[start:stop]
-        y += a
-        head = y[:max(0, min(real, stop) - start)].double()
-        total += torch.dot(head, head)
-        pack_signs(y, out_bits[start // 8:stop // 8])
-    return float(total)
+        tables = [sign_table(s, -s) for s in scales]
+        acc = torch.zeros((), dtype=torch.float64, device=error.device)
+        step = block_size(error.device)
+        for start in range(0, c, step):
+            stop = min(start + step, c)
+            a = tables[0][bits[0, start // 8:stop // 8].long()].view(-1)
+            for r in range(1, n):
+                a += tables[r][bits[r, start // 8:stop // 8].long()].view(-1)
+            if divisor != 1:  # by a tensor: CUDA would multiply by 1/divisor for a Python number
+                a /= torch.tensor(float(divisor), device=a.device)
+            y = error[start:stop]
+            y += a
+            head = y[:max(0, min(real, stop) - start)].double()
+            acc += torch.dot(head, head)
+            pack_signs(y, out_bits[start // 8:stop // 8])
+        return float(acc)
+
+    def decode(self, bits: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """out (float dtype, len <= 8 * len(bits)) <- scale * sign coded by `bits`."""
+        values = torch.tensor([scale, -scale], dtype=torch.float32).to(out.dtype)
+        plus, minus = (v & ((1 << (8 * out.element_size())) - 1)
+                       for v in values.view(torch.int32 if out.element_size() == 4 else torch.int16).tolist())
+        if self._fused("cc_decode", out.device, out.numel(), (bits, out),
+                       (bits.data_ptr(), out.numel(), out.element_size(), plus, minus, out.data_ptr())):
+            return
+        table = sign_table(values[0].to(out.device), values[1].to(out.device))
+        step, whole = block_size(out.device), out.numel() // 8 * 8
+        for start in range(0, whole, step):
+            stop = min(start + step, whole)
+            out[start:stop].copy_(table[bits[start // 8:stop // 8].long()].view(-1))
+        if whole < out.numel():
+            out[whole:].copy_(table[bits[whole // 8].long()][:out.numel() - whole])
+
+    def __repr__(self) -> str:
+        return f"<Codec: {self.why}>"
 
 
-def decode(bits: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """out (float dtype, len <= 8 * len(bits)) <- scale * sign coded by `bits`."""
-    values = torch.tensor([scale, -scale], dtype=torch.float32).to(out.dtype)
-    plus, minus = (v & ((1 << (8 * out.element_size())) - 1)
-                   for v in values.view(torch.int32 if out.element_size() == 4 else torch.int16).tolist())
-    if _native_ok(bits, out):
-        _native.LIB.cc_decode(bits.data_ptr(), out.numel(), out.element_size(), plus, minus, out.data_ptr())
-        return
-    if _cuda.usable(bits, out) and _cuda.launch(
-            "cc_decode", out.device, out.numel(), bits.data_ptr(), np.int64(out.numel()),
-            np.int32(out.element_size()), np.uint32(plus), np.uint32(minus), out.data_ptr()):
-        return
-    table = sign_table(values[0].to(out.device), values[1].to(out.device))
-    step, whole = block_size(out.device), out.numel() // 8 * 8
-    for start in range(0, whole, step):
-        stop = min(start + step, whole)
-        out[start:stop].copy_(table[bits[start // 8:stop // 8].long()].view(-1))
-    if whole < out.numel():
-        out[whole:].copy_(table[bits[whole // 8].long()][:out.numel() - whole])
+_codecs: dict[tuple[str, int | None], Codec] = {}
+
+
+def codec_for(device: torch.device | str) -> Codec:
+    """The codec of `device`, chosen at its first use and kept: the fused kernels when they can
+    be had, else the torch code, with a RuntimeWarning saying why (once per device).
+
+    Switches, read at that first use: COMPCOMM_NATIVE=0 keeps the C kernels off and
+    COMPCOMM_CUDA_KERNELS=0 the CUDA ones (both give the same bits as the torch code).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device.type, device.index)
+    if key not in _codecs:
+        _codecs[key] = _choose(device)
+    return _codecs[key]
+
+
+def _choose(device: torch.device) -> Codec:
+    if device.type == "cpu":
+        return _choose_native()
+    if device.type == "cuda":
+        return _choose_cuda(device)
+    return Codec(None, f"torch kernels (no fused kernels for {device.type})")
+
+
+def _choose_native() -> Codec:
+    from . import _native
+
+    if os.environ.get("COMPCOMM_NATIVE", "1") == "0":
+        return Codec(None, "torch kernels (COMPCOMM_NATIVE=0)")
+    path = _native.library_path()
+    if path is None:
+        why = ("torch kernels: the C codec was not compiled when compcomm was installed (no C compiler?); "
+               f"results are the same bits, {_FALLBACK_SLOWDOWN}. Reinstall with a C compiler to get it")
+        warnings.warn(f"compcomm: {why}", RuntimeWarning, stacklevel=4)
+        return Codec(None, why)
+    return Codec(_native.NativeKernels(path))
+
+
+def _choose_cuda(device: torch.device) -> Codec:
+    import importlib.util
+
+    if os.environ.get("COMPCOMM_CUDA_KERNELS", "1") == "0":
+        return Codec(None, "torch kernels (COMPCOMM_CUDA_KERNELS=0)")
+    if importlib.util.find_spec("cupy") is None:
+        return Codec(None, "torch kernels (cupy is not installed: pip install compcomm[cuda] for the fused ones)")
+    from . import _cuda
+
+    try:
+        return Codec(_cuda.CudaKernels(device))
+    except Exception as exc:  # noqa: BLE001 - whatever cupy/NVRTC raises, the torch kernels remain
+        why = (f"torch kernels: the fused CUDA kernels failed to compile ({type(exc).__name__}: {exc}); "
+               "same bits, more slowly. Set COMPCOMM_CUDA_KERNELS=0 to silence this")
+        warnings.warn(f"compcomm: {why}", RuntimeWarning, stacklevel=4)
+        return Codec(None, why)
+
+
+def codec_info() -> dict[str, str]:
+    """What runs the codec on each device type here, in words: {"cpu": ..., "cuda": ...} (cuda
+    only where a GPU is). Chooses the codecs if no call has yet, so it may compile the CUDA
+    kernels."""
+    info = {"cpu": codec_for("cpu").why}
+    if torch.cuda.is_available():
+        info["cuda"] = codec_for("cuda").why
+    return info

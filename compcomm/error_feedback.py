@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 import sys
 import zlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -66,6 +67,9 @@ class ErrorFeedback:
     def record_server_max(self) -> None:
         """Re-measure max |server_error| after the algorithm updated it (one pass over C elements)."""
         assert self.server_error is not None
+        if not self.server_error.numel():  # an empty tensor's call: no server elements
+            self._server_max = 0.0
+            return
         low, high = torch.aminmax(self.server_error)
         self._server_max = max(-float(low), float(high))
 

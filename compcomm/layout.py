@@ -5,8 +5,8 @@ C = M / world_size elements that packs into whole bytes.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import torch
 
@@ -87,7 +87,6 @@ class Bucket:
     """
 
     indices: list[int]
-    shapes: list[torch.Size]
     numel: int
     padded_numel: int
     buffer: torch.Tensor
@@ -121,7 +120,6 @@ class Bucketer:
                  world_size: int = 1, dtype: torch.dtype | None = None) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self.bucket_bytes = bucket_bytes
         self.world_size = world_size
         groups: list[list[int]] = []
         keys: list[tuple[torch.dtype, torch.device]] = []
@@ -145,7 +143,7 @@ class Bucketer:
         numel = sum(tensors[i].numel() for i in idx)
         padded = padded_size(numel, self.world_size)
         buffer = torch.zeros(padded, dtype=dtype or first.dtype, device=first.device)
-        return Bucket(indices=list(idx), shapes=shapes, numel=numel, padded_numel=padded,
+        return Bucket(indices=list(idx), numel=numel, padded_numel=padded,
                       buffer=buffer, views=unflatten(buffer, shapes))
 
     def __len__(self) -> int:

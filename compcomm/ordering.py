@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
 _cond = threading.Condition()
-_registry: dict[Hashable, "Channel"] = {}
+_registry: dict[Hashable, Channel] = {}
 _opening: dict[Hashable, threading.Lock] = {}
 _held = threading.local()
 

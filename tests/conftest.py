@@ -1,8 +1,12 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Helpers shared by the test modules (`from rankpool import RankPool`, `from launched import ...`).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
 """compressed_allreduce on real gloo ranks against the float64 reference of SPEC section 3."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 
 import compcomm
 from compcomm.layout import padded_size
+
 from rankpool import group
 from reference import reference_allreduce
 

@@ -9,6 +9,7 @@ import torch
 
 import compcomm
 from compcomm.layout import padded_size
+
 from rankpool import group
 
 

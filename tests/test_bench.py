@@ -87,3 +87,15 @@ def test_compressed_wire_is_about_a_32nd(sweep):
     assert ideal <= mid["compressed"]["wire_bytes"] <= ideal + 256  # plus a few scalars
     ratio = mid["allreduce"]["wire_bytes"] / mid["compressed"]["wire_bytes"]
     assert 30 < ratio <= 32
+
+
+def test_nccl_tests_summary_codec_and_wire_bandwidth(sweep):
+    stdout, records, _ = sweep
+    assert "# codec: cpu: " in stdout
+    averages = {line.rsplit("(", 1)[1].rstrip(")"): float(line.split(":")[1].split()[0])
+                for line in stdout.splitlines() if line.startswith("# Avg bus bandwidth")}
+    for op in ("compressed", "allreduce"):
+        rows = [r for r in records if r["op"] == op]
+        assert averages[op] == pytest.approx(sum(r["busbw_GBps"] for r in rows) / len(rows), rel=1e-3, abs=1e-4)
+    for r in records:
+        assert math.isclose(r["wire_busbw_GBps"], r["wire_bytes"] / (r["time_us"] * 1e-6) / 1e9, rel_tol=1e-2)

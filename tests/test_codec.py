@@ -2,24 +2,31 @@
 the same bits as the torch kernels."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Callable
+import importlib.util
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from compcomm import _cuda, _native, codec
-from cuda_emulation import build, compiler_missing, emulated_cuda
+from compcomm import _abi, _cuda, _native
+from compcomm.codec import Codec, codec_for
+
+from cuda_emulation import EmulatedCudaKernels, build, compiler_missing
 
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+TORCH = Codec(None)
 KINDS = [
-    pytest.param("c", marks=pytest.mark.skipif(not codec.native_available(),
+    pytest.param("c", marks=pytest.mark.skipif(_native.library_path() is None,
                                                reason="the C codec was not built (no compiler at install time)")),
-    pytest.param("cupy", marks=pytest.mark.skipif(not (torch.cuda.is_available() and _cuda.ENABLED),
-                                                  reason=f"{NO_GPU} or cupy-cuda12x is not installed")),
-    pytest.param("torch-cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)),
+    pytest.param("cupy", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not (torch.cuda.is_available() and HAS_CUPY),
+                                                   reason=f"{NO_GPU} or cupy-cuda12x is not installed")]),
+    pytest.param("torch-cuda", marks=[pytest.mark.gpu,
+                                      pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]),
     pytest.param("cuda-emulated", marks=pytest.mark.skipif(compiler_missing() is not None,
                                                            reason=str(compiler_missing()))),
 ]
@@ -32,10 +39,10 @@ def emulator(tmp_path_factory):
 
 @dataclasses.dataclass
 class Kernels:
-    """Kernels under test: run fn in `context()` on tensors on `device`."""
+    """Kernels under test: `codec` run on tensors on `device`."""
     name: str
     device: str
-    context: Callable[[], contextlib.AbstractContextManager]
+    codec: Codec
 
 
 @pytest.fixture(params=KINDS)
@@ -44,34 +51,21 @@ def kind(request) -> Kernels:
     (cupy on a GPU, or emulated on the CPU) or the torch ones on a GPU (whose arithmetic must
     match the CPU's too)."""
     if request.param == "cuda-emulated":
-        emulator = request.getfixturevalue("emulator")
-        return Kernels(request.param, "cpu", lambda: emulated_cuda(emulator))
+        return Kernels(request.param, "cpu", Codec(EmulatedCudaKernels(request.getfixturevalue("emulator"))))
     if request.param == "torch-cuda":
-        return Kernels(request.param, "cuda", torch_kernels)
-    return Kernels(request.param, "cpu" if request.param == "c" else "cuda", contextlib.nullcontext)
+        return Kernels(request.param, "cuda", TORCH)
+    if request.param == "cupy":  # compiling raises here if NVRTC cannot build the kernels
+        return Kernels(request.param, "cuda", Codec(_cuda.CudaKernels(torch.device("cuda"))))
+    return Kernels(request.param, "cpu", Codec(_native.NativeKernels(str(_native.library_path()))))
 
 
-@contextlib.contextmanager
-def torch_kernels():
-    """Turn the fused C and CUDA kernels off: the codec runs its torch code."""
-    lib, enabled = _native.LIB, _cuda.ENABLED
-    _native.LIB, _cuda.ENABLED = None, False
-    try:
-        yield
-    finally:
-        _native.LIB, _cuda.ENABLED = lib, enabled
-
-
-def both(kernels: Kernels, fn, *args):
-    """fn on copies of args with `kernels`, and with the torch kernels on CPU; the first
-    result's tensors come back on CPU."""
+def both(kernels: Kernels, method: str, *args):
+    """Codec pass `method` on copies of args with `kernels`, and with the torch kernels on CPU;
+    the first result's tensors come back on CPU."""
     fast_args = [a.to(kernels.device, copy=True) if isinstance(a, torch.Tensor) else a for a in args]
     torch_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    with kernels.context():
-        fast_out = fn(*fast_args)
-    assert kernels.name != "cupy" or _cuda.ENABLED, "the CUDA kernels could not be compiled (see the warning)"
-    with torch_kernels():
-        torch_out = fn(*torch_args)
+    fast_out = getattr(kernels.codec, method)(*fast_args)
+    torch_out = getattr(TORCH, method)(*torch_args)
     return (fast_out, [a.cpu() if isinstance(a, torch.Tensor) else a for a in fast_args]), (torch_out, torch_args)
 
 
@@ -96,10 +90,10 @@ def test_worker_scan_and_update(kind, numel, dtype):
     error = torch.zeros(m)
     error[:numel] = data(numel, torch.float32, 1) * 0.3
     for e in (None, error):
-        (n_sum, n_args), (t_sum, t_args) = both(kind, codec.worker_scan, x, e, torch.empty(m // 8, dtype=torch.uint8))
+        (n_sum, n_args), (t_sum, t_args) = both(kind, "worker_scan", x, e, torch.empty(m // 8, dtype=torch.uint8))
         assert same_bits(n_args[2], t_args[2])
         assert n_sum == pytest.approx(t_sum, rel=1e-12)
-    (_, n_args), (_, t_args) = both(kind, codec.error_update_, error, 0.625, numel, x)
+    (_, n_args), (_, t_args) = both(kind, "error_update_", error, 0.625, numel, x)
     assert same_bits(n_args[0], t_args[0])
     assert torch.equal(n_args[0][numel:], torch.zeros(m - numel))
 
@@ -111,11 +105,11 @@ def test_server_scan_and_update(kind, n, c, real):
     scales = torch.rand(n, generator=g) + 0.1
     error = torch.randn(c, generator=g) * 0.2
     for divisor in (1, n):
-        (n_sum, n_args), (t_sum, t_args) = both(kind, codec.server_scan_, bits, scales, divisor, error, real,
+        (n_sum, n_args), (t_sum, t_args) = both(kind, "server_scan_", bits, scales, divisor, error, real,
                                                 torch.empty(c // 8, dtype=torch.uint8))
         assert same_bits(n_args[3], t_args[3]) and same_bits(n_args[5], t_args[5])
         assert n_sum == pytest.approx(t_sum, rel=1e-12)
-    (_, n_args), (_, t_args) = both(kind, codec.error_update_, error, 0.3, real)
+    (_, n_args), (_, t_args) = both(kind, "error_update_", error, 0.3, real)
     assert same_bits(n_args[0], t_args[0])
 
 
@@ -123,7 +117,7 @@ def test_server_scan_and_update(kind, n, c, real):
 @pytest.mark.parametrize("count", [1, 8, 13, 4096])
 def test_decode(kind, dtype, count):
     bits = torch.randint(0, 256, (-(-count // 8),), dtype=torch.uint8, generator=torch.Generator().manual_seed(count))
-    (_, n_args), (_, t_args) = both(kind, codec.decode, bits, 0.1234567, torch.empty(count, dtype=dtype))
+    (_, n_args), (_, t_args) = both(kind, "decode", bits, 0.1234567, torch.empty(count, dtype=dtype))
     assert same_bits(n_args[2], t_args[2])
     expected = np.where(np.unpackbits(bits.numpy())[:count] == 1, 1.0, -1.0) * np.float32(0.1234567)
     assert torch.equal(n_args[2], torch.from_numpy(expected.astype(np.float32)).to(dtype))
@@ -132,5 +126,21 @@ def test_decode(kind, dtype, count):
 def test_msb_first_bits_and_negative_zero():
     x = torch.tensor([1.0, -1.0, -0.0, 0.0, -2.0, 3.0, -4.0, -5.0])
     bits = torch.empty(1, dtype=torch.uint8)
-    codec.worker_scan(x, None, bits)
+    codec_for("cpu").worker_scan(x, None, bits)
     assert bits.item() == 0b10110100
+
+
+def test_python_abi_matches_the_shared_header():
+    """compcomm/_abi.py and compcomm/csrc/codec_abi.h declare the same kernels and dtype codes."""
+    header = (Path(_cuda.SOURCE_DIR) / "codec_abi.h").read_text()
+    kinds = {"const void *": _abi.PTR, "void *": _abi.PTR, "const float *": _abi.PTR, "float *": _abi.PTR,
+             "const unsigned char *": _abi.PTR, "unsigned char *": _abi.PTR, "double *": _abi.PTR,
+             "int": _abi.I32, "cc_index": _abi.I64, "float": _abi.F32, "unsigned int": _abi.U32}
+    declared = {}
+    for name, params in re.findall(r"CC_KERNEL void (cc_\w+)\(([^)]*)\);", header):
+        types = [re.sub(r"\s*\*\s*", " *", re.sub(r"\w+$", "", p.strip())).strip() for p in params.split(",")]
+        declared[name] = tuple(kinds[t] for t in types)
+    assert declared == _abi.SIGNATURES
+    enum = dict(re.findall(r"CC_(F32|F16|BF16) = (\d+)", header))
+    assert {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16} == {
+        k: next(d for d, code in _abi.DTYPE_CODES.items() if code == int(v)) for k, v in enum.items()}

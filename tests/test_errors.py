@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import compcomm
+
 from rankpool import caught, group
 
 WORLD = 4

@@ -1,26 +1,30 @@
-"""The mpi backend on real MPI ranks: ONE `mpirun -n 4 tests/mpi_checks.py` for the whole module.
+"""The mpi backend on real MPI ranks: ONE `mpirun -n 4 tests/programs/mpi_checks.py` for the whole module.
 
 The program also joins a gloo group, so gloo and MPI reduce the same inputs side by side;
 each test below asserts on what its ranks reported.
 """
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import pytest
 
+import compcomm
 from compcomm.layout import chunk_size
+
 from launched import launch, mpirun_python, passed
 
 WORLD = 4
 TIMEOUT_S = 120
-HERE = Path(__file__).resolve().parent
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("mpi_checks")
-    return launch(mpirun_python(WORLD) + [str(HERE / "mpi_checks.py"), str(out)], out, "", WORLD, TIMEOUT_S)
+    return launch(mpirun_python(WORLD) + [str(PROGRAMS / "mpi_checks.py"), str(out)], out, "", WORLD, TIMEOUT_S)
 
 
 def test_launch_resolves_to_mpi(ranks):
@@ -79,3 +83,24 @@ def test_bytes_sent_counts(ranks):
 def test_async_collectives_and_uncompressed_all_reduce(ranks):
     for r in passed(ranks, "async_and_all_reduce"):
         assert r["sums"] == {"float32": 10.0, "float16": 10.0, "bfloat16": 10.0}
+
+
+def test_frozen_peer_makes_every_live_rank_raise_within_the_timeout(tmp_path):
+    """Rank 2 of 3 stops answering: ranks 0 and 1 raise RuntimeError after their 2 s timeout
+    (compressed allreduce, all_reduce, barrier) instead of hanging, and refuse the next call."""
+    program = PROGRAMS / "mpi_timeout.py"
+    ranks = launch(mpirun_python(3) + [str(program), str(tmp_path)], tmp_path, "", 3, 90)
+    assert ranks[2] == {"rank": 2, "frozen": True}
+    for r in ranks[:2]:
+        for op in ("compressed", "all_reduce", "barrier"):
+            assert r[op]["raised"] == "RuntimeError", r[op]
+            assert "did not complete within 2s" in r[op]["message"] and "stopped answering" in r[op]["message"]
+            assert 2.0 <= r[op]["seconds"] < 5.0
+        assert r["after"]["raised"] == "RuntimeError" and "unusable" in r["after"]["message"]
+        assert r["after"]["seconds"] < 0.5
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, datetime.timedelta(0)])
+def test_timeout_must_be_positive(timeout):
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        compcomm.backends.get("mpi", timeout=timeout)

@@ -14,12 +14,12 @@ import torch
 
 from launched import launch, mpirun_python, passed
 
-HERE = Path(__file__).resolve().parent
+PROGRAMS = Path(__file__).resolve().parent / "programs"
 TIMEOUT_S = 300
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="no CUDA device (torch.cuda.is_available() is False): the NCCL and CUDA-MPI checks need a GPU")
+    reason="no CUDA device (torch.cuda.is_available() is False): the NCCL and CUDA-MPI checks need a GPU")]
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +28,13 @@ def nccl_ranks(tmp_path_factory) -> list[dict]:
         pytest.skip("this torch build has no NCCL")
     out = tmp_path_factory.mktemp("nccl")
     world = 2 if torch.cuda.device_count() >= 2 else 1
-    return launch([sys.executable, str(HERE / "cuda_checks.py"), "nccl", str(out)], out, "nccl_", world, TIMEOUT_S)
+    return launch([sys.executable, str(PROGRAMS / "cuda_checks.py"), "nccl", str(out)], out, "nccl_", world, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def mpi_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("cuda_mpi")
-    return launch(mpirun_python(2) + [str(HERE / "cuda_checks.py"), "mpi", str(out)], out, "mpi_", 2, TIMEOUT_S)
+    return launch(mpirun_python(2) + [str(PROGRAMS / "cuda_checks.py"), "mpi", str(out)], out, "mpi_", 2, TIMEOUT_S)
 
 
 def test_nccl_backend_on_current_device(nccl_ranks):
@@ -53,15 +53,18 @@ def test_nccl_nonfinite_everywhere(nccl_ranks):
     assert all(r["raised"] == "NonFiniteError" for r in passed(nccl_ranks, "nonfinite"))
 
 
+@pytest.mark.mpi
 def test_mpi_cuda_staged_through_reused_pinned_buffers(mpi_ranks):
     for r in passed(mpi_ranks, "staged"):
         assert r["steps"] == 54 and r["pinned_buffers"] <= 4
 
 
+@pytest.mark.mpi
 def test_mpi_cuda_nonfinite_everywhere(mpi_ranks):
     assert all(r["raised"] == "NonFiniteError" for r in passed(mpi_ranks, "nonfinite"))
 
 
+@pytest.mark.mpi
 def test_mpi_cuda_aware_direct(mpi_ranks):
     if not mpi_ranks[0]["detected"]["cuda_aware"]:
         pytest.skip("this MPI does not report CUDA-awareness (MPIX_Query_cuda_support is 0 or absent)")

@@ -1,6 +1,9 @@
-"""bench/netsim.py: a 2-host shaped cluster runs a gloo all_reduce and leaves nothing behind.
+"""bench/netsim.py: a 2-host shaped cluster runs a gloo all_reduce and leaves nothing behind;
+with several ranks per host, ranks of one host talk over its loopback and only traffic between
+hosts crosses the shaped interface.
 
-Needs root and iproute2 (ip, tc) with sch_tbf; skipped with the reason otherwise.
+Needs root and iproute2 (ip, tc) with sch_tbf; skipped with the reason otherwise. The tests that
+build namespaces carry the `netns` marker (run them with `pytest -m netns`).
 """
 from __future__ import annotations
 
@@ -55,7 +58,12 @@ def _why_skip() -> str | None:
 
 
 SKIP = _why_skip()
-needs_netns = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+
+def needs_netns(test):
+    """Marked `netns` (pytest -m netns runs these alone); skipped with the reason where
+    namespaces cannot be made."""
+    return pytest.mark.netns(pytest.mark.skipif(SKIP is not None, reason=SKIP or "")(test))
 
 
 def _leftovers(tag: str) -> list[str]:
@@ -64,9 +72,41 @@ def _leftovers(tag: str) -> list[str]:
     return [line for line in (ns + links).splitlines() if tag in line]
 
 
-def _netsim(tag: str, *command: str, extra=()) -> list[str]:
-    return [sys.executable, str(SCRIPT), "--hosts", "2", "--rate", "1gbit", "--subnet", "10.77.5.0/24",
+def _netsim(tag: str, *command: str, extra=(), subnet: str = "10.77.5.0/24") -> list[str]:
+    return [sys.executable, str(SCRIPT), "--hosts", "2", "--rate", "1gbit", "--subnet", subnet,
             "--tag", tag, "--threads", "1", *extra, "--", *command]
+
+
+RANKS_PER_HOST = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+k, host, local = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
+assert (world, k, os.environ["GROUP_WORLD_SIZE"]) == (6, 3, "2") and rank == host * k + local, dict(os.environ)
+nodes = [dist.new_group([h * k + i for i in range(k)]) for h in range(2)]
+peers = [dist.new_group([h * k + i for h in range(2)]) for i in range(k)]
+
+def sent():  # bytes that left this namespace through the shaped interface, and through loopback
+    read = lambda dev: int(open(f"/sys/class/net/{dev}/statistics/tx_bytes").read())
+    return read("eth0"), read("lo")
+
+payload = 4 << 20  # floats: 16 MiB per all_reduce
+dist.barrier()
+eth0, lo = sent()
+t = torch.full((payload,), float(rank))
+dist.all_reduce(t, group=nodes[host])  # inside the host
+assert t.eq(sum(range(host * k, host * k + k))).all()
+dist.barrier()
+eth1, lo1 = sent()
+dist.all_reduce(t, group=peers[local])  # across hosts
+dist.barrier()
+eth2, _ = sent()
+dist.barrier()
+assert eth1 - eth0 < (1 << 20) and lo1 - lo > (8 << 20), (eth1 - eth0, lo1 - lo)
+assert eth2 - eth1 > (8 << 20), eth2 - eth1
+os.write(1, f"rank {rank} host {host} ok\\n".encode())
+dist.destroy_process_group()
+"""
 
 
 def test_rate_parsing_and_exit_codes():
@@ -97,6 +137,19 @@ def test_two_hosts_allreduce_and_cleanup():
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+    assert _leftovers(tag) == []
+
+
+@needs_netns
+def test_ranks_per_host_share_loopback_and_cross_the_shaped_link():
+    """3 ranks on each of 2 hosts: torchrun's variables are set per rank, an all_reduce inside a
+    host sends nothing through the host's shaped interface, one across hosts does."""
+    tag = TAG + "k"
+    proc = subprocess.run(_netsim(tag, sys.executable, "-c", RANKS_PER_HOST, extra=("--ranks-per-host", "3"),
+                                  subnet="10.77.13.0/24"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(f"rank {r} host {r // 3} ok" in proc.stdout for r in range(6)), proc.stdout + proc.stderr
     assert _leftovers(tag) == []
 
 

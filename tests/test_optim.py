@@ -9,6 +9,7 @@ import torch
 
 import compcomm
 from compcomm.optim import OnebitAdam, OnebitLamb, OnebitOptimizer
+
 from rankpool import caught, group
 
 OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}
@@ -289,11 +290,11 @@ def count_collectives(name: str) -> list[dict]:
         setattr(be, op, counted)
     per_step = []
     try:
-        for step in range(4):
-            backward(model, rank, step)
+        for step in range(4):  # a step's collectives start during its backward (overlap)
             for op in counts:
                 counts[op] = 0
             sent = be.bytes_sent
+            backward(model, rank, step)
             opt.step()
             per_step.append(dict(counts, buckets=len(opt._layout()), bytes=be.bytes_sent - sent))
     finally:

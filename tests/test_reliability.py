@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import compcomm
+
 from rankpool import caught
 
 NUMEL = 96

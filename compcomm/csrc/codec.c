@@ -1,10 +1,10 @@
-/* Fused CPU kernels of the 1-bit codec (see compcomm/codec.py for the contract).
+/* Fused CPU kernels of the 1-bit codec (see compcomm/codec.py for the contract, and
+ * codec_abi.h for the parameters, which the CUDA kernels share).
  *
  * Plain C with no Python API: loaded through ctypes, which drops the GIL during each call
  * so that the codec overlaps collectives in flight. Every kernel does the same fp32
  * operations, in the same order, as the torch fallback, so the two agree bit for bit
  * (float64 sums of squares may differ in the last bits, which the fp32 scale rounds away).
- * Bits are MSB-first: bit 7 of byte b codes element 8b, and bit 1 means v >= 0 (so -0.0).
  * Loops are written branch-free over whole bytes so that the compiler vectorizes them.
  */
 #include <stdint.h>
@@ -13,7 +13,9 @@
 #include <immintrin.h>
 #endif
 
-enum { F32 = 0, F16 = 1, BF16 = 2 };
+#include "codec_abi.h"
+
+enum { F32 = CC_F32, F16 = CC_F16, BF16 = CC_BF16 };
 
 static inline float load(const void *x, int64_t i, int dtype) {
     if (dtype == F32) return ((const float *)x)[i];
@@ -93,6 +95,17 @@ static inline double scan(const void *x, int dtype, int64_t n, const float *e, i
 static int have_avx2_fma(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+#else
+static int have_avx2_fma(void) {
+    return 0;
+}
+#endif
+
+int cc_cpu_features(void) {
+    return have_avx2_fma();
+}
+
+#ifdef __SSE2__
 
 /* Lane-first sign mask of eight floats: bit k is v[k] >= 0. */
 __attribute__((target("avx2,fma")))
@@ -156,14 +169,17 @@ static double scan_f32_avx2(const float *x, int64_t n, const float *e, int64_t m
 }
 #endif
 
-double cc_worker_scan(const void *x, int dtype, int64_t n, const float *e, int64_t m, uint8_t *bits) {
+void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, cc_index m, unsigned char *bits,
+                    double *partial) {
 #ifdef __SSE2__
-    if (dtype == F32 && have_avx2_fma())
-        return scan_f32_avx2(x, n, e, m, bits);
+    if (dtype == F32 && have_avx2_fma()) {
+        *partial = scan_f32_avx2(x, n, e, m, bits);
+        return;
+    }
 #endif
-    if (dtype == F32) return scan(x, F32, n, e, m, bits);
-    if (dtype == F16) return scan(x, F16, n, e, m, bits);
-    return scan(x, BF16, n, e, m, bits);
+    if (dtype == F32) *partial = scan(x, F32, n, e, m, bits);
+    else if (dtype == F16) *partial = scan(x, F16, n, e, m, bits);
+    else *partial = scan(x, BF16, n, e, m, bits);
 }
 
 /* Pass 2: e <- v - s sign(v), v = x + e (x may be NULL: v = e), on [:real]; 0 on [real:m]. */
@@ -195,7 +211,7 @@ static void update_f32_avx2(const float *x, int64_t with_x, float *e, int64_t re
 }
 #endif
 
-void cc_error_update(const void *x, int dtype, int64_t n, float *e, int64_t real, int64_t m, float s) {
+void cc_error_update(const void *x, int dtype, cc_index n, float *e, cc_index real, cc_index m, float s) {
     int64_t with_x = x ? (n < real ? n : real) : 0;
 #ifdef __SSE2__
     if ((!x || dtype == F32) && have_avx2_fma()) update_f32_avx2(x, with_x, e, real, s);
@@ -258,8 +274,8 @@ static int64_t server_avx2(const uint8_t *bits, int64_t stride, int nranks, cons
 }
 #endif
 
-double cc_server_scan(const uint8_t *bits, int64_t stride, int nranks, const float *scales,
-                      float divisor, float *e, int64_t c, int64_t real, uint8_t *out_bits) {
+void cc_server_scan(const unsigned char *bits, cc_index stride, int nranks, const float *scales,
+                    float divisor, float *e, cc_index c, cc_index real, unsigned char *out_bits, double *partial) {
     double lanes[8] = {0};
     int64_t byte = 0;
 #ifdef __SSE2__
@@ -270,11 +286,12 @@ double cc_server_scan(const uint8_t *bits, int64_t stride, int nranks, const flo
         server_byte(bits, stride, nranks, scales, divisor, byte, y);
         out_bits[byte] = pack8(y, lanes, live_lanes(real - byte * 8));
     }
-    return sum8(lanes);
+    *partial = sum8(lanes);
 }
 
 /* out[:count] <- per bit one of two precomputed bit patterns (+t and -t in the output dtype). */
-void cc_decode(const uint8_t *bits, int64_t count, int elsize, uint32_t plus, uint32_t minus, void *out) {
+void cc_decode(const unsigned char *bits, cc_index count, int elsize, unsigned int plus, unsigned int minus,
+               void *out) {
     int64_t full = count / 8;
     if (elsize == 4) {
         uint32_t table[256][8];

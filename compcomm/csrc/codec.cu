@@ -1,4 +1,5 @@
-/* Fused CUDA kernels of the 1-bit codec (see compcomm/codec.py for the contract).
+/* Fused CUDA kernels of the 1-bit codec (see compcomm/codec.py for the contract, and
+ * codec_abi.h for the parameters, which the C kernels share).
  *
  * Compiled at first use by cupy's NVRTC (compcomm/_cuda.py) and launched on torch's current
  * stream. Each kernel is one pass over memory and does the same fp32 operations, in the same
@@ -12,7 +13,11 @@
  * warps, so every ballot has all 32 lanes.
  */
 
-enum { F32 = 0, F16 = 1, BF16 = 2 };
+#define CC_CUDA
+#define CC_KERNEL extern "C" __global__
+#include "codec_abi.h"
+
+enum { F32 = CC_F32, F16 = CC_F16, BF16 = CC_BF16 };
 #define ALL_LANES 0xffffffffu
 
 #ifndef COMPCOMM_CUDA_EMULATION /* tests/cuda_emulation.cpp runs this file on the CPU */
@@ -58,9 +63,7 @@ __device__ void store_block_sum(double acc, double *partial) {
     }
 }
 
-/* Worker pass 1: v = x + e (x zero beyond n; e may be null), bits = sign(v) over [0, m);
- * partial sums of v[:n]^2. Writes nothing but bits and partial. */
-extern "C" __global__ void cc_worker_scan(const void *x, int dtype, long long n, const float *e, long long m,
+extern "C" __global__ void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, cc_index m,
                                           unsigned char *bits, double *partial) {
     double acc = 0.0;
     for (long long i = first_index(); i - (threadIdx.x & 31) < m; i += grid_step()) {
@@ -72,20 +75,18 @@ extern "C" __global__ void cc_worker_scan(const void *x, int dtype, long long n,
     store_block_sum(acc, partial);
 }
 
-/* Pass 2: e <- v - s sign(v) on [0, real), with v = x + e below with_x and v = e above; 0 on [real, m). */
-extern "C" __global__ void cc_error_update(const void *x, int dtype, long long with_x, float *e, long long real,
-                                           long long m, float s) {
+extern "C" __global__ void cc_error_update(const void *x, int dtype, cc_index n, float *e, cc_index real,
+                                           cc_index m, float s) {
+    long long with_x = x ? (n < real ? n : real) : 0;
     for (long long i = first_index(); i < m; i += grid_step()) {
         float v = i < with_x ? load_value(x, i, dtype) + e[i] : e[i];
         e[i] = i < real ? v - (v >= 0.0f ? s : -s) : 0.0f;
     }
 }
 
-/* Server pass: y = e + (sum_r +-scales[r]) / divisor, summed in rank order, stored in e, over
- * [0, c); out_bits = sign(y); partial sums of y[:real]^2. Row r of `bits` starts at r * stride. */
-extern "C" __global__ void cc_server_scan(const unsigned char *bits, long long stride, int nranks,
-                                          const float *scales, float divisor, float *e, long long c,
-                                          long long real, unsigned char *out_bits, double *partial) {
+extern "C" __global__ void cc_server_scan(const unsigned char *bits, cc_index stride, int nranks,
+                                          const float *scales, float divisor, float *e, cc_index c,
+                                          cc_index real, unsigned char *out_bits, double *partial) {
     double acc = 0.0;
     for (long long i = first_index(); i - (threadIdx.x & 31) < c; i += grid_step()) {
         float y = 0.0f;
@@ -104,8 +105,7 @@ extern "C" __global__ void cc_server_scan(const unsigned char *bits, long long s
     store_block_sum(acc, partial);
 }
 
-/* out[:count] <- one of two bit patterns (+t, -t in the output dtype) per bit. */
-extern "C" __global__ void cc_decode(const unsigned char *bits, long long count, int elsize, unsigned int plus,
+extern "C" __global__ void cc_decode(const unsigned char *bits, cc_index count, int elsize, unsigned int plus,
                                      unsigned int minus, void *out) {
     for (long long i = first_index(); i < count; i += grid_step()) {
         unsigned int value = (bits[i >> 3] >> (7 - (int)(i & 7))) & 1 ? plus : minus;

@@ -10,8 +10,12 @@ b1(t) = 1 - beta1^t and b2(t) = 1 - beta2^t, and T0 = freeze_step:
                                                                              torch.optim.Adam when wd = 0)
     compression (t > T0), g_r = this rank's gradient:
         m_r = beta1 m + (1 - beta1) g_r
-        m <- compressed_allreduce(m_r)                  1-bit, error feedback per bucket
+        m <- mask * compressed_allreduce(m_r)           1-bit, error feedback per bucket
         w <- w (1 - lr wd) - lr / b1(t) * m / (sqrt(v / b2(T0)) + eps)      v frozen at T0
+
+    mask = 0 where sqrt(v / b2(T0)) <= eps (the element got no real gradient in warm-up, so the
+    frozen preconditioner would amplify the 1-bit noise up to 1/(2 eps)), times the group's
+    `exp_avg_mask` if it has one; 1 elsewhere.
 
 Freezing v is what lets the momentum, not the gradient, be compressed: with a fixed
 preconditioner the update is linear in m, so the error feedback of the compressed momentum
@@ -19,15 +23,45 @@ compensates across steps as in compressed SGD with momentum.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from ..backends import Backend
-from .base import OnebitOptimizer, adam_denominator, apply_to_param, update_moments
+from .base import COMPRESSED, EXACT, OnebitOptimizer
+from .updates import adam_denominator, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
 
 
-class OnebitAdam(OnebitOptimizer):
+class FrozenVarianceOptimizer(OnebitOptimizer):
+    """Exact gradients for `freeze_step` warm-up steps, then each rank's momentum in 1 bit (times
+    a fixed per-parameter scale, `_momentum_scale(p)`, 1 unless a subclass sets one): what
+    1-bit Adam and 1-bit LAMB share."""
+
+    def __init__(self, params: Iterable, defaults: dict[str, Any], freeze_step: int,
+                 backend: Backend | str | None) -> None:
+        check_freeze_step(freeze_step)
+        super().__init__(params, defaults, backend)
+        self.freeze_step = int(freeze_step)
+
+    def _kind(self, t: int) -> str:
+        return EXACT if t <= self.freeze_step else COMPRESSED
+
+    def _momentum_scale(self, p: torch.Tensor) -> float:
+        return 1.0
+
+    def _payload(self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        if kind == EXACT:
+            out.copy_(g)
+            return
+        torch.lerp(self._moments(p)["exp_avg"], g, 1 - group["betas"][0], out=out)  # m_r
+        scale = self._momentum_scale(p)
+        if scale != 1.0:
+            out.mul_(scale)
+
+
+class OnebitAdam(FrozenVarianceOptimizer):
     """Adam whose momentum is averaged with the error-compensated 1-bit allreduce after
     `freeze_step` uncompressed warm-up steps (see the module docstring for the math).
 
@@ -41,27 +75,24 @@ class OnebitAdam(OnebitOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, freeze_step, backend)
 
-    def _adam_step(self, p: torch.Tensor, group: dict, m: torch.Tensor, v: torch.Tensor,
-                   t: int, v_step: int) -> None:
-        """w <- w (1 - lr wd) - lr / b1(t) * m / (sqrt(v / b2(v_step)) + eps)."""
-        lr, wd, (beta1, beta2) = group["lr"], group["weight_decay"], group["betas"]
-        denom = adam_denominator(v, beta2, v_step, group["eps"])
-
-        def update(w: torch.Tensor) -> None:
-            if wd:
-                w.mul_(1 - lr * wd)
-            w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
-
-        apply_to_param(p, update)
-
-    def _warmup_update(self, t: int, grads: Sequence[torch.Tensor]) -> None:
-        for p, g, group in zip(self._params(), grads, self._groups_of_params()):
+    def _apply(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
+        for p, value, group, state in self._entries(values):
             state = self._moments(p)
-            update_moments(state, g, group["betas"])
-            self._adam_step(p, group, state["exp_avg"], state["exp_avg_sq"], t, t)
+            beta1, beta2 = group["betas"]
+            if kind == EXACT:
+                update_moments(state, value, group["betas"])
+                denom = adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"])
+            else:
+                denom = adam_denominator(state["exp_avg_sq"], beta2, self.freeze_step, group["eps"])
+                state["exp_avg"].copy_(mask_(value, group, denom))
+            w = master_weight(p, state)
+            decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
+            store_(p, w)
 
-    def _compressed_update(self, t: int, momenta: Sequence[torch.Tensor]) -> None:
-        for p, m, group in zip(self._params(), momenta, self._groups_of_params()):
-            state = self.state[p]
-            state["exp_avg"].copy_(m.view_as(state["exp_avg"]))
-            self._adam_step(p, group, state["exp_avg"], state["exp_avg_sq"], t, self.freeze_step)
+
+def check_freeze_step(freeze_step: Any) -> None:
+    """ValueError unless freeze_step >= 1 (the compressed stage needs a warm-up estimate of v)."""
+    try:
+        check_count("freeze_step", freeze_step, 1)
+    except ValueError as exc:
+        raise ValueError(f"{exc}: the compression stage needs a second moment estimated during warm-up") from None

@@ -15,7 +15,8 @@ m_hat = m / b1(t), denominators d(v, s) = sqrt(v / b2(s)) + eps, T0 = freeze_ste
                                                               from the (synchronized) momentum
     compression (t > T0), g_r = this rank's gradient, m_prev = the synchronized momentum:
         m_r = beta1 m_prev + (1 - beta1) g_r
-        m = compressed_allreduce(m_r * s_l) / s_l             one 1-bit collective per bucket
+        m = mask * compressed_allreduce(m_r * s_l) / s_l      one 1-bit collective per bucket
+                                                              (mask as in 1-bit Adam)
         g_rec = (m - beta1 m_prev) / (1 - beta1)              the gradient the update "saw"
         v_fresh <- beta2 v_fresh + (1 - beta2) g_rec^2        v itself stays frozen
         u_pre = m_hat / d(v, T0);  u = u_pre + wd w
@@ -34,12 +35,15 @@ on every rank and the rescaled result stays bitwise identical everywhere.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from ..backends import Backend
-from .base import OnebitOptimizer, adam_denominator, apply_to_param, check_range, update_moments
+from .adam import FrozenVarianceOptimizer
+from .base import EXACT
+from .updates import adam_denominator, check_range, mask_, master_weight, store_, update_moments
 
 
 def trust_ratio(w: torch.Tensor, u: torch.Tensor) -> float | None:
@@ -54,7 +58,30 @@ def clamp(x: float, low: float, high: float) -> float:
     return min(max(x, low), high)
 
 
-class OnebitLamb(OnebitOptimizer):
+def warmup_coefficient(ratio: float | None, coeff_avg: float | None,
+                       group: dict[str, Any]) -> tuple[float, float | None]:
+    """The warm-up coefficient c = clamp(ratio) (1 when undefined) and the new running average."""
+    if ratio is None:
+        return 1.0, coeff_avg
+    c = clamp(ratio, group["min_coeff"], group["max_coeff"])
+    beta = group["coeff_beta"]
+    return c, c if coeff_avg is None else beta * coeff_avg + (1 - beta) * c
+
+
+def compressed_factor(variance_ratio: float, last: float, u_pre: torch.Tensor, u: torch.Tensor,
+                      group: dict[str, Any]) -> float:
+    """The factor f of the compression stage (module docstring), from max(d(v, T0) / d(v_fresh, t))."""
+    factor = variance_ratio
+    if group["weight_decay"]:
+        u_norm = float(torch.linalg.vector_norm(u))
+        r = min(1.0, float(torch.linalg.vector_norm(u_pre)) / u_norm) if u_norm > 0 else 1.0
+        factor = r * factor + (1.0 - r)
+    factor = clamp(factor, group["factor_min"], group["factor_max"])
+    thr = group["factor_threshold"]
+    return clamp(factor, last * (1.0 - thr), last * (1.0 + thr))
+
+
+class OnebitLamb(FrozenVarianceOptimizer):
     """LAMB whose momentum is averaged with the error-compensated 1-bit allreduce after
     `freeze_step` warm-up steps, with frozen, variance-adapted layer-wise coefficients
     (see the module docstring for the math).
@@ -82,38 +109,32 @@ class OnebitLamb(OnebitOptimizer):
         check_range("factor_max", group["factor_max"], 1.0)
         check_range("factor_threshold", group["factor_threshold"], 0.0)
 
-    def _lamb_step(self, p: torch.Tensor, group: dict, u_pre: torch.Tensor, coeff_of) -> None:
-        """u = u_pre + wd w;  w <- w - lr c u  with c = coeff_of(w, u_pre, u)."""
-        lr, wd = group["lr"], group["weight_decay"]
+    def _momentum_scale(self, p: torch.Tensor) -> float:
+        return self.state[p]["momentum_scale"]  # s_l, fixed at the freeze
 
-        def update(w: torch.Tensor) -> None:
-            u = u_pre.add(w, alpha=wd) if wd else u_pre
-            w.add_(u, alpha=-lr * coeff_of(w, u_pre, u))
+    def _apply(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
+        for p, value, group, state in self._entries(values):
+            if kind == EXACT:
+                self._warmup_update(t, p, value, group, self._moments(p))
+            else:
+                self._compressed_update(t, p, value.div_(state["momentum_scale"]), group, state)
+        if kind == EXACT and t == self.freeze_step:
+            self._freeze()
 
-        apply_to_param(p, update)
-
-    def _warmup_update(self, t: int, grads: Sequence[torch.Tensor]) -> None:
-        for p, g, group in zip(self._params(), grads, self._groups_of_params()):
-            state = self._moments(p)
-            beta1, beta2 = group["betas"]
-            update_moments(state, g, group["betas"])
-            u_pre = state["exp_avg"].div(1 - beta1 ** t).div_(adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"]))
-
-            def coeff(w: torch.Tensor, _u_pre: torch.Tensor, u: torch.Tensor, state=state, group=group) -> float:
-                ratio = trust_ratio(w, u)
-                if ratio is None:
-                    return 1.0
-                c = clamp(ratio, group["min_coeff"], group["max_coeff"])
-                avg = state.get("coeff_avg")
-                beta = group["coeff_beta"]
-                state["coeff_avg"] = c if avg is None else beta * avg + (1 - beta) * c
-                return c
-
-            self._lamb_step(p, group, u_pre, coeff)
+    def _warmup_update(self, t: int, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any],
+                       state: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        update_moments(state, g, group["betas"])
+        u_pre = state["exp_avg"].div(1 - beta1 ** t).div_(adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"]))
+        w = master_weight(p, state)
+        u = u_pre.add(w, alpha=group["weight_decay"]) if group["weight_decay"] else u_pre
+        c, state["coeff_avg"] = warmup_coefficient(trust_ratio(w, u), state.get("coeff_avg"), group)
+        w.add_(u, alpha=-group["lr"] * c)
+        store_(p, w)
 
     def _freeze(self) -> None:
         params = self._params()
-        rms = [float(torch.linalg.vector_norm(self.state[p]["exp_avg"])) / math.sqrt(max(p.numel(), 1))
+        rms = [float(torch.linalg.vector_norm(self._moments(p)["exp_avg"])) / math.sqrt(max(p.numel(), 1))
                for p in params]
         positive = [r for r in rms if r > 0.0 and math.isfinite(r)]
         united = sum(positive) / len(positive) if positive else 1.0
@@ -124,31 +145,19 @@ class OnebitLamb(OnebitOptimizer):
             state["last_factor"] = 1.0
             state["momentum_scale"] = united / r if r > 0.0 and math.isfinite(united / r) else 1.0
 
-    def _momentum_scales(self) -> list[float]:
-        return [self.state[p]["momentum_scale"] for p in self._params()]
-
-    def _compressed_update(self, t: int, momenta: Sequence[torch.Tensor]) -> None:
-        for p, m, group in zip(self._params(), momenta, self._groups_of_params()):
-            state = self.state[p]
-            beta1, beta2 = group["betas"]
-            m = m.view_as(state["exp_avg"])
-            grad = (m - beta1 * state["exp_avg"]).div_(1 - beta1)
-            fresh = state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            state["exp_avg"].copy_(m)
-            denom = adam_denominator(state["exp_avg_sq"], beta2, self.freeze_step, group["eps"])
-            factor = float((denom / adam_denominator(fresh, beta2, t, group["eps"])).max())
-            u_pre = state["exp_avg"].div(1 - beta1 ** t).div_(denom)
-
-            def coeff(w: torch.Tensor, u_pre: torch.Tensor, u: torch.Tensor, state=state, group=group,
-                      factor=factor) -> float:
-                if group["weight_decay"]:
-                    u_norm = float(torch.linalg.vector_norm(u))
-                    r = min(1.0, float(torch.linalg.vector_norm(u_pre)) / u_norm) if u_norm > 0 else 1.0
-                    factor = r * factor + (1.0 - r)
-                factor = clamp(factor, group["factor_min"], group["factor_max"])
-                last, thr = state["last_factor"], group["factor_threshold"]
-                factor = clamp(factor, last * (1.0 - thr), last * (1.0 + thr))
-                state["last_factor"] = factor
-                return clamp(state["coeff_frozen"] * factor, group["min_coeff"], group["max_coeff"])
-
-            self._lamb_step(p, group, u_pre, coeff)
+    def _compressed_update(self, t: int, p: torch.Tensor, m: torch.Tensor, group: dict[str, Any],
+                           state: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        denom = adam_denominator(state["exp_avg_sq"], beta2, self.freeze_step, group["eps"])
+        m = mask_(m, group, denom)
+        grad = (m - beta1 * state["exp_avg"]).div_(1 - beta1)
+        fresh = state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        state["exp_avg"].copy_(m)
+        variance_ratio = float((denom / adam_denominator(fresh, beta2, t, group["eps"])).max())
+        u_pre = state["exp_avg"].div(1 - beta1 ** t).div_(denom)
+        w = master_weight(p, state)
+        u = u_pre.add(w, alpha=group["weight_decay"]) if group["weight_decay"] else u_pre
+        state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], u_pre, u, group)
+        c = clamp(state["coeff_frozen"] * state["last_factor"], group["min_coeff"], group["max_coeff"])
+        w.add_(u, alpha=-group["lr"] * c)
+        store_(p, w)

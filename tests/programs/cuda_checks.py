@@ -1,7 +1,7 @@
 """GPU checks of the nccl and mpi backends; `tests/test_nccl.py` runs them where CUDA exists.
 
-    python tests/cuda_checks.py nccl OUT_DIR        spawns 2 NCCL ranks (1 if only one GPU)
-    mpirun -n 2 python tests/cuda_checks.py mpi OUT_DIR
+    python tests/programs/cuda_checks.py nccl OUT_DIR        spawns 2 NCCL ranks (1 if only one GPU)
+    mpirun -n 2 python tests/programs/cuda_checks.py mpi OUT_DIR
 
 Each rank writes OUT_DIR/<mode>_rank<r>.json: {check: {"ok", "detail", ...}}. The same inputs go
 through the GPU path and through gloo/MPI on CPU tensors, and must give the same bits.
@@ -9,41 +9,23 @@ through the GPU path and through gloo/MPI on CPU tensors, and must give the same
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import socket
 import sys
-import time
-import traceback
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
 
 import compcomm  # noqa: E402
+from compcomm.launch import spawn  # noqa: E402
 from compcomm.layout import padded_size  # noqa: E402
+
+from rank_checks import DTYPES, TOLERANCE, expect, make_input, raw, run_checks  # noqa: E402
 from reference import reference_allreduce  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 CONFIGS = [(numel, dtype, op) for numel in (7, 1001, 70001) for dtype in DTYPES for op in ("mean", "sum")]
-
-
-def expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
-
-
-def make_input(rank: int, step: int, numel: int, dtype: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(step * 1009 + rank)
-    return (torch.randn(numel, generator=g) * (rank + 1) + 0.1 * step).to(DTYPES[dtype])
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).cpu().view(torch.uint8).numpy().tobytes()
 
 
 def parity(gpu_backend, cpu_backend, rank: int, world: int, gather) -> int:
@@ -95,26 +77,12 @@ def nonfinite_everywhere(backend, rank: int, world: int) -> str:
     return "NonFiniteError"
 
 
-def run_checks(checks: dict, path: str) -> None:
-    results: dict = {}
-    for name, fn in checks.items():
-        started = time.perf_counter()
-        try:
-            results[name] = {"ok": True, "detail": "", **(fn() or {})}
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            results[name] = {"ok": False, "detail": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-        results[name]["seconds"] = round(time.perf_counter() - started, 3)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-
-
 # -- NCCL: spawned ranks, one GPU each ------------------------------------------------------
 
-def nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+def nccl_rank(out_dir: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    init = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
     cpu_group = dist.new_group(list(range(world)), backend="gloo")
     nccl = compcomm.backends.get("nccl")
     gloo = compcomm.backends.get("gloo", group=cpu_group)
@@ -153,20 +121,15 @@ def nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def main_nccl(out_dir: str) -> int:
-    import torch.multiprocessing as mp
-
-    world = 2 if torch.cuda.device_count() >= 2 else 1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(nccl_rank, args=(world, port, out_dir), nprocs=world, join=True)
+    spawn(nccl_rank, 2 if torch.cuda.device_count() >= 2 else 1, out_dir)
     return 0
 
 
 # -- MPI with CUDA tensors: staged through pinned memory, and direct when CUDA-aware -----------
 
 def main_mpi(out_dir: str) -> int:
-    from compcomm.backends.mpi import MPIBackend, import_mpi, query_cuda_aware
+    from compcomm.backends.mpi import MPIBackend
+    from compcomm.backends.mpi_runtime import import_mpi, query_cuda_aware
 
     MPI = import_mpi()
     comm = MPI.COMM_WORLD

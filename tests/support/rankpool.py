@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import socket
+import os
 import traceback
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from compcomm.launch import free_port, rank_environment
 
 SUBGROUPS = [(0,), (0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 3), (0, 2), (2, 3)]
 _groups: dict[tuple[int, ...], Any] = {}
@@ -23,19 +26,13 @@ def group(members: int | tuple[int, ...]):
     return _groups[tuple(range(members)) if isinstance(members, int) else tuple(members)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(rank: int, world_size: int, port: int, conn) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    os.environ.update(rank_environment(rank, world_size, port))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     for members in SUBGROUPS:
         if max(members) < world_size:
             _groups[members] = dist.new_group(list(members))

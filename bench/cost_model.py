@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Cost model of the flat and hierarchical 1-bit allreduce: calibrate, check, extrapolate.
+
+    python bench/cost_model.py --calibrate bench/results/phases_2h_1gbit.json \\
+        bench/results/phases_4h_1gbit.json bench/results/phases_8h_1gbit.json ...
+
+Each phase costs latency + bytes / bandwidth, or codec bytes / memory bandwidth:
+
+    comm part over a group of g ranks:  alpha * (g - 1) * share  +  max(0, bytes - burst) / B
+    codec pass:                         bytes moved / gamma_pass * share
+    share = max(1, ranks on the machine / cores): ranks of a simulated cluster share its cores
+
+and the call overlaps what it overlaps: header + scan + max(a2a, werr) + server + max(gather,
+serr) + decode. The calibration file (one run of bench/phases.py, ideally 2 hosts, so share = 1)
+gives alpha (header), B (a2a and gather bytes), every gamma (its codec passes) and, when it has
+several ranks per host, the loopback bandwidth B_lo (rs); every other file is then predicted
+and printed next to its measurements. `--extrapolate` prints the model at 64-1024 ranks for a
+data-centre network (parameters in EXTRAPOLATION, stated in docs/cost_model.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+BURST = 256 * 1024  # netsim's tbf bucket: transfers below it leave at the veth's speed
+CODEC = ("scan", "werr", "server", "serr", "decode")
+
+
+def chunk(numel: int, n: int) -> int:
+    return math.ceil(numel / (8 * n)) * 8
+
+
+def flat_bytes(numel: int, n: int) -> dict[str, float]:
+    """Bytes per rank of every part of the flat call over n ranks (comm: sent; codec: moved)."""
+    c = chunk(numel, n)
+    m = c * n
+    return {"header": 16.0 * (n - 1), "a2a": (n - 1) * c / 8, "gather": (n - 1) * (4 + c / 8),
+            "scan": 8.0 * numel + m / 8, "werr": 12.0 * numel, "server": n * c / 8 + 8.0 * c + c / 8,
+            "serr": 8.0 * c, "decode": 4.0 * m + m / 8, "allreduce": 2 * (n - 1) / n * 4 * numel}
+
+
+def comm_time(p: dict, bytes_: float, steps: int, share: float, bandwidth: float) -> float:
+    return p["alpha"] * steps * share + max(0.0, bytes_ - p["burst"]) / bandwidth
+
+
+def flat_parts(p: dict, numel: int, n: int, share: float, k: int = 1,
+               sharing_link: int | None = None) -> dict[str, float]:
+    """Predicted seconds of every part of the flat call over n ranks, k per host: the ranks
+    share the host's link (B/k each, or B/sharing_link) for the (n-k)/(n-1) of their blocks that
+    leave the host; the ring all-reduce, in rank order, sends one stream per host link."""
+    link = p["B"] / (sharing_link or k)
+    b = flat_bytes(numel, n)
+    t = {part: b[part] / p["gamma"][part] * share for part in CODEC}
+    crossing = (n - k) / (n - 1) if n > 1 else 0.0
+    t["header"] = comm_time(p, 0.0, n - 1, share, p["B"])
+    t["a2a"] = comm_time(p, b["a2a"] * crossing, n - 1, share, link)
+    t["gather"] = comm_time(p, b["gather"] * crossing, n - 1, share, link)
+    t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, p["B"])
+    t["call"] = (t["header"] + t["scan"] + max(t["a2a"], t["werr"]) + t["server"] + max(t["gather"], t["serr"])
+                 + t["decode"])
+    return t
+
+
+def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float) -> dict[str, float]:
+    """The hierarchical call: exact reduce-scatter over the host's loopback (all-to-all, then a
+    sum and the mean's division over the part, at the werr pass's bandwidth), the flat call on the
+    N/k-element part across hosts (its k ranks sharing the host's link), the parts' results
+    shared, and every part decoded."""
+    part = chunk(numel, k)
+    inner = flat_parts(p, part, hosts, share, 1, sharing_link=k)
+    local = ((k + 1) * 4.0 + 8.0) * part / p["gamma"]["werr"] * share
+    t = {"rs": comm_time(p, (k - 1) * 4.0 * part, k - 1, share, p["B_lo"]),
+         "share": comm_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k - 1, share, p["B_lo"]),
+         "agree": comm_time(p, 0.0, 2 * (k - 1) + (hosts - 1), share, p["B_lo"]),
+         "decode_all": flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share}
+    t["hier"] = t["agree"] + t["rs"] + local + inner["call"] + t["share"] + t["decode_all"]
+    return t
+
+
+def calibrate(record: dict, cores: int, loopback: dict | None = None) -> dict:
+    """alpha, B and the gammas from one flat run (1 rank per host); B_lo from the `rs` part of
+    a run with several ranks per host."""
+    n, numel = record["world_size"], record["numel"]
+    share = max(1.0, n * record.get("threads", 1) / cores)
+    b = flat_bytes(numel, n)
+    p = {"burst": BURST, "alpha": record["header_s"] / ((n - 1) * share),
+         "gamma": {part: b[part] * share / record[part + "_s"] for part in CODEC}}
+    sent = b["a2a"] + b["gather"] + b["allreduce"] - 3 * BURST
+    p["B"] = sent / (record["a2a_s"] + record["gather_s"] + record["allreduce_s"] - 4 * p["alpha"] * (n - 1) * share)
+    if loopback is not None:
+        k, lo_share = loopback["ranks_per_host"], max(1.0, loopback["world_size"] * loopback.get("threads", 1) / cores)
+        moved = (k - 1) * 4.0 * chunk(loopback["numel"], k)
+        p["B_lo"] = moved / max(1e-9, loopback["rs_s"] - p["alpha"] * (k - 1) * lo_share)
+    return p
+
+
+EXTRAPOLATION = {
+    # A data-centre cluster of GPUs: per-rank NIC at the line rate below (80% achieved), 8 GPUs per
+    # node on NVLink, fused GPU codec passes at 1 TB/s of effective memory bandwidth, 10 us per
+    # message of a collective step (NCCL over RoCE/IB is a few us, TCP/gloo tens of us).
+    "alpha": 10e-6, "burst": 0.0, "efficiency": 0.8, "gamma_codec": 1e12, "nvlink": 150e9, "k": 8,
+}
+
+
+def extrapolate(numel: int) -> list[str]:
+    x = EXTRAPOLATION
+    rows = ["| ranks | link | fp32 ring allreduce | flat 1-bit | of which latency | hierarchical (8/node) "
+            "| flat speedup | hier speedup |",
+            "|---|---|---|---|---|---|---|---|"]
+    for gbit in (25, 100):
+        bandwidth = gbit / 8 * 1e9 * x["efficiency"]
+        p = {"alpha": x["alpha"], "burst": 0.0, "B": bandwidth * x["k"], "B_lo": x["nvlink"],
+             "gamma": {part: x["gamma_codec"] for part in CODEC}}
+        for n in (64, 128, 256, 512, 1024):
+            flat = flat_parts(p, numel, n, 1.0, x["k"])
+            latency = x["alpha"] * (n - 1) * 3
+            hier = hier_parts(p, numel, n // x["k"], x["k"], 1.0)["hier"]
+            rows.append(f"| {n} | {gbit} Gbit/s | {flat['allreduce'] * 1e3:.1f} ms | {flat['call'] * 1e3:.1f} ms | "
+                        f"{latency * 1e3:.1f} ms | {hier * 1e3:.1f} ms | {flat['allreduce'] / flat['call']:.1f}x | "
+                        f"{flat['allreduce'] / hier:.1f}x |")
+    return rows
+
+
+def compare(record: dict, p: dict, cores: int) -> list[str]:
+    n, numel, k = record["world_size"], record["numel"], record.get("ranks_per_host", 1)
+    share = max(1.0, n * record.get("threads", 1) / cores)
+    pred = flat_parts(p, numel, n, share, k)
+    if k > 1 and "B_lo" in p:
+        pred.update(hier_parts(p, numel, n // k, k, share))
+    rows = []
+    for part in ("header", *CODEC, "a2a", "gather", "call", "allreduce", "rs", "share", "hier"):
+        if part + "_s" in record and part in pred:
+            got, want = record[part + "_s"], pred[part]
+            rows.append(f"| {n // k}x{k} | {record['size_bytes'] >> 20} MiB | {part} | {got * 1e3:.2f} | "
+                        f"{want * 1e3:.2f} | {(want - got) / got:+.0%} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calibrate", required=True, help="phases JSON whose largest size calibrates the model")
+    ap.add_argument("files", nargs="*", help="phases JSON files to predict")
+    ap.add_argument("--loopback", help="phases JSON with several ranks per host: its largest rs row gives B_lo")
+    ap.add_argument("--cores", type=int, default=2, help="cores of the machine the runs shared (default 2)")
+    ap.add_argument("--extrapolate", action="store_true", help="print the 64-1024 rank table (100 MiB fp32)")
+    args = ap.parse_args(argv)
+    with open(args.calibrate) as f:
+        base = max(json.load(f), key=lambda r: r["numel"])
+    loopback = None
+    if args.loopback:
+        with open(args.loopback) as f:
+            loopback = max(json.load(f), key=lambda r: r["numel"])
+    p = calibrate(base, args.cores, loopback)
+    print(f"# calibrated on {args.calibrate} ({base['world_size']} ranks, {base['size_bytes']} bytes): "
+          f"alpha {p['alpha'] * 1e6:.0f} us/step, B {p['B'] / 1e6:.1f} MB/s"
+          + (f", B_lo {p['B_lo'] / 1e6:.0f} MB/s" if "B_lo" in p else "") + ", gamma (GB/s) "
+          + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in p["gamma"].items()))
+    print("| hosts x ranks | size | part | measured (ms) | model (ms) | model error |")
+    print("|---|---|---|---|---|---|")
+    for path in [args.calibrate, *args.files]:
+        with open(path) as f:
+            for record in json.load(f):
+                print("\n".join(compare(record, p, args.cores)))
+    if args.extrapolate:
+        print("\n".join(extrapolate(100 * 2 ** 20 // 4)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

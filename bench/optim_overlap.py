@@ -1,0 +1,119 @@
+"""Overlap of the optimizers' communication with backward: the same training steps with
+`overlap = False` (every bucket's collective starts in `step()`, after backward) and with
+`overlap = True` (each bucket starts as soon as its last gradient is accumulated), in one run.
+
+An MLP of `--layers` square layers, one bucket per layer (`--bucket-mb`), each rank its own
+batch; per variant, the median wall time of a whole step (forward, backward, `opt.step()`,
+ranks aligned by a barrier before each step), in the warm-up stage (uncompressed gradients)
+and in the compression stage (1-bit momenta). Parameters of both variants are compared at the
+end: they must be bitwise equal.
+
+    python bench/optim_overlap.py                              # 4 local gloo ranks
+    python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/optim_overlap.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from convergence import run_ranks  # noqa: E402  (the local-rank launcher beside this file)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
+    ap.add_argument("--optimizer", choices=["adam", "lamb", "zeroone"], default="adam")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per stage and variant")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--json", default=None, help="write the records here")
+    return ap.parse_args(argv)
+
+
+def make(args: argparse.Namespace, overlap: bool, freeze: int):
+    from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    if args.optimizer == "adam":
+        opt = OnebitAdam(model.parameters(), lr=1e-4, freeze_step=freeze)
+    elif args.optimizer == "lamb":
+        opt = OnebitLamb(model.parameters(), lr=1e-4, freeze_step=freeze)
+    else:
+        opt = ZeroOneAdam(model.parameters(), lr=1e-4, var_freeze_step=freeze, var_update_scaler=1)
+    opt.bucket_bytes = int(args.bucket_mb * 2 ** 20)
+    opt.overlap = overlap
+    return model, opt
+
+
+def timed_steps(args: argparse.Namespace, overlap: bool) -> tuple[dict[str, float], bytes, int]:
+    """Median step time (ms) in warm-up and in the compression stage, final parameters, bytes."""
+    rank = dist.get_rank()
+    freeze = args.steps + 1
+    model, opt = make(args, overlap, freeze)
+    sent = opt.backend.bytes_sent
+    times: dict[str, list[float]] = {"warmup": [], "compressed": []}
+    for step in range(2 * args.steps + 2):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(args.batch, args.width, generator=g)
+        dist.barrier()
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+        elapsed = (time.perf_counter() - t0) * 1e3
+        if step == 0 or step == freeze:  # the first backward builds the buckets; the freeze step
+            continue
+        times["warmup" if step < freeze else "compressed"].append(elapsed)
+    raw = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    return {k: statistics.median(v) for k, v in times.items()}, raw, opt.backend.bytes_sent - sent
+
+
+def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch.set_num_threads(args.threads)
+    plain, raw_plain, bytes_plain = timed_steps(args, overlap=False)
+    overlapped, raw_overlap, bytes_overlap = timed_steps(args, overlap=True)
+    same = raw_plain == raw_overlap and bytes_plain == bytes_overlap
+    flags = torch.tensor([0.0 if same else 1.0])
+    dist.all_reduce(flags)
+    world = dist.get_world_size()
+    return [{"stage": stage, "optimizer": args.optimizer, "world_size": world,
+             "params": args.layers * (args.width + 1) * args.width,
+             "step_ms_no_overlap": plain[stage], "step_ms_overlap": overlapped[stage],
+             "speedup": plain[stage] / overlapped[stage], "bitwise_equal_all_ranks": float(flags) == 0.0}
+            for stage in ("warmup", "compressed")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    records, world = run_ranks(rank_main, args, args.world_size)
+    if records is None:
+        return
+    print(f"# {args.optimizer}, {world} ranks, {args.layers}x{args.width}^2 MLP, batch {args.batch}, "
+          f"buckets of {args.bucket_mb} MiB, median of {args.steps} steps")
+    print(f"{'stage':>10s} | {'no overlap(ms)':>14s} {'overlap(ms)':>12s} {'speedup':>8s} | bitwise equal")
+    for r in records:
+        print(f"{r['stage']:>10s} | {r['step_ms_no_overlap']:14.1f} {r['step_ms_overlap']:12.1f} "
+              f"{r['speedup']:7.2f}x | {r['bitwise_equal_all_ranks']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

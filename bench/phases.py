@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Where the time of one compressed allreduce goes, phase by phase, for the cost model.
+
+    python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/phases.py --sizes 1M,100M --json out.json
+
+Run under torchrun or bench/netsim.py (it reads RANK/WORLD_SIZE). For every size it times, on
+all ranks at once, each part of the flat 1-bit collective on its own, then the whole call:
+
+    header    phase 0: all-gather of one 32-byte header per rank
+    scan      worker pass: reads x and the worker error (N elements), packs the signs of x'
+    a2a       phase 1: all-to-all of the packed signs, (n-1) blocks of C/8 bytes
+    werr      worker error update: reads x and the error, writes the error (N elements)
+    server    server pass: n rows of C/8 sign bytes and the server error -> y, its signs
+    gather    phase 2: all-gather of each server's (t_j, signs), (n-1) blocks of 4 + C/8 bytes
+    serr      server error update (C elements)
+    decode    writes the M-element output from the n gathered chunks
+    call      compressed_allreduce over the group (the phases above, werr overlapping a2a and
+              serr overlapping gather)
+    allreduce the uncompressed fp32 all_reduce (the baseline)
+
+and with K > 1 ranks per host (LOCAL_WORLD_SIZE), for the hierarchical backend:
+
+    rs        the reduce-scatter's all-to-all of fp32 parts inside the host, (K-1) blocks of 4N/K bytes
+    share     the all-gather of the parts' phase-2 bytes inside the host, (K-1) blocks of ~N/(8K)
+    hier      compressed_allreduce over the hierarchical backend
+
+Every rank runs each part at once, so the codec passes share the machine's cores as they do in
+a real call. Each figure is the median over --iters calls of the slowest rank (a barrier first);
+a first untimed round over the smallest size opens the connections.
+The records (`--json`) feed bench/cost_model.py, which fits latency, link bandwidth and codec
+memory bandwidth to the parts and predicts the whole call and the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from allreduce_bw import _gather_floats, parse_size, write_json
+
+PARTS = ("header", "scan", "a2a", "werr", "server", "gather", "serr", "decode", "call", "allreduce")
+NODE_PARTS = ("rs", "share", "hier")  # with several ranks per host (LOCAL_WORLD_SIZE > 1)
+
+
+def _timed(be, fn) -> float:
+    """The slowest rank's time of one call of fn, in seconds (after a barrier)."""
+    be.barrier()
+    start = time.perf_counter()
+    fn()
+    return float(_gather_floats(be, time.perf_counter() - start).max())
+
+
+def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
+    """One record: every part's time for a `numel`-element fp32 tensor on this group."""
+    import compcomm
+    from compcomm import codec
+    from compcomm.layout import chunk_size, padded_size, real_count
+
+    n, rank = be.world_size, be.rank
+    m, c = padded_size(numel, n), chunk_size(numel, n)
+    coder = codec.codec_for(torch.device("cpu"))
+    served = real_count(rank, numel, n)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    buf, out = x.clone(), torch.empty(m)
+    worker, server = torch.zeros(m), torch.zeros(c)
+    ef = compcomm.ErrorFeedback()
+    signs = torch.zeros(n, c // 8, dtype=torch.uint8)
+    received = torch.empty_like(signs)
+    scales = torch.ones(n)
+    mine = torch.zeros(4 + c // 8, dtype=torch.uint8)
+    everyone = torch.zeros(n, mine.numel(), dtype=torch.uint8)
+    header = torch.zeros(32, dtype=torch.uint8)
+    headers = torch.empty(n, 32, dtype=torch.uint8)
+
+    def decode() -> None:
+        for j in range(n):
+            coder.decode(everyone[j, 4:], 1.0, out[j * c:(j + 1) * c])
+
+    calls = {
+        "header": lambda: be.all_gather(header, headers),
+        "scan": lambda: coder.worker_scan(x, worker, signs.view(-1)),
+        "a2a": lambda: be.all_to_all(signs, received),
+        "werr": lambda: coder.error_update_(worker, 1.0, numel, x),
+        "server": lambda: coder.server_scan_(received, scales, n, server, served, mine[4:]),
+        "gather": lambda: be.all_gather(mine, everyone),
+        "serr": lambda: coder.error_update_(server, 1.0, served),
+        "decode": decode,
+        "call": lambda: compcomm.compressed_allreduce(buf, ef, backend=be),
+        "allreduce": lambda: be.all_reduce(buf, "mean"),
+    }
+    if hier is not None:
+        k = hier.intra.world_size
+        size = chunk_size(numel, k)
+        fp32_parts = torch.zeros(k, 4 * size, dtype=torch.uint8)
+        fp32_received = torch.empty_like(fp32_parts)
+        result = torch.zeros(hier.inter.world_size * (4 + chunk_size(size, hier.inter.world_size) // 8),
+                             dtype=torch.uint8)
+        results = torch.empty(k, result.numel(), dtype=torch.uint8)
+        ef_hier = compcomm.ErrorFeedback()
+        calls.update({"rs": lambda: hier.intra.all_to_all(fp32_parts, fp32_received),
+                      "share": lambda: hier.intra.all_gather(result, results),
+                      "hier": lambda: compcomm.compressed_allreduce(buf, ef_hier, backend=hier)})
+    record = {"world_size": n, "numel": numel, "size_bytes": 4 * numel, "chunk": c,
+              "ranks_per_host": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+              "rate": os.environ.get("NETSIM_RATE", ""), "threads": torch.get_num_threads()}
+    for part in parts:
+        buf.copy_(x)
+        calls[part]()  # warm-up (and the first call sizes the error buffers)
+    times: dict[str, list[float]] = {part: [] for part in parts}
+    for _ in range(iters):  # round-robin, so that a burst of load elsewhere hits every part alike
+        for part in parts:
+            times[part].append(_timed(be, calls[part]))
+    record.update({part + "_s": float(np.median(times[part])) for part in parts})
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="1M,10M,100M", help="comma-separated fp32 sizes in bytes (default 1M,10M,100M)")
+    p.add_argument("--iters", type=int, default=5, help="timed calls per part (default 5)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"parts to time (default {','.join(PARTS)})")
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    args = p.parse_args(argv)
+    if "RANK" not in os.environ:
+        raise SystemExit("run under torchrun or bench/netsim.py, e.g.: python bench/netsim.py --hosts 4 -- "
+                         "python bench/phases.py")
+    parts = [part for part in args.parts.split(",") if part]
+    unknown = set(parts) - set(PARTS) - set(NODE_PARTS)
+    if unknown:
+        raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit():
+        torch.set_num_threads(int(threads))
+    from compcomm import backends
+
+    dist.init_process_group("gloo")
+    be = backends.get("gloo")
+    hier = backends.get("hierarchical") if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1 else None
+    if hier is not None:
+        parts += [part for part in NODE_PARTS if part not in parts]
+    records, rank = [], be.rank
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    try:
+        measure(be, min(sizes) // 4, 1, parts, hier)  # connections and caches warm
+        for size in sizes:
+            record = measure(be, size // 4, args.iters, parts, hier)
+            records.append(record)
+            if rank == 0:
+                cells = " ".join(f"{part} {record[part + '_s'] * 1e3:9.2f}" for part in parts)
+                print(f"n {record['world_size']:>3} size {size:>10} | ms: {cells}", flush=True)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0 and args.json:
+        write_json(records, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

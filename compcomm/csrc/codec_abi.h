@@ -1,0 +1,48 @@
+/* The 1-bit codec's kernel ABI, shared by codec.c (CPU) and codec.cu (CUDA).
+ *
+ * A kernel name means the same parameters on both: compcomm/_abi.py mirrors this file for
+ * the Python side (tests/test_codec.py checks that the two agree). Kernels that sum squares
+ * write float64 partial sums into `partial`, one per block: the C kernels run as one block,
+ * the CUDA ones as `blocks(count)`; the caller adds them up in a fixed order.
+ * Bits are MSB-first: bit 7 of byte b codes element 8b, and bit 1 means v >= 0 (so -0.0).
+ */
+#ifndef COMPCOMM_CODEC_ABI_H
+#define COMPCOMM_CODEC_ABI_H
+
+/* Element types of the tensors a kernel reads (`dtype` parameters). */
+enum cc_dtype { CC_F32 = 0, CC_F16 = 1, CC_BF16 = 2 };
+
+/* How a kernel is declared: a plain exported C function unless the includer says otherwise
+ * (codec.cu defines it as extern "C" __global__). */
+#ifndef CC_KERNEL
+#define CC_KERNEL
+#endif
+
+typedef long long cc_index;
+
+/* Worker pass: v = x + e (x zero beyond n; e may be null), bits = sign(v) over [0, m);
+ * partial sums of v[:n]^2. Writes nothing but bits and partial. */
+CC_KERNEL void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, cc_index m,
+                              unsigned char *bits, double *partial);
+
+/* Error update: e <- v - s sign(v) on [0, real), v = x + e on x's first n elements (x may be
+ * null) and v = e beyond; 0 on [real, m). */
+CC_KERNEL void cc_error_update(const void *x, int dtype, cc_index n, float *e, cc_index real, cc_index m,
+                               float s);
+
+/* Server pass: y = e + (sum_r +-scales[r]) / divisor, summed in rank order, stored in e over
+ * [0, c); out_bits = sign(y); partial sums of y[:real]^2. Row r of `bits` starts at r * stride. */
+CC_KERNEL void cc_server_scan(const unsigned char *bits, cc_index stride, int nranks, const float *scales,
+                              float divisor, float *e, cc_index c, cc_index real, unsigned char *out_bits,
+                              double *partial);
+
+/* Decode: out[:count] <- one of two bit patterns (+t, -t in the output dtype, elsize bytes) per bit. */
+CC_KERNEL void cc_decode(const unsigned char *bits, cc_index count, int elsize, unsigned int plus,
+                         unsigned int minus, void *out);
+
+#ifndef CC_CUDA
+/* CPU library only: bit 0 set when the kernels take their AVX2 + FMA paths on this CPU. */
+int cc_cpu_features(void);
+#endif
+
+#endif

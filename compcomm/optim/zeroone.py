@@ -1,0 +1,189 @@
+"""0/1 Adam (Lu et al. 2022, "Maximizing Communication Efficiency for Large-scale Training via
+0/1 Adam", arXiv:2202.06009), with DeepSpeed's parameter names and meaning.
+
+Two ideas cut communication beyond 1-bit Adam. The variance is not frozen at one step but
+refreshed at steps whose spacing doubles (adaptive freezing), and between refreshes the
+gradient itself travels in 1 bit; after `var_freeze_step` the variance is frozen for good and
+the workers take local steps, synchronizing in 1 bit only every H steps, H doubling every
+`local_step_scaler` steps up to `local_step_clipper`.
+
+With lr, betas (beta1, beta2), eps, decoupled weight decay wd, b1(t) = 1 - beta1^t, k the number
+of variance refreshes so far and d = sqrt(v / (1 - beta2^k)) + eps (element-wise):
+
+    phase 1 (t <= var_freeze_step), I = 1 at first:
+      refresh step (t % I == 0), g = mean of the gradients (uncompressed all-reduce):
+          m <- beta1 m + (1 - beta1) g;   v <- beta2 v + (1 - beta2) g^2;   k <- k + 1
+          after var_update_scaler refreshes at spacing I:  I <- 2 I
+      other steps, g_r = this rank's gradient:
+          m <- beta1 m + (1 - beta1) mask * d * compressed_allreduce(g_r / d)   (1 bit, error feedback)
+      both:  w <- w (1 - lr wd) - lr / b1(t) * m / d
+    phase 2 (t > var_freeze_step; v, k and d frozen; H = 1 at first; w_s = w at the last sync):
+      every step, on each rank alone (no communication):
+          m_r <- mask * (beta1 m + (1 - beta1) g_r);   w_r <- w_r (1 - lr wd) - lr / b1(t) * m_r / d
+          L <- L + lr   (the learning rates summed since the last sync)
+      sync step (t % H == 0), the error feedback restarted from zero at the first one:
+          u = mask * compressed_allreduce(w_r - w_s)     the ranks' accumulated updates
+          w <- w_s + u;   m <- -b1(t) u d / L;   w_s <- w;   L <- 0
+      after every local_step_scaler steps of phase 2:  H <- min(2 H, local_step_clipper)
+
+    mask = 0 where sqrt(v / (1 - beta2^k)) <= eps (no real gradient reached the element while v
+    was estimated: d would amplify 1-bit noise, or a late local gradient, up to 1/(2 eps)), times
+    the group's `exp_avg_mask`. What is sent is masked too (g / d and w_r - w_s), so that a masked
+    element's huge g / d cannot inflate the 1-bit scale its chunk shares with other elements.
+
+Departures from DeepSpeed's implementation, on purpose: what travels in 1 bit is in the units
+of the update (g / d, and w_r - w_s), not of the gradient or momentum (g, (w_r - w_s) d): one
+1-bit scale serves a whole chunk of a bucket that holds many layers, and Adam makes updates
+comparable across elements where gradients are not (a layer whose gradients are 1e-6 next to
+one whose are 1e-2 would otherwise get the larger layer's sign noise, divided by its own tiny
+d). d is identical on every rank, so this is an exact change of variables. Also: torch's bias
+corrections (b1(t), and 1 - beta2^k for v) as in the other compcomm optimizers; the parameters
+at the last sync are kept (w_s) rather than recovered by subtraction, so that every rank lands
+on bitwise the same parameters at a sync. Between syncs the parameters differ across ranks, by design; the
+state dict then holds this rank's parameters too (`gathered_state_dict()` keeps every rank's).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..backends import Backend
+from .base import COMPRESSED, EXACT, LOCAL, OnebitOptimizer
+from .updates import adam_denominator, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
+
+
+class ZeroOneAdam(OnebitOptimizer):
+    """0/1 Adam: adaptive variance freezing, 1-bit gradients, then 1-bit synchronization of
+    local steps at growing intervals (see the module docstring for the math).
+
+    `var_freeze_step`: the last step that may refresh the variance; `var_update_scaler`: how many
+    refreshes happen at one spacing before it doubles; `local_step_scaler`: how many steps of
+    phase 2 pass before the sync interval doubles; `local_step_clipper`: the largest interval.
+    The optimizer performs all gradient communication itself: do not wrap the model in DDP.
+    """
+
+    _SCALARS = ("var_interval", "var_counter", "var_updates", "local_interval", "local_counter")
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, var_freeze_step: int = 100000,
+                 var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
+                 backend: Backend | str | None = None) -> None:
+        check_count("var_freeze_step", var_freeze_step, 1)
+        check_count("var_update_scaler", var_update_scaler, 1)
+        check_count("local_step_scaler", local_step_scaler, 1)
+        check_count("local_step_clipper", local_step_clipper, 1)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, backend)
+        self.var_freeze_step = int(var_freeze_step)
+        self.var_update_scaler = int(var_update_scaler)
+        self.local_step_scaler = int(local_step_scaler)
+        self.local_step_clipper = int(local_step_clipper)
+        self.var_interval, self.var_counter, self.var_updates = 1, 0, 0
+        self.local_interval, self.local_counter = 1, 0
+
+    def _kind(self, t: int) -> str:
+        if t <= self.var_freeze_step:
+            return EXACT if t % self.var_interval == 0 else COMPRESSED
+        return COMPRESSED if t % self.local_interval == 0 else LOCAL
+
+    def _fresh_errors(self, t: int) -> bool:
+        return t == self.var_freeze_step + 1  # the errors of gradients do not carry over to updates
+
+    def _denominator(self, state: dict[str, Any], group: dict[str, Any], refreshes: int) -> torch.Tensor:
+        return adam_denominator(state["exp_avg_sq"], group["betas"][1], refreshes, group["eps"])
+
+    def _local_step(self, t: int, w: torch.Tensor, m: torch.Tensor, g: torch.Tensor, group: dict[str, Any],
+                    denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's momentum and weights after a local step (new tensors; nothing changes)."""
+        beta1 = group["betas"][0]
+        m_new = mask_(m.lerp(g, 1 - beta1), group, denom)
+        w_new = w.clone()
+        decoupled_step_(w_new, group, m_new, denom, group["lr"] / (1 - beta1 ** t))
+        return m_new, w_new
+
+    def _payload(self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        if kind != COMPRESSED or not p.requires_grad:
+            out.copy_(g)
+            return
+        state = self._moments(p)
+        denom = self._denominator(state, group, self.var_updates)
+        if t <= self.var_freeze_step:  # a 1-bit gradient, in the update's units
+            mask_(torch.div(g, denom, out=out), group, denom)
+            return
+        # a sync: w_r - w_s, this step's local update included
+        _, w_new = self._local_step(t, master_weight(p, state), state["exp_avg"], g, group, denom)
+        torch.sub(w_new, state["sync_weight"], out=out)
+
+    def _apply(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
+        if t <= self.var_freeze_step:
+            self._phase1(t, kind, values)
+        else:
+            self._phase2(t, kind, values)
+
+    def _phase1(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
+        refreshes = self.var_updates + (kind == EXACT)
+        for p, value, group, state in self._entries(values):
+            state = self._moments(p)
+            beta1 = group["betas"][0]
+            if kind == EXACT:
+                update_moments(state, value, group["betas"])
+                denom = self._denominator(state, group, refreshes)
+            else:
+                denom = self._denominator(state, group, refreshes)
+                state["exp_avg"].lerp_(mask_(value.mul_(denom), group, denom), 1 - beta1)
+            w = master_weight(p, state)
+            decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
+            store_(p, w)
+            if t == self.var_freeze_step:
+                state["sync_weight"] = w.clone()
+                state["lr_sum"] = 0.0
+        if kind == EXACT:
+            self.var_updates = refreshes
+            self.var_counter += 1
+            if self.var_counter == self.var_update_scaler:
+                self.var_counter, self.var_interval = 0, 2 * self.var_interval
+
+    def _phase2(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
+        for p, value, group, state in self._entries(values):
+            denom = self._denominator(state, group, self.var_updates)
+            w = master_weight(p, state)
+            if kind == LOCAL:
+                m_new, w_new = self._local_step(t, w, state["exp_avg"], value, group, denom)
+                state["exp_avg"].copy_(m_new)
+                w.copy_(w_new)
+                state["lr_sum"] += group["lr"]
+            else:
+                u = mask_(value, group, denom)
+                lr_sum = state["lr_sum"] + group["lr"]
+                torch.add(state["sync_weight"], u, out=w)
+                torch.mul(u, denom, out=state["exp_avg"]).mul_(-(1 - group["betas"][0] ** t) / lr_sum)
+                state["sync_weight"].copy_(w)
+                state["lr_sum"] = 0.0
+            store_(p, w)
+        self.local_counter += 1
+        if self.local_counter == self.local_step_scaler:
+            self.local_counter = 0
+            self.local_interval = min(2 * self.local_interval, self.local_step_clipper)
+
+    def _rank_local(self) -> dict[str, Any]:
+        """Mid local-step interval, this rank's weights and momenta (they differ across ranks)."""
+        params = self._params()
+        if not any(self.state[p].get("lr_sum", 0.0) for p in params):
+            return {}
+        return {"weights": [master_weight(p, self.state[p]).clone() for p in params],
+                "exp_avg": [self.state[p].get("exp_avg") for p in params]}
+
+    def _load_rank_local(self, local: dict[str, Any]) -> None:
+        if not local:
+            return
+        with torch.no_grad():
+            for p, w, m in zip(self._params(), local["weights"], local["exp_avg"]):
+                state = self.state[p]
+                master = master_weight(p, state)
+                master.copy_(w)
+                store_(p, master)
+                if m is not None:
+                    state["exp_avg"] = m.detach().clone().to(p.device)

@@ -1,0 +1,268 @@
+"""The hierarchical backend on real gloo ranks: 2 nodes x 2 ranks and 2 nodes x 3 ranks (six
+spawned ranks), against a float64 model of its numerics built on the reference of the flat
+algorithm; bitwise identical results; errors raised on every rank with nothing changed; byte
+collectives composed from the two levels; an optimizer and the coalesced call on top of it."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import compcomm
+from compcomm.layout import chunk_size, padded_size, real_count
+
+from rankpool import RankPool, caught
+from reference import reference_allreduce
+
+_backends: dict[str, object] = {}  # per rank process: layout name -> its HierarchicalBackend
+LAYOUTS = {"2x2": (2, 2), "2x3": (2, 3)}  # nodes x ranks per node
+
+
+def _build() -> None:
+    """On all six ranks at once: the two layouts' groups (group creation is collective)."""
+    import torch.distributed as dist
+
+    from compcomm import backends
+
+    rank = dist.get_rank()
+    _backends["2x3"] = backends.get("hierarchical", local_world_size=3)
+    node = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+    peer = [dist.new_group(r) for r in ([0, 2], [1, 3])]
+    if rank < 4:
+        _backends["2x2"] = backends.hierarchical(backends.get("gloo", group=node[rank // 2]),
+                                                 backends.get("gloo", group=peer[rank % 2]))
+
+
+@pytest.fixture(scope="module")
+def six():
+    ranks = RankPool(world_size=6)
+    ranks.run(_build)
+    yield ranks
+    ranks.close()
+
+
+def ranks_of(layout: str) -> range:
+    nodes, k = LAYOUTS[layout]
+    return range(nodes * k)
+
+
+def make_input(rank: int, step: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step * 1009 + rank)
+    return torch.randn(numel, generator=g) * (rank + 1) + 0.1 * step
+
+
+def run_steps(layout: str, numel: int, op: str, steps: int) -> list[dict]:
+    be = _backends[layout]
+    ef = compcomm.ErrorFeedback()
+    records = []
+    for step in range(steps):
+        x = make_input(be.rank, step, numel)
+        t = x.clone()
+        assert compcomm.compressed_allreduce(t, ef, backend=be, op=op) is t
+        records.append({"input": x.double().numpy(), "output": t.double().numpy(), "raw": t.numpy().tobytes(),
+                        "worker": ef.worker_error.double().numpy(), "server": ef.server_error.double().numpy()})
+    return records
+
+
+def reference(inputs: list[np.ndarray], k: int, op: str, state: dict) -> tuple[np.ndarray, dict]:
+    """The hierarchical call in float64: node sums (means) of each part, then the flat 1-bit
+    reference over the nodes on each part. `state[i]` = (worker (H, M_i), server (H, C_i))."""
+    hosts, numel = len(inputs) // k, inputs[0].size
+    size = chunk_size(numel, k)
+    out, new = np.zeros(numel), {}
+    for i in range(k):
+        lo, n_i = i * size, real_count(i, numel, k)
+        nodes = [sum(inputs[h * k + j][lo:lo + n_i] for j in range(k)) / (k if op == "mean" else 1)
+                 for h in range(hosts)]
+        worker, server = state.get(i, (np.zeros((hosts, padded_size(n_i, hosts))),
+                                       np.zeros((hosts, chunk_size(n_i, hosts)))))
+        if n_i:
+            out[lo:lo + n_i], worker, server = reference_allreduce(nodes, worker, server, op)
+        new[i] = (worker, server)
+    return out, new
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("numel", [1, 7, 48, 100, 1001])  # 48: parts need no padding
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_matches_float64_reference_bitwise_equal_everywhere(six, layout, numel, op):
+    hosts, k = LAYOUTS[layout]
+    steps = 3
+    per_rank = six.run(run_steps, layout, numel, op, steps, ranks=ranks_of(layout))
+    state: dict = {}
+    for step in range(steps):
+        records = [per_rank[r][step] for r in ranks_of(layout)]
+        assert len({rec["raw"] for rec in records}) == 1, "outputs differ between ranks"
+        expected, new = reference([rec["input"] for rec in records], k, op, state)
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(records[0]["output"], expected, rtol=1e-5, atol=1e-5 * scale)
+        for i in range(k):  # rank (h, i) holds part i's errors of node h
+            got_w = np.stack([records[h * k + i]["worker"] for h in range(hosts)])
+            got_s = np.stack([records[h * k + i]["server"] for h in range(hosts)])
+            np.testing.assert_allclose(got_w, new[i][0], rtol=1e-5, atol=1e-5 * scale)
+            np.testing.assert_allclose(got_s, new[i][1], rtol=1e-5, atol=1e-5 * scale)
+            state[i] = (got_w, got_s)  # the next step from our state: no drift from rounding
+
+
+def bad_call(layout: str, case: str) -> dict:
+    """A good call, then one where one rank's input is bad; then another good call."""
+    be = _backends[layout]
+    rank, numel = be.rank, 257
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(make_input(rank, 0, numel), ef, backend=be)
+    before = (ef.worker_error.clone(), ef.server_error.clone())
+    t, op = make_input(rank, 1, numel), "mean"
+    culprit = be.world_size - 1
+    if rank == culprit:
+        if case == "nan":
+            t[3] = float("nan")
+        elif case == "int":
+            t = torch.arange(numel)
+        elif case == "numel":
+            t = make_input(rank, 1, numel + 1)
+        elif case == "op":
+            op = "sum"
+    if case == "overflow":
+        t = torch.full((numel,), 3e38)
+    if case == "fp16_sum":
+        t, op = torch.full((numel,), 30000.0, dtype=torch.float16), "sum"
+    if case == "fp16_sum" or case == "overflow":
+        ef = compcomm.ErrorFeedback()
+        before = (None, None)
+    original = t.clone()
+    error = caught(compcomm.compressed_allreduce, t, ef, backend=be, op=op)
+    unchanged = t.numpy().tobytes() == original.numpy().tobytes()  # NaN-proof
+    if before[0] is None:
+        state_kept = ef.worker_error is None
+    else:
+        state_kept = torch.equal(ef.worker_error, before[0]) and torch.equal(ef.server_error, before[1])
+    after = make_input(rank, 2, numel)
+    compcomm.compressed_allreduce(after, compcomm.ErrorFeedback(), backend=be)
+    return {"error": error, "unchanged": unchanged, "state_kept": state_kept, "after": after.numpy().tobytes()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("case, kind", [("nan", "NonFiniteError"), ("int", "TypeError"), ("numel", "ValueError"),
+                                        ("op", "ValueError"), ("overflow", "NonFiniteError"),
+                                        ("fp16_sum", "NonFiniteError")])
+def test_bad_input_on_one_rank_raises_the_same_error_everywhere(six, layout, case, kind):
+    results = six.run(bad_call, layout, case, ranks=ranks_of(layout))
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1 and next(iter(errors)) is not None, errors
+    assert next(iter(errors))[0] == kind, errors
+    assert all(r["unchanged"] and r["state_kept"] for r in results), results
+    assert len({r["after"] for r in results}) == 1  # the group still works, in step
+
+
+def byte_collectives(layout: str) -> dict:
+    import torch.distributed as dist
+
+    be = _backends[layout]
+    n, rank = be.world_size, be.rank
+    send = torch.arange(5, dtype=torch.uint8) + 10 * rank
+    gathered = torch.empty(n, 5, dtype=torch.uint8)
+    be.all_gather(send, gathered)
+    blocks = (torch.arange(n * 3, dtype=torch.uint8).view(n, 3) + 100 * rank % 256).to(torch.uint8)
+    received = torch.empty_like(blocks)
+    be.all_to_all(blocks, received)
+    total = torch.arange(11, dtype=torch.int64) * (rank + 1)
+    be.all_reduce(total, "sum")
+    mean = torch.full((7,), float(rank))
+    be.all_reduce(mean, "mean")
+    be.barrier()
+    return {"gathered": gathered.tolist(), "received": received.tolist(), "total": total.tolist(),
+            "mean": mean.tolist(), "rank": be.rank, "global": dist.get_rank()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_byte_collectives_compose_the_two_levels(six, layout):
+    results = six.run(byte_collectives, layout, ranks=ranks_of(layout))
+    n = len(results)
+    for r, res in enumerate(results):
+        assert res["rank"] == res["global"] == r
+        assert res["gathered"] == [[10 * q + i for i in range(5)] for q in range(n)]
+        assert res["received"] == [[(r * 3 + i + 100 * q % 256) % 256 for i in range(3)] for q in range(n)]
+        assert res["total"] == [i * n * (n + 1) // 2 for i in range(11)]
+        assert res["mean"] == [sum(range(n)) / n] * 7
+
+
+def coalesced_all_or_nothing(layout: str) -> dict:
+    be = _backends[layout]
+    rank = be.rank
+    efs = [compcomm.ErrorFeedback("a"), compcomm.ErrorFeedback("b")]
+    good = [make_input(rank, 0, 50), make_input(rank, 1, 33)]
+    compcomm.compressed_allreduce_coalesced(good, efs, backend=be)
+    before = [ef.worker_error.clone() for ef in efs]
+    bad = [make_input(rank, 2, 50), make_input(rank, 3, 33)]
+    if rank == 1:
+        bad[1][0] = float("inf")
+    error = caught(compcomm.compressed_allreduce_coalesced, bad, efs, backend=be)
+    kept = all(torch.equal(ef.worker_error, b) for ef, b in zip(efs, before))
+    one_by_one = [make_input(rank, 0, 50), make_input(rank, 1, 33)]
+    for t, tag in zip(one_by_one, "ab"):
+        compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(tag), backend=be)
+    return {"good": b"".join(t.numpy().tobytes() for t in good), "error": error, "kept": kept,
+            "same_as_separate_calls": all(torch.equal(a, b) for a, b in zip(good, one_by_one))}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_coalesced_call_through_hierarchical_is_all_or_nothing(six, layout):
+    results = six.run(coalesced_all_or_nothing, layout, ranks=ranks_of(layout))
+    assert len({r["good"] for r in results}) == 1
+    assert len({r["error"] for r in results}) == 1 and results[0]["error"][0] == "NonFiniteError"
+    assert all(r["kept"] and r["same_as_separate_calls"] for r in results)
+
+
+def train(layout: str, steps: int) -> dict:
+    from compcomm.optim import OnebitAdam
+
+    be = _backends[layout]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, backend=be)
+    g = torch.Generator().manual_seed(be.rank)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return {"params": b"".join(p.detach().numpy().tobytes() for p in model.parameters()), "losses": losses}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_onebit_adam_over_hierarchical_keeps_ranks_identical(six, layout):
+    results = six.run(train, layout, 12, ranks=ranks_of(layout))
+    assert len({r["params"] for r in results}) == 1, "parameters differ between ranks"
+    losses = results[0]["losses"]
+    assert all(math.isfinite(v) for v in losses) and min(losses[-3:]) < losses[0]
+
+
+def test_get_needs_a_divisible_world(six):
+    assert {r[0] for r in six.run(_wrong_layout)} == {"ValueError"}
+
+
+def _wrong_layout() -> tuple | None:
+    from compcomm import backends
+    return caught(backends.get, "hierarchical", local_world_size=4)
+
+
+def empty_flat() -> dict:
+    import torch.distributed as dist
+
+    from rankpool import group
+    if dist.get_rank() >= 2:
+        return {}
+    ef = compcomm.ErrorFeedback()
+    t = torch.zeros(0)
+    compcomm.compressed_allreduce(t, ef, backend=compcomm.backends.get("gloo", group=group(2)))
+    return {"numel": t.numel(), "worker": ef.worker_error.numel(), "server_max": ef.server_error_max()}
+
+
+def test_empty_tensor_on_the_flat_collective(six):
+    """An empty part (more local ranks than 8-element blocks) is an empty call across nodes."""
+    assert six.run(empty_flat, ranks=[0, 1]) == [{"numel": 0, "worker": 0, "server_max": 0.0}] * 2

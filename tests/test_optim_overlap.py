@@ -1,0 +1,99 @@
+"""Overlap of the optimizers' communication with backward, on real gloo ranks: bitwise the
+non-overlapped result, buckets in order of readiness, collectives during backward, no_sync."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_optim import OPTIMIZERS, backward, make_optimizer, rank_of, raw
+
+
+def deeper_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 4))
+
+
+def run(name: str, overlap: bool, steps: int, freeze_step: int) -> tuple[list[bytes], list[int]]:
+    rank = rank_of(4)
+    model = deeper_model()
+    opt = make_optimizer(name, model, 4, freeze_step, weight_decay=0.01)
+    opt.bucket_bytes = 1200
+    opt.overlap = overlap
+    out = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        g = torch.Generator().manual_seed(step * 7 + rank)
+        x = torch.randn(16, 8, generator=g)
+        torch.nn.functional.mse_loss(model(x), x[:, :4].sin()).backward()
+        opt.step()
+        out.append(raw(model))
+    return out, list(opt._order)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_overlapped_step_is_bitwise_the_non_overlapped_step(pool, name):
+    overlapped = pool.run(run, name, True, 8, 3)
+    plain = pool.run(run, name, False, 8, 3)
+    for (a, order_a), (b, order_b) in zip(overlapped, plain):
+        assert a == b
+        assert order_a == order_b
+    assert len({r[0][-1] for r in overlapped}) == 1
+
+
+def order_and_launches(name: str) -> tuple[list[int], list[int], list[int], int]:
+    """The bucket order, the order the hooks saw, and per step how many buckets had started
+    their collective when backward returned (the first backward only records the order)."""
+    rank = rank_of(4)
+    model = deeper_model()
+    opt = make_optimizer(name, model, 4, 2)
+    opt.bucket_bytes = 1200
+    started = []
+    for step in range(4):
+        backward(model, rank, step)
+        started.append(len(opt._round.launches) if opt._round is not None else 0)
+        opt.step()
+    return list(opt._order), list(opt._readiness.order), started, len(opt._layout())
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_buckets_follow_readiness_and_start_during_backward(pool, name):
+    for order, seen, started, buckets in pool.run(order_and_launches, name):
+        assert order == seen
+        assert order[0] == 5  # the last layer's bias is ready first
+        assert buckets >= 3 and started == [0, buckets, buckets, buckets]
+
+
+def accumulate(name: str, micro: int, use_no_sync: bool) -> tuple[bytes, int]:
+    """Each step accumulates `micro` backward passes; with no_sync only the last communicates."""
+    rank = rank_of(4)
+    model = deeper_model()
+    opt = make_optimizer(name, model, 4, 2)
+    opt.bucket_bytes = 1200
+    opt.overlap = use_no_sync
+    be = opt.backend
+    sent_in_no_sync = 0
+    for step in range(5):
+        model.zero_grad(set_to_none=True)
+        for k in range(micro):
+            g = torch.Generator().manual_seed(100 * step + 10 * k + rank)
+            x = torch.randn(16, 8, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), x[:, :4].cos())
+            if use_no_sync and k < micro - 1:
+                before = be.bytes_sent
+                with opt.no_sync():
+                    loss.backward()
+                sent_in_no_sync += be.bytes_sent - before
+            else:
+                loss.backward()
+        opt.step()
+    return raw(model), sent_in_no_sync
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_no_sync_accumulates_without_communicating(pool, name):
+    with_no_sync = pool.run(accumulate, name, 3, True)
+    reference = pool.run(accumulate, name, 3, False)
+    for (a, sent), (b, _) in zip(with_no_sync, reference):
+        assert sent == 0
+        assert a == b
+    assert len({r[0] for r in with_no_sync}) == 1

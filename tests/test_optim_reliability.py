@@ -1,0 +1,254 @@
+"""compcomm.optim under misuse and mixed precision, on real gloo ranks: GradScaler, checkpoints
+across ranks, all-or-nothing steps over several buckets, overflow, frozen parameters, warnings."""
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from test_optim import OPTIMIZERS, backward, batch, make_model, make_optimizer, rank_of, raw, snapshot
+
+from compcomm.optim import OnebitOptimizer
+
+from rankpool import caught, group
+
+
+def error_bytes(opt: OnebitOptimizer) -> bytes:
+    return b"".join(ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
+                    for ef in opt._error_feedback if ef.initialized)
+
+
+# ------------------------------------------------------------------ GradScaler
+
+def scaled_run(name: str, bad_step: int, bad_rank: int) -> tuple[list[float], list[bool], bool, bytes]:
+    """Train with torch.amp.GradScaler; at `bad_step` one rank's scaled gradient overflows.
+    Returns the scale after every step, which steps were skipped, whether the skipped step
+    changed anything, and the final parameters."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    scales, skipped, unchanged = [], [], True
+    for step in range(8):
+        model.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == bad_step and rank == bad_rank:
+            loss = loss * math.inf
+        scaler.scale(loss).backward()
+        before = snapshot(model, opt)
+        scaler.step(opt)
+        scaler.update()
+        if opt.last_step_skipped:
+            unchanged = unchanged and snapshot(model, opt) == before
+        scales.append(scaler.get_scale())
+        skipped.append(opt.last_step_skipped)
+    return scales, skipped, unchanged, raw(model)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("bad_step", [0, 2, 5])  # the first step, warm-up, compression stage
+def test_grad_scaler_skips_everywhere_and_scales_stay_equal(pool, name, bad_step):
+    results = pool.run(scaled_run, name, bad_step, 1)
+    for scales, skipped, unchanged, final in results:
+        assert scales == results[0][0]
+        assert skipped == [s == bad_step for s in range(8)]
+        assert unchanged
+        assert final == results[0][3]
+    before = results[0][0][bad_step - 1] if bad_step else 2.0 ** 10
+    assert results[0][0][bad_step] < before  # the scaler backed off on every rank
+
+
+def scaled_matches_unscaled(name: str) -> tuple[bytes, bytes]:
+    """A GradScaler with a power-of-two scale changes nothing in the result."""
+    rank = rank_of(4)
+    out = []
+    for use_scaler in (False, True):
+        model = make_model()
+        opt = make_optimizer(name, model, 4, 3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+        for step in range(6):
+            model.zero_grad(set_to_none=True)
+            x, y = batch(rank, step)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if use_scaler:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+        out.append(raw(model))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_grad_scaler_unscales_exactly(pool, name):
+    for plain, scaled in pool.run(scaled_matches_unscaled, name):
+        assert plain == scaled
+
+
+# ------------------------------------------------------------------ checkpoints across ranks
+
+def trained(name: str, steps: int) -> tuple[torch.nn.Module, OnebitOptimizer]:
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 2, weight_decay=0.01)
+    for step in range(steps):
+        backward(model, rank, step)
+        opt.step()
+    return model, opt
+
+
+def from_rank0(obj):
+    """Rank 0's `obj` on every rank, through a file's bytes (what a shared checkpoint file gives)."""
+    import torch.distributed as dist
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    blob = [buf.getvalue()]
+    dist.broadcast_object_list(blob, src=0, group=group(4))
+    return torch.load(io.BytesIO(blob[0]), weights_only=False)
+
+
+def rank0_file_everywhere(name: str) -> tuple | None:
+    _, opt = trained(name, 4)
+    saved = from_rank0(opt.state_dict())
+    fresh = make_optimizer(name, make_model(), 4, 2)
+    return caught(fresh.load_state_dict, saved)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_rank0_state_loaded_everywhere_raises_on_every_rank(pool, name):
+    failures = pool.run(rank0_file_everywhere, name)
+    assert all(f is not None and f[0] == "ValueError" for f in failures)
+    assert "rank 0" in failures[1][1] and "gathered_state_dict" in failures[1][1]
+    assert "rank(s) [1, 2, 3]" in failures[0][1]
+
+
+def one_file_resume(name: str) -> tuple[bytes, bytes, bytes, bytes]:
+    rank = rank_of(4)
+    model, opt = trained(name, 8)
+    straight, straight_ef = raw(model), error_bytes(opt)
+
+    model, opt = trained(name, 4)
+    saved = from_rank0({"model": model.state_dict(), "opt": opt.gathered_state_dict()})
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    opt = make_optimizer(name, model, 4, 2, weight_decay=0.01)
+    opt.load_state_dict(saved["opt"])
+    for step in range(4, 8):
+        backward(model, rank, step)
+        opt.step()
+    return straight, raw(model), straight_ef, error_bytes(opt)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_gathered_state_dict_resumes_every_rank_exactly(pool, name):
+    for straight, resumed, ef_a, ef_b in pool.run(one_file_resume, name):
+        assert straight == resumed
+        assert ef_a == ef_b and ef_a
+
+
+# ------------------------------------------------------------------ all-or-nothing steps
+
+def bad_second_bucket(name: str, how: str) -> tuple[bool, bool, list[bool], bool]:
+    """Compression stage, several buckets; in the second bucket rank 2's gradient is NaN
+    ("nan"), or every rank's momentum is 3e38, so that the average overflows fp32 ("overflow").
+    Returns (skipped, nothing changed, per bucket: error state unchanged, parameters finite)."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 2)
+    opt.bucket_bytes = 200
+    for step in range(4):
+        backward(model, rank, step)
+        opt.step()
+    second = [list(model.parameters())[opt._order[k]] for k in opt._layout().buckets[1].indices]
+    if how == "overflow":
+        for p in second:
+            opt.state[p]["exp_avg"].fill_(3e38)
+    backward(model, rank, 4)
+    if how == "nan" and rank == 2:
+        second[0].grad.view(-1)[0] = math.nan
+    before, errors = snapshot(model, opt), [ef.worker_error.clone() for ef in opt._error_feedback]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    same = [bool(torch.equal(a, ef.worker_error)) for a, ef in zip(errors, opt._error_feedback)]
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return opt.last_step_skipped, snapshot(model, opt) == before, same, finite
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("how", ["nan", "overflow"])
+def test_bad_second_bucket_leaves_every_bucket_unchanged(pool, name, how):
+    for skipped, unchanged, same, finite in pool.run(bad_second_bucket, name, how):
+        assert skipped and unchanged and all(same) and finite
+        assert len(same) >= 3
+
+
+def warmup_overflow_unchanged(name: str) -> tuple[bool, bool]:
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 100)
+    backward(model, rank, 0)
+    if rank < 2:
+        with torch.no_grad():
+            next(model.parameters()).grad.view(-1)[0] = 3e38
+    before = snapshot(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    skipped, unchanged = opt.last_step_skipped, snapshot(model, opt) == before
+    backward(model, rank, 1)
+    opt.step()
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return skipped and unchanged, finite and opt.step_count == 1
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_warmup_sum_overflow_skips_with_nothing_changed(pool, name):
+    """Finite gradients of 3e38 on two ranks overflow fp32 when summed: skipped everywhere."""
+    assert all(a and b for a, b in pool.run(warmup_overflow_unchanged, name))
+
+
+# ------------------------------------------------------------------ frozen parameters, warnings
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_frozen_parameter_gets_no_weight_decay(name):
+    model = make_model()
+    model[0].bias.requires_grad_(False)
+    frozen = model[0].bias.detach().clone()
+    opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, weight_decay=0.5, freeze_step=2, backend="local")
+    ref_model = make_model()
+    ref_model[0].bias.requires_grad_(False)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.5)
+    for step in range(5):
+        for m, o in ((model, opt), (ref_model, ref)):
+            backward(m, 0, step)
+            o.step()
+    assert torch.equal(model[0].bias.detach(), frozen)
+    assert torch.equal(ref_model[0].bias.detach(), frozen)
+
+
+def skipped_twice(name: str) -> tuple[int, int, list[str]]:
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 2)
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        warnings.simplefilter("always")
+        for step in range(4):
+            backward(model, rank, step)
+            if step in (1, 3) and rank == 3:
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+            opt.step()
+    messages = [str(w.message) for w in caught_warnings if issubclass(w.category, RuntimeWarning)]
+    return opt.skipped_steps, opt.step_count, messages
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_skipped_step_warns_once_and_counts(pool, name):
+    for skipped, steps, messages in pool.run(skipped_twice, name):
+        assert (skipped, steps) == (2, 2)
+        assert len(messages) == 1 and "skipped" in messages[0] and "skipped_steps" in messages[0]

@@ -1,0 +1,288 @@
+"""ZeroOneAdam (0/1 Adam) on real gloo ranks, and the masking / fp32-master rules shared by the
+compressed optimizers: a model with a parameter that gets (almost) no gradient stays close to
+AdamW; bf16 parameters keep updates below bf16's spacing."""
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from test_optim import DTYPES, backward, make_model, rank_of, raw, snapshot
+from test_optim_reliability import error_bytes, from_rank0
+
+import compcomm
+from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
+
+from rankpool import group
+
+SCHEDULE = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+STEPS = 30  # phase 1: refreshes at 1, 2, 4, 6, 10, 12 (1-bit gradients between); phase 2 to 30
+
+
+def make_zeroone(model: torch.nn.Module, **kw) -> ZeroOneAdam:
+    kw = {**SCHEDULE, "lr": 1e-2, "weight_decay": 0.01, **kw}
+    return ZeroOneAdam(model.parameters(), backend=compcomm.backends.get("gloo", group=group(4)), **kw)
+
+
+def train(dtype: str, steps: int = STEPS) -> tuple[list[bytes], list[str]]:
+    rank = rank_of(4)
+    model = make_model(dtype)
+    opt = make_zeroone(model)
+    params, kinds = [], []
+    for step in range(steps):
+        kinds.append(opt._kind(step + 1))
+        backward(model, rank, step, dtype)
+        opt.step()
+        params.append(raw(model))
+    return params, kinds
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_identical_after_every_synchronized_step_and_local_between(pool, dtype):
+    results = pool.run(train, dtype)
+    kinds = results[0][1]
+    assert {"exact", "compressed", "local"} <= set(kinds)
+    for step, kind in enumerate(kinds):
+        distinct = len({r[0][step] for r in results})
+        if kind == "local":
+            assert distinct == 4, f"step {step + 1}: local steps follow each rank's own gradient"
+        else:
+            assert distinct == 1, f"ranks differ after the {kind} step {step + 1}"
+    assert len({results[0][0][s] for s in range(STEPS)}) == STEPS
+
+
+def intervals() -> tuple[list[str], int, int]:
+    model = make_model()
+    opt = ZeroOneAdam(model.parameters(), backend="local", **SCHEDULE)
+    kinds = []
+    for step in range(STEPS):
+        kinds.append(opt._kind(step + 1))
+        backward(model, 0, step)
+        opt.step()
+    return kinds, opt.var_updates, opt.local_interval
+
+
+def test_schedule_follows_deepspeeds_parameters():
+    kinds, refreshes, interval = intervals()
+    exact = [t + 1 for t, k in enumerate(kinds) if k == "exact"]
+    assert exact == [1, 2, 4, 6, 8, 12]  # 2 refreshes per spacing, spacing doubling
+    assert refreshes == 6
+    synced = [t + 1 for t, k in enumerate(kinds) if t + 1 > 12 and k == "compressed"]
+    assert synced == [13, 14, 15, 16, 18, 20, 24, 28]  # H = 1, 1, 1, 2, 2, 2, then 4 (clipped)
+    assert interval == 4
+
+
+# ------------------------------------------------------------------ checkpoints in every stage
+
+def straight_vs_resumed(stop: int, gathered: bool) -> tuple[bytes, bytes, bytes, bytes]:
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_zeroone(model)
+    for step in range(STEPS):
+        backward(model, rank, step)
+        opt.step()
+    straight, straight_ef = raw(model), error_bytes(opt)
+
+    model = make_model()
+    opt = make_zeroone(model)
+    for step in range(stop):
+        backward(model, rank, step)
+        opt.step()
+    if gathered:  # one file from rank 0, loaded everywhere
+        saved = from_rank0({"model": model.state_dict(), "opt": opt.gathered_state_dict()})
+    else:
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    opt = make_zeroone(model)
+    opt.load_state_dict(saved["opt"])
+    for step in range(stop, STEPS):
+        backward(model, rank, step)
+        opt.step()
+    return straight, raw(model), straight_ef, error_bytes(opt)
+
+
+@pytest.mark.parametrize("stop,gathered", [(3, False), (12, True), (13, False), (19, True), (21, False),
+                                           (21, True)])  # phase 1, freeze, first sync, mid-interval
+def test_resumes_bit_for_bit_in_any_stage(pool, stop, gathered):
+    for straight, resumed, ef_a, ef_b in pool.run(straight_vs_resumed, stop, gathered):
+        assert straight == resumed
+        assert ef_a == ef_b
+
+
+# ------------------------------------------------------------------ NaN agreement and GradScaler
+
+def nan_in_local_step(bad_step: int) -> tuple[bool, bool, bytes, bytes]:
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_zeroone(model)
+    skipped = unchanged = False
+    for step in range(STEPS):
+        if step == bad_step:
+            backward(model, rank, step)
+            if rank == 1:
+                next(model.parameters()).grad.view(-1)[0] = math.nan
+            before = snapshot(model, opt)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt.step()
+            skipped, unchanged = opt.last_step_skipped, snapshot(model, opt) == before
+        backward(model, rank, step)
+        opt.step()
+    clean = make_model()
+    clean_opt = make_zeroone(clean)
+    for step in range(STEPS):
+        backward(clean, rank, step)
+        clean_opt.step()
+    return skipped, unchanged, raw(model), raw(clean)
+
+
+@pytest.mark.parametrize("bad_step", [2, 8, 16, 21])  # a 1-bit gradient, a refresh, a local step, a sync
+def test_non_finite_gradient_skips_everywhere(pool, bad_step):
+    for skipped, unchanged, final, clean in pool.run(nan_in_local_step, bad_step):
+        assert skipped and unchanged and final == clean
+
+
+def scaled(bad_step: int) -> tuple[list[float], list[bool]]:
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_zeroone(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    scales, skipped = [], []
+    from test_optim import batch
+    for step in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == bad_step and rank == 3:
+            loss = loss * math.inf
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(opt.last_step_skipped)
+    return scales, skipped
+
+
+def test_grad_scaler_in_local_steps(pool):
+    results = pool.run(scaled, 17)
+    for scales, skipped in results:
+        assert scales == results[0][0]
+        assert skipped == [s == 17 for s in range(STEPS)]
+
+
+# ------------------------------------------------------------------ parameters without gradient
+
+class Attention(torch.nn.Module):
+    """One self-attention block: the key bias gets ~no gradient (softmax ignores it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(self.attn(h, h, h, need_weights=False)[0]).mean(1)
+
+
+def magnitudes(kind: str, steps: int) -> dict[str, float]:
+    rank = rank_of(4)
+    model = Attention()
+    be = compcomm.backends.get("gloo", group=group(4))
+    if kind == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    elif kind == "onebit_adam":
+        opt = OnebitAdam(model.parameters(), lr=3e-3, weight_decay=0.01, freeze_step=20, backend=be)
+    elif kind == "onebit_lamb":
+        opt = OnebitLamb(model.parameters(), lr=3e-3, weight_decay=0.01, freeze_step=20, backend=be)
+    else:
+        opt = ZeroOneAdam(model.parameters(), lr=3e-3, weight_decay=0.01, var_freeze_step=20,
+                          var_update_scaler=4, local_step_scaler=20, local_step_clipper=4, backend=be)
+    import torch.distributed as dist
+    for step in range(steps):
+        g = torch.Generator().manual_seed(31 * step + rank)
+        x = torch.randn(16, 6, 8, generator=g)
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), x[:, 0, :4].sin()).backward()
+        if kind == "adamw":  # the exact data-parallel mean for the reference
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group(4))
+                p.grad /= 4
+        opt.step()
+    return {name: float(p.detach().abs().max()) for name, p in model.named_parameters()}
+
+
+_ADAMW: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("kind", ["onebit_adam", "onebit_lamb", "zeroone"])
+def test_parameter_without_gradient_stays_near_adamw(pool, kind):
+    """Without the automatic mask, the key bias reaches |w| > 1000 (AdamW: < 0.1)."""
+    reference = _ADAMW or _ADAMW.update(pool.run(magnitudes, "adamw", 150)[0]) or _ADAMW
+    ours = pool.run(magnitudes, kind, 150)[0]
+    for name, ref in reference.items():
+        assert ours[name] <= 3 * ref + 1e-3, (name, ours[name], ref)
+
+
+def test_negligible_second_moment_is_masked():
+    """The rule: sqrt(v_hat) <= eps masks; anything above does not."""
+    from compcomm.optim.updates import adam_denominator, negligible
+    v = torch.tensor([0.0, 1e-20, 0.99e-16, 1.1e-16, 1e-6])
+    masked = negligible(adam_denominator(v, 0.0, 1, 1e-8), 1e-8)
+    assert masked.tolist() == [True, True, True, False, False]
+
+
+def masked_group(name: str) -> tuple[bool, bool]:
+    """exp_avg_mask: a masked row moves only by weight decay in the compression stage."""
+    rank = rank_of(4)
+    model = make_model()
+    mask = torch.ones(16, 8)
+    mask[3] = 0.0
+    first, rest = model[0].weight, [p for n, p in model.named_parameters() if n != "0.weight"]
+    be = compcomm.backends.get("gloo", group=group(4))
+    groups = [{"params": [first], "exp_avg_mask": mask}, {"params": rest}]
+    if name == "zeroone":
+        opt = ZeroOneAdam(groups, lr=1e-2, backend=be, **SCHEDULE)
+        start = SCHEDULE["var_freeze_step"]
+    else:
+        opt = OnebitAdam(groups, lr=1e-2, freeze_step=3, backend=be)
+        start = 3
+    for step in range(start + 6):
+        backward(model, rank, step)
+        opt.step()
+        if step + 1 == start:
+            frozen_row = first[3].detach().clone()
+            other_row = first[4].detach().clone()
+    return bool(torch.equal(first[3].detach(), frozen_row)), not torch.equal(first[4].detach(), other_row)
+
+
+@pytest.mark.parametrize("name", ["onebit_adam", "zeroone"])
+def test_exp_avg_mask_per_group(pool, name):
+    assert all(still and moved for still, moved in pool.run(masked_group, name))
+
+
+# ------------------------------------------------------------------ fp32 master weights
+
+@pytest.mark.parametrize("cls", [OnebitAdam, ZeroOneAdam])
+def test_bf16_updates_below_bf16_spacing_accumulate(cls):
+    p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    kw = dict(freeze_step=5) if cls is OnebitAdam else dict(var_freeze_step=5)
+    opt = cls([p], lr=1e-4, backend="local", **kw)
+    for _ in range(60):  # each update ~1e-4, far below bf16's spacing at 1.0 (2^-7)
+        p.grad = torch.ones_like(p)
+        opt.step()
+    master = opt.state[p]["master"]
+    assert master.dtype == torch.float32
+    assert float(master.max()) < 1.0 - 50e-4
+    assert torch.equal(p.detach(), master.to(torch.bfloat16))
+    assert float(p.detach().max()) < 1.0
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    assert "master" in torch.load(io.BytesIO(buf.getvalue()), weights_only=False)["state"][0]
