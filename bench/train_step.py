@@ -201,6 +201,13 @@ def available(name: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # one rank
 
+class Net(CharMLP):
+    """bench/convergence.py's character MLP with a forward() (logits), which DDP calls."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.embed(x).flatten(1))
+
+
 def make_model(args: argparse.Namespace) -> CharMLP:
     """The common initial model. Its embedding table is fixed (random, not trained): rows of
     characters that the warm-up never saw would have a frozen second moment of ~0, on which
@@ -208,7 +215,7 @@ def make_model(args: argparse.Namespace) -> CharMLP:
     parameter here gets a dense gradient."""
     context, embed, hidden, _ = args.shape
     torch.manual_seed(args.seed)
-    model = CharMLP(context, embed, hidden)
+    model = Net(context, embed, hidden)
     model.embed.weight.requires_grad_(False)
     return model
 
@@ -224,10 +231,10 @@ def train(builder: Builder, args: argparse.Namespace, text: torch.Tensor) -> dic
     dist.barrier()
     with run.counting():
         for step in range(args.steps):
-            x, y = windows(text, torch.randint(0, len(text) - context - 1, (batch,), generator=gen), context)
+            seq = windows(text, torch.randint(0, len(text) - context - 1, (batch,), generator=gen), context)
             start = time.perf_counter()
             run.optimizer.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(run.model(x), y)
+            loss = torch.nn.functional.cross_entropy(run.model(seq[:, :-1]), seq[:, -1])
             loss.backward()
             run.optimizer.step()
             times.append(time.perf_counter() - start)
@@ -239,7 +246,7 @@ def train(builder: Builder, args: argparse.Namespace, text: torch.Tensor) -> dic
 def rank_main(args: argparse.Namespace, label: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
-    text = load_text(args.text_bytes)
+    text = load_text("char-mlp", args.text_bytes)
     names = [n for n in args.methods.split(",") if n]
     results: dict[str, dict[str, list] | None] = {}
     for name in names:

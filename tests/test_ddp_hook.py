@@ -284,7 +284,7 @@ def test_nan_gradient_on_one_rank_fails_every_rank_alike(pool, start_iter):
 def test_hook_over_mpi_matches_gloo_bitwise(tmp_path):
     from launched import launch, mpirun_python, passed
 
-    cmd = mpirun_python(4) + [str(Path(__file__).with_name("ddp_mpi_checks.py")), str(tmp_path)]
+    cmd = mpirun_python(4) + [str(Path(__file__).parent / "programs" / "ddp_mpi_checks.py"), str(tmp_path)]
     results = passed(launch(cmd, tmp_path, "", 4, 180), "hook")
     assert len({r["mpi"] for r in results}) == 1, "ranks differ over mpi"
     assert all(r["mpi"] == r["gloo"] and r["buckets"] >= 2 and r["mpi_bytes"] > 0 for r in results)

@@ -1,4 +1,4 @@
-"""The DDP hook over the mpi backend, run under `mpirun -n 4 python tests/ddp_mpi_checks.py OUT_DIR`.
+"""The DDP hook over the mpi backend, run under `mpirun -n 4 python tests/programs/ddp_mpi_checks.py OUT_DIR`.
 
 DDP itself needs a torch process group: every rank joins a gloo group (rank and size from MPI,
 the port chosen by rank 0 and broadcast over MPI). The same training, compressed from its first
@@ -11,7 +11,6 @@ import datetime
 import hashlib
 import json
 import os
-import socket
 import sys
 import traceback
 
@@ -19,26 +18,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+sys.path[:0] = [TESTS, os.path.join(TESTS, "support")]
 
 from test_ddp_hook import BUCKET_MB, make_net, sgd, train  # noqa: E402
 
 import compcomm  # noqa: E402
-from compcomm.backends.mpi import import_mpi  # noqa: E402
+from compcomm.backends.mpi_runtime import import_mpi  # noqa: E402
 from compcomm.ddp import OnebitHookState, onebit_hook  # noqa: E402
+from compcomm.launch import free_port  # noqa: E402
 
 MPI = import_mpi()
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
 def join_gloo() -> None:
-    port = None
-    if RANK == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = MPI.COMM_WORLD.bcast(port, root=0)
+    port = MPI.COMM_WORLD.bcast(free_port() if RANK == 0 else None, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK, world_size=SIZE,
                             timeout=datetime.timedelta(seconds=60))
 
