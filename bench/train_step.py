@@ -58,9 +58,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from convergence import CharMLP, load_text, windows
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 RECORD_KEYS = ("method", "world_size", "step_time_ms", "bytes_per_step", "final_loss", "steps")
 SETTINGS = {  # name: (context, embed, hidden, batch per rank)
