@@ -13,22 +13,19 @@ call, so the sum over calls stays exact. The result is bitwise identical on ever
 `compressed_allreduce_coalesced(tensors, error_feedbacks)` reduces several tensors with one
 agreement: all complete or none changes.
 
-Transports: `compcomm.backends` (gloo, nccl, mpi, local; `get(name, group=... / comm=...)`).
-Optimizers that own the gradient communication: `compcomm.optim` (OnebitAdam, OnebitLamb).
+Transports: `compcomm.backends` (gloo, nccl, mpi, local, hierarchical; `get(name, group=... / comm=...)`).
+Optimizers that own the gradient communication: `compcomm.optim` (OnebitAdam, OnebitLamb, ZeroOneAdam).
+For DDP users who keep their own optimizer: `compcomm.ddp.onebit_hook` (a DDP comm hook).
 Bucketing helpers: `compcomm.layout`. Which codec kernels run here: `compcomm.codec_info()`.
 Any rank's bad input raises the same error on every rank with nothing changed: TypeError,
 ValueError, or `NonFiniteError` for NaN/Inf.
 """
-from . import (
-           backends,
-           layout,
-           optim,  # noqa: E402  (after the collective it builds on)
-)
+from . import backends, ddp, layout, optim
 from .allreduce import compressed_allreduce, compressed_allreduce_coalesced
 from .codec import codec_info
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
 
 __all__ = ["compressed_allreduce", "compressed_allreduce_coalesced", "ErrorFeedback", "NonFiniteError",
-           "backends", "codec_info", "layout", "optim"]
+           "backends", "codec_info", "ddp", "layout", "optim"]
 __version__ = "0.1.0"
