@@ -48,7 +48,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .allreduce import compressed_allreduce
 from .backends import Backend, get, resolve
 from .error_feedback import ErrorFeedback
-from .errors import NonFiniteError
+from .errors import NonFiniteError, all_finite
 
 __all__ = ["OnebitHookState", "onebit_hook"]
 
@@ -287,7 +287,7 @@ def _uncompressed_mean(tensor: torch.Tensor, be: Backend) -> torch.Tensor:
     (the sum is the same on every rank, so they all decide alike)."""
     tensor.mul_(1.0 / be.world_size)
     be.all_reduce(tensor, op="sum")
-    if not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         raise NonFiniteError("non-finite values (NaN/Inf) in some rank's gradients (or their sum overflowed)")
     return tensor
 

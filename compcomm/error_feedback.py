@@ -84,6 +84,14 @@ class ErrorFeedback:
             self.server_error = self.server_error.to(device)
         return self.worker_error, self.server_error
 
+    def clone(self) -> ErrorFeedback:
+        """An independent copy (same tag, buffers cloned): work on it, keep it if the work succeeds."""
+        twin = ErrorFeedback(tag=self.tag)
+        if self.worker_error is not None and self.server_error is not None:
+            twin.worker_error, twin.server_error = self.worker_error.clone(), self.server_error.clone()
+            twin.numel, twin.world_size, twin._server_max = self.numel, self.world_size, self._server_max
+        return twin
+
     def reset(self) -> None:
         """Forget the carried errors (the next call starts from zero)."""
         self.worker_error = self.server_error = None

@@ -315,3 +315,27 @@ def test_launcher_without_process_group_is_an_error():
     env["WORLD_SIZE"] = "1"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and "raised" not in out.stdout, (out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("value, finite", [(0.0, True), (3e38, True), (float("nan"), False), (float("inf"), False),
+                                           (float("-inf"), False)])
+def test_all_finite_matches_isfinite(value, finite):
+    from compcomm.errors import all_finite
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = torch.randn(1000).to(dtype)
+        t[517] = value
+        assert all_finite(t) == bool(torch.isfinite(t).all())  # 3e38 is inf in fp16
+        if dtype == torch.float32:
+            assert all_finite(t) == finite
+    assert all_finite(torch.empty(0))
+
+
+def test_error_feedback_clone_is_independent():
+    ef = compcomm.ErrorFeedback(tag="bucket")
+    compcomm.compressed_allreduce(torch.randn(30), ef)
+    twin = ef.clone()
+    assert twin.tag == ef.tag and torch.equal(twin.worker_error, ef.worker_error)
+    compcomm.compressed_allreduce(torch.randn(30), twin)
+    assert not torch.equal(twin.worker_error, ef.worker_error)
+    assert compcomm.ErrorFeedback().clone().worker_error is None

@@ -51,7 +51,7 @@ import torch
 from ..allreduce import compressed_allreduce
 from ..backends import Backend, resolve
 from ..error_feedback import ErrorFeedback
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, all_finite
 from ..layout import DEFAULT_BUCKET_BYTES, Bucketer
 from ..ordering import Pending
 from .collective import all_gather_object, all_sum, raise_everywhere
@@ -264,9 +264,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
         elif rnd.kind == EXACT:
             rnd.launches[b] = _Launch(be.all_reduce(bucket.flat, "mean", async_op=True), None)
         else:
-            work = ErrorFeedback(tag=self._error_feedback[b].tag)  # a copy, kept if the step completes
-            if not self._fresh_errors(rnd.t):
-                work.load_state_dict(self._error_feedback[b].state_dict())
+            kept = self._error_feedback[b]  # the call works on a copy, kept if the whole step completes
+            work = ErrorFeedback(tag=kept.tag) if self._fresh_errors(rnd.t) else kept.clone()
             rnd.launches[b] = _Launch(compressed_allreduce(bucket.flat, work, backend=be, op="mean",
                                                            async_op=True), work)
 
@@ -277,7 +276,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     def _locally_bad(self, found_inf: bool = False) -> bool:
         """Whether this rank's gradients hold NaN/Inf (or its GradScaler found some)."""
-        return found_inf or any(g is not None and not bool(torch.isfinite(g).all()) for g in self._grads())
+        return found_inf or any(g is not None and not all_finite(g) for g in self._grads())
 
     def _current_round(self) -> _Round:
         """The round of the coming step; a backward after the last one ended starts it over."""
@@ -408,7 +407,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 failure = failure or exc
         values: list[torch.Tensor] = [None] * len(self._params())  # type: ignore[list-item]
         for bucket in self._layout():
-            if failure is None and rnd.kind != LOCAL and not bool(torch.isfinite(bucket.flat).all()):
+            if failure is None and rnd.kind == EXACT and not all_finite(bucket.flat):
                 failure = NonFiniteError("the average of finite values overflowed fp32")
             for k, view in zip(bucket.indices, bucket.views):
                 values[self._order[k]] = view
