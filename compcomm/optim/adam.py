@@ -30,7 +30,16 @@ import torch
 
 from ..backends import Backend
 from .base import COMPRESSED, EXACT, OnebitOptimizer
-from .updates import adam_denominator, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
+from .updates import (
+    adam_denominator,
+    check_count,
+    decoupled_step_,
+    mask_,
+    master_weight,
+    negligible,
+    store_,
+    update_moments,
+)
 
 
 class FrozenVarianceOptimizer(OnebitOptimizer):
@@ -43,9 +52,25 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         check_freeze_step(freeze_step)
         super().__init__(params, defaults, backend)
         self.freeze_step = int(freeze_step)
+        self._frozen: dict[torch.Tensor, tuple[tuple[float, float], torch.Tensor, torch.Tensor]] = {}
 
     def _kind(self, t: int) -> str:
         return EXACT if t <= self.freeze_step else COMPRESSED
+
+    def _frozen_denominator(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """sqrt(v / b2(T0)) + eps and where it is negligible: v no longer changes after the
+        freeze, so both are computed once (again after a checkpoint load or a change of eps or
+        beta2) instead of in every step. Kept beside the state, not in it: derived from it."""
+        key = (group["eps"], group["betas"][1])
+        cached = self._frozen.get(p)
+        if cached is None or cached[0] != key:
+            denom = adam_denominator(self._moments(p)["exp_avg_sq"], key[1], self.freeze_step, key[0])
+            cached = self._frozen[p] = (key, denom, negligible(denom, key[0]))
+        return cached[1], cached[2]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._frozen.clear()
+        super().load_state_dict(state_dict)
 
     def _momentum_scale(self, p: torch.Tensor) -> float:
         return 1.0
@@ -83,8 +108,8 @@ class OnebitAdam(FrozenVarianceOptimizer):
                 update_moments(state, value, group["betas"])
                 denom = adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"])
             else:
-                denom = adam_denominator(state["exp_avg_sq"], beta2, self.freeze_step, group["eps"])
-                state["exp_avg"].copy_(mask_(value, group, denom))
+                denom, masked = self._frozen_denominator(p, group)
+                state["exp_avg"].copy_(mask_(value, group, denom, masked))
             w = master_weight(p, state)
             decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
             store_(p, w)

@@ -148,8 +148,8 @@ class OnebitLamb(FrozenVarianceOptimizer):
     def _compressed_update(self, t: int, p: torch.Tensor, m: torch.Tensor, group: dict[str, Any],
                            state: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
-        denom = adam_denominator(state["exp_avg_sq"], beta2, self.freeze_step, group["eps"])
-        m = mask_(m, group, denom)
+        denom, masked = self._frozen_denominator(p, group)
+        m = mask_(m, group, denom, masked)
         grad = (m - beta1 * state["exp_avg"]).div_(1 - beta1)
         fresh = state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         state["exp_avg"].copy_(m)

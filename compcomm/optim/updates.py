@@ -46,10 +46,12 @@ def negligible(denominator: torch.Tensor, eps: float) -> torch.Tensor:
     return denominator <= 2 * eps
 
 
-def mask_(values: torch.Tensor, group: dict[str, Any], denominator: torch.Tensor) -> torch.Tensor:
+def mask_(values: torch.Tensor, group: dict[str, Any], denominator: torch.Tensor,
+          negligible_: torch.Tensor | None = None) -> torch.Tensor:
     """Zero, in place, the elements of a communicated momentum that must not move the weights:
-    the automatic rule (`negligible`) and the group's `exp_avg_mask` (1 keeps, 0 masks)."""
-    values.masked_fill_(negligible(denominator, group["eps"]), 0.0)
+    the automatic rule (`negligible`, or its value `negligible_` when already known) and the
+    group's `exp_avg_mask` (1 keeps, 0 masks)."""
+    values.masked_fill_(negligible(denominator, group["eps"]) if negligible_ is None else negligible_, 0.0)
     user = group.get("exp_avg_mask")
     if user is not None:
         values.mul_(user.to(values.device))
