@@ -47,7 +47,6 @@ from compcomm.layout import chunk_size, real_count
 from .base import Backend, Handle
 
 _VERDICTS: tuple[type[Exception], ...] = (TypeError, ValueError, NonFiniteError, RuntimeError)
-_MESSAGE_BYTES = 1024
 
 
 class HierarchicalBackend(Backend):
@@ -172,11 +171,10 @@ class HierarchicalBackend(Backend):
         failed = [i for i, c in enumerate(codes.view(-1).tolist()) if c]
         if not failed:
             return
-        raw = str(failure or "").encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
-        messages = torch.empty(k, _MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
-        self.intra.all_gather(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device), messages)
+        from compcomm.allreduce import gather_messages
+
         first = failed[0]
-        text = bytes(messages[first].cpu().numpy()).rstrip(b"\0").decode(errors="replace")
+        text = gather_messages(str(failure or ""), self.intra)[first]
         cls = _VERDICTS[int(codes[first, 0]) - 1]
         raise cls(f"across nodes, part {first} of {k}: {text}") from failure
 

@@ -356,7 +356,7 @@ def _raise_if_rejected(headers: np.ndarray, calls: np.ndarray, failure: Exceptio
     bad = np.flatnonzero(first["code"])
     if bad.size:
         rank = int(bad[0])
-        message = _gather_message(str(failure) if failure else "", be)[rank]
+        message = gather_messages(str(failure) if failure else "", be)[rank]
         raise ERRORS[int(first["code"][rank]) - 1](f"rank {rank}: {message}") from failure
     if (headers["digest"] != headers["digest"][:1]).any():
         raise ValueError(_disagreement(_all_gather_records(calls[:1] if headers.shape[1] == 1 else calls, be)))
@@ -407,7 +407,7 @@ def _check_headroom(headers: np.ndarray, call: np.void) -> None:
             "reduced and no error state changed (scale the tensor down)")
 
 
-def _gather_message(text: str, be: Backend) -> list[str]:
+def gather_messages(text: str, be: Backend) -> list[str]:
     """All-gather each rank's failure text (only on the failure path, so it costs nothing normally)."""
     raw = text.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
     out = torch.empty(be.world_size, _MESSAGE_BYTES, dtype=torch.uint8, device=be.device)

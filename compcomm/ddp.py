@@ -38,15 +38,15 @@ on every rank with the same `compcomm.NonFiniteError` (or ValueError/TypeError) 
 feedback is unchanged. In the uncompressed iterations the hook checks the averaged bucket, which
 is identical on every rank, so the same holds there.
 """
-import io
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .allreduce import compressed_allreduce
+from .allreduce import compressed_allreduce, gather_messages
 from .backends import Backend, get, resolve
+from .collective import all_gather_object
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError, all_finite
 
@@ -158,11 +158,7 @@ class OnebitHookState:
         """Every rank's `state_dict()` in one dict, on every rank (a collective: call it on all
         ranks, save it from one). `load_state_dict` of it gives each rank its own part."""
         be = self.backend()
-        blob = io.BytesIO()
-        torch.save(self.state_dict(), blob)
-        parts = _all_gather_bytes(be, blob.getvalue())
-        ranks = [torch.load(io.BytesIO(part), weights_only=True) for part in parts]
-        return {"format": _FORMAT, "world_size": be.world_size, "ranks": ranks}
+        return {"format": _FORMAT, "world_size": be.world_size, "ranks": all_gather_object(self.state_dict(), be)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()` or `gathered_state_dict()` (a collective: call it on all
@@ -175,10 +171,10 @@ class OnebitHookState:
             mine, failure = self._check(state, be), ""
         except Exception as exc:  # reported to every rank, then raised everywhere
             failure = f"{type(exc).__name__}: {exc}"
-        verdicts = _all_gather_bytes(be, failure.encode())
+        verdicts = gather_messages(failure, be)
         bad = [r for r, v in enumerate(verdicts) if v]
         if bad or mine is None:
-            raise ValueError(f"cannot load the hook state: rank {bad[0]}: {verdicts[bad[0]].decode(errors='replace')}")
+            raise ValueError(f"cannot load the hook state: rank {bad[0]}: {verdicts[bad[0]]}")
         iteration, start_iter, params, buckets = mine
         self.iter, self.start_iter, self._params = iteration, start_iter, params
         self._buckets = buckets
@@ -290,18 +286,3 @@ def _uncompressed_mean(tensor: torch.Tensor, be: Backend) -> torch.Tensor:
     if not all_finite(tensor):
         raise NonFiniteError("non-finite values (NaN/Inf) in some rank's gradients (or their sum overflowed)")
     return tensor
-
-
-def _all_gather_bytes(be: Backend, data: bytes) -> list[bytes]:
-    """Every rank's `data` (any lengths), through the backend's uint8 all-gather."""
-    n, device = be.world_size, be.device
-    lengths = torch.empty(n, 8, dtype=torch.uint8, device=device)
-    be.all_gather(torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8).to(device), lengths)
-    sizes = lengths.cpu().view(torch.int64).reshape(-1).tolist()
-    width = max(max(sizes), 1)
-    send = torch.zeros(width, dtype=torch.uint8)
-    send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else send[:0]
-    out = torch.empty(n, width, dtype=torch.uint8, device=device)
-    be.all_gather(send.to(device), out)
-    rows = out.cpu().numpy()
-    return [rows[r, :sizes[r]].tobytes() for r in range(n)]

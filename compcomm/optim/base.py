@@ -50,11 +50,11 @@ import torch
 
 from ..allreduce import compressed_allreduce
 from ..backends import Backend, resolve
+from ..collective import all_gather_object, all_sum, raise_everywhere
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError, all_finite
 from ..layout import DEFAULT_BUCKET_BYTES, Bucketer
 from ..ordering import Pending
-from .collective import all_gather_object, all_sum, raise_everywhere
 from .readiness import Readiness
 from .updates import PARAM_DTYPES, check_range
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..backends import Backend
+from .backends import Backend
 
 
 def all_sum(values: list[float], be: Backend) -> list[float]:
