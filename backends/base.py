@@ -140,12 +140,11 @@ class Backend(ABC):
         channel) an async collective starts on the wire at once and returns its own handle."""
         if all(ordering.holds(ch) for ch in self.channels):
             handle = start(send, recv, async_op)
-            if handle is None:
-                return Done()
-            if not async_op:
+            if async_op and handle is not None:
+                return handle
+            if handle is not None:
                 handle.wait()
-                return Done()
-            return handle
+            return Done()
 
         def blocking() -> None:
             handle = start(send, recv, False)

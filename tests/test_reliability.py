@@ -339,3 +339,14 @@ def test_error_feedback_clone_is_independent():
     compcomm.compressed_allreduce(torch.randn(30), twin)
     assert not torch.equal(twin.worker_error, ef.worker_error)
     assert compcomm.ErrorFeedback().clone().worker_error is None
+
+
+def test_async_all_reduce_inside_a_running_call_does_not_wait_for_itself():
+    be = compcomm.backends.get("local")
+    inner: list = []
+
+    def call() -> None:
+        inner.append(be.all_reduce(torch.ones(3), async_op=True).wait())
+
+    be.ordered(call)
+    assert torch.equal(inner[0], torch.ones(3))
