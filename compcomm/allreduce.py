@@ -147,20 +147,11 @@ def agree(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedba
     work, then agreement over `backend` on count, sequence, numel, op, dtype and tag. Raises the
     agreed error on every rank of `backend`, modifying nothing. Run it inside the composite's
     ordered call."""
-    tensors, efs = list(tensors), list(error_feedbacks)
-    calls, headers = np.zeros(len(tensors), dtype=CALL), np.zeros(len(tensors), dtype=HEADER)
-    calls["count"], calls["seq"] = len(tensors), sequence_number(backend.channel)
-    failure: Exception | None = None
-    try:
-        _check_distinct(efs)
-        for i, (tensor, ef) in enumerate(zip(tensors, efs)):
-            check_arguments(tensor, ef, backend, op, part)
-            _describe_call(calls, i, tensor, ef, op, tensor.dtype)
-    except Exception as exc:  # reported to every rank, then raised everywhere
-        failure = exc
-        headers["code"] = _error_code(exc)
-    headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
-    _raise_if_rejected(_exchange(headers, backend), calls, failure, backend)
+    def check(i: int, tensor: torch.Tensor, ef: ErrorFeedback, headers: np.ndarray) -> torch.dtype:
+        check_arguments(tensor, ef, backend, op, part)
+        return tensor.dtype
+
+    _phase0(list(tensors), list(error_feedbacks), backend, op, check)
 
 
 def _run(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str) -> list[torch.Tensor]:
@@ -243,30 +234,42 @@ def decode_result(everyone: torch.Tensor, out: torch.Tensor) -> None:
 def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
              dtypes: Sequence[torch.dtype] | None = None) -> list[PreparedCall]:
     """This rank's checks and worker scans, then phase 0; raises the agreed error everywhere."""
+    scanned: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+
+    def scan(i: int, tensor: torch.Tensor, ef: ErrorFeedback, headers: np.ndarray) -> torch.dtype:
+        flat, signs, sum_sq = _local_scan(tensor, ef, be, op)
+        scale = codec.rms_scale(sum_sq, tensor.numel())
+        scanned.append((flat, signs, scale))
+        headers["scale"][i], headers["server_max"][i] = scale, ef.server_error_max()
+        return tensor.dtype if dtypes is None else dtypes[i]
+
+    everyone = _phase0(tensors, efs, be, op, scan)
+    scales = everyone["scale"].astype(np.float32)
+    return [PreparedCall(tensor.detach(), flat, ef, be, op, signs, scales[:, i].copy(), scale)
+            for i, (tensor, ef, (flat, signs, scale)) in enumerate(zip(tensors, efs, scanned))]
+
+
+def _phase0(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
+            local: Callable[[int, torch.Tensor, ErrorFeedback, np.ndarray], torch.dtype]) -> np.ndarray:
+    """Phase 0: `local(i, tensor, ef, headers)` runs this rank's checks of tensor i (filling what
+    it measured into headers[i] and returning the result's dtype), then every rank's headers are
+    gathered and judged alike. Returns them, (n, count), or raises the agreed error everywhere."""
     count = len(tensors)
     calls = np.zeros(count, dtype=CALL)
     calls["count"], calls["seq"] = count, sequence_number(be.channel)
     headers = np.zeros(count, dtype=HEADER)
-    scanned: list[tuple[torch.Tensor, torch.Tensor, float]] = []
     failure: Exception | None = None
     try:
         _check_distinct(efs)
         for i, (tensor, ef) in enumerate(zip(tensors, efs)):
-            flat, signs, sum_sq = _local_scan(tensor, ef, be, op)
-            scale = codec.rms_scale(sum_sq, tensor.numel())
-            scanned.append((flat, signs, scale))
-            _describe_call(calls, i, tensor, ef, op, tensor.dtype if dtypes is None else dtypes[i])
-            headers["scale"][i], headers["server_max"][i] = scale, ef.server_error_max()
+            _describe_call(calls, i, tensor, ef, op, local(i, tensor, ef, headers))
     except Exception as exc:  # reported to every rank in phase 0, then raised everywhere
         failure = exc
         headers["code"] = _error_code(exc)
     headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
-
     everyone = _exchange(headers, be)
     _raise_if_rejected(everyone, calls, failure, be)
-    scales = everyone["scale"].astype(np.float32)
-    return [PreparedCall(tensor.detach(), flat, ef, be, op, signs, scales[:, i].copy(), scale)
-            for i, (tensor, ef, (flat, signs, scale)) in enumerate(zip(tensors, efs, scanned))]
+    return everyone
 
 
 def _describe_call(calls: np.ndarray, i: int, tensor: torch.Tensor, ef: ErrorFeedback, op: str,
