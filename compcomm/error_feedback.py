@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .errors import largest_magnitude
 from .layout import chunk_size, padded_size
 
 _KEYS = ("worker_error", "server_error", "numel", "world_size")
@@ -67,11 +68,7 @@ class ErrorFeedback:
     def record_server_max(self) -> None:
         """Re-measure max |server_error| after the algorithm updated it (one pass over C elements)."""
         assert self.server_error is not None
-        if not self.server_error.numel():  # an empty tensor's call: no server elements
-            self._server_max = 0.0
-            return
-        low, high = torch.aminmax(self.server_error)
-        self._server_max = max(-float(low), float(high))
+        self._server_max = largest_magnitude(self.server_error)
 
     def buffers(self, numel: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The (worker, server) error tensors on `device`, allocated as zeros on first use."""
