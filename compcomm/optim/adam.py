@@ -31,12 +31,12 @@ import torch
 from ..backends import Backend
 from .base import COMPRESSED, EXACT, OnebitOptimizer
 from .updates import (
+    Denominators,
     adam_denominator,
     check_count,
     decoupled_step_,
     mask_,
     master_weight,
-    negligible,
     store_,
     update_moments,
 )
@@ -52,21 +52,19 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         check_freeze_step(freeze_step)
         super().__init__(params, defaults, backend)
         self.freeze_step = int(freeze_step)
-        self._frozen: dict[torch.Tensor, tuple[tuple[float, float], torch.Tensor, torch.Tensor]] = {}
+        self._frozen = Denominators()
 
     def _kind(self, t: int) -> str:
         return EXACT if t <= self.freeze_step else COMPRESSED
 
+    def _payload_shows_nonfinite(self, kind: str) -> bool:
+        return True  # the payload is g, or m_r = beta1 m + (1 - beta1) g (times s_l > 0)
+
     def _frozen_denominator(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """sqrt(v / b2(T0)) + eps and where it is negligible: v no longer changes after the
         freeze, so both are computed once (again after a checkpoint load or a change of eps or
-        beta2) instead of in every step. Kept beside the state, not in it: derived from it."""
-        key = (group["eps"], group["betas"][1])
-        cached = self._frozen.get(p)
-        if cached is None or cached[0] != key:
-            denom = adam_denominator(self._moments(p)["exp_avg_sq"], key[1], self.freeze_step, key[0])
-            cached = self._frozen[p] = (key, denom, negligible(denom, key[0]))
-        return cached[1], cached[2]
+        beta2) instead of in every step."""
+        return self._frozen.get(p, self._moments(p)["exp_avg_sq"], self.freeze_step, group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._frozen.clear()
@@ -106,10 +104,10 @@ class OnebitAdam(FrozenVarianceOptimizer):
             beta1, beta2 = group["betas"]
             if kind == EXACT:
                 update_moments(state, value, group["betas"])
-                denom = adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"])
+                denom = adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"], out=self._scratch_like(p))
             else:
                 denom, masked = self._frozen_denominator(p, group)
-                state["exp_avg"].copy_(mask_(value, group, denom, masked))
+                mask_(value, group, denom, masked, out=state["exp_avg"])
             w = master_weight(p, state)
             decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
             store_(p, w)

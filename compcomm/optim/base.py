@@ -14,15 +14,17 @@ backward (a post-accumulate-grad hook), so communication overlaps the rest of ba
 buckets follow the order in which gradients became ready in the first backward (agreed
 across ranks). `step()` agrees with the other ranks, in one tiny all-reduce, on whether every
 gradient is finite (and on whether some rank changed its gradients after backward, in which
-case every rank sends again), waits for what is in flight, then applies the update.
+case every rank sends again), waits for what is in flight, then applies the update. Where a
+non-finite gradient always makes the payload non-finite (`_payload_shows_nonfinite`), the
+collective finds it on every rank alike and the rank's own scan of its gradients is skipped.
 
 A step is all-or-nothing on every rank: if any rank's gradients (or a GradScaler's inf check)
 are non-finite, or an average is non-finite (an fp32 overflow of finite inputs), every rank
-skips the step. Each bucket's compressed allreduce updates a copy of its error feedback,
-which replaces the bucket's state only once the whole step has succeeded, so a step either
-changes every bucket's state or none. Parameters, moments, error buffers and the step count
-are then exactly as before; the step warns (the first time) and counts itself in
-`skipped_steps`.
+skips the step. Each bucket's compressed allreduce updates a copy of its error feedback (in a
+spare kept per bucket, so no memory is allocated per step), which replaces the bucket's state
+only once the whole step has succeeded, so a step either changes every bucket's state or none.
+Parameters, moments, error buffers and the step count are then exactly as before; the step
+warns (the first time) and counts itself in `skipped_steps`.
 
 Results are bitwise those of the non-overlapped step (`overlap = False`): the same payloads
 go through the same collectives; only the time they start differs. Gradients changed in place
@@ -56,6 +58,7 @@ from ..errors import NonFiniteError, all_finite
 from ..layout import DEFAULT_BUCKET_BYTES, Bucketer
 from ..ordering import Pending
 from .readiness import Readiness
+from .timing import CommClock, CommTiming
 from .updates import PARAM_DTYPES, check_range
 
 EXACT, COMPRESSED, LOCAL = "exact", "compressed", "local"
@@ -80,6 +83,7 @@ class _Round:
     waiting: list[set[int]] = field(default_factory=list)  # per bucket: parameters not yet ready
     versions: list[Any] | None = None  # the gradients at the end of backward (None: not ended)
     bad: bool | None = None  # the verdict, when the ranks took it at the end of the first backward
+    clock: CommClock = field(default_factory=CommClock)
 
 
 class OnebitOptimizer(torch.optim.Optimizer):
@@ -98,7 +102,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
     The optimizer performs all gradient communication: do not wrap the model in DDP, start
     every rank from the same parameters, and run backward and `step()` on every rank together.
     `bucket_bytes` (25 MiB, as DDP) and `overlap` (True) are class attributes; set them on an
-    instance before its first backward to change them.
+    instance before its first backward to change them. After each step, `last_comm_timing`
+    says how long its collectives ran and how much of that was hidden behind backward.
     """
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -116,6 +121,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._bucket_of: dict[int, int] = {}
         self._order: list[int] = []  # bucket slot -> parameter index, set by _layout
         self._error_feedback: list[ErrorFeedback] = []
+        self._spare_errors: list[ErrorFeedback] = []  # per bucket: what a step's call works on
+        self._group_of: list[dict[str, Any]] = []  # parameter index -> its group
+        self._scratch: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self.last_comm_timing: CommTiming | None = None
         self._step_count = 0
         self._round: _Round | None = None
         self._last_scale: float | None = None
@@ -189,7 +198,19 @@ class OnebitOptimizer(torch.optim.Optimizer):
                     self._bucket_of[self._order[k]] = b
             name = type(self).__name__
             self._error_feedback = [ErrorFeedback(tag=f"{name}.bucket{b}") for b in range(len(self._bucketer))]
+            self._spare_errors = [ErrorFeedback(tag=ef.tag) for ef in self._error_feedback]
+            self._group_of = [group for group in self.param_groups for _ in group["params"]]
         return self._bucketer
+
+    def _scratch_like(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """A reusable fp32 temporary shaped like `like` (its content is garbage): update rules
+        take their temporaries from a few of these instead of allocating each step. Slots
+        are independent; one slot serves one temporary at a time."""
+        key = (slot, like.device)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < like.numel():
+            buf = self._scratch[key] = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
+        return buf[:like.numel()].view(like.shape)
 
     def _ready_order(self) -> list[int]:
         """The order of readiness seen so far, then the remaining parameters in reverse order."""
@@ -250,9 +271,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Fill bucket b with this rank's payloads and start its collective (if the step sends)."""
         bucket = self._layout().buckets[b]
         params = self._params()
-        groups = [group for group in self.param_groups for _ in group["params"]]
         for view, k in zip(bucket.views, bucket.indices):
-            p, group = params[self._order[k]], groups[self._order[k]]
+            p, group = params[self._order[k]], self._group_of[self._order[k]]
             g = p.grad
             g = torch.zeros_like(p, dtype=torch.float32) if g is None or not p.requires_grad else g.float()
             if rnd.scale is not None:
@@ -261,13 +281,22 @@ class OnebitOptimizer(torch.optim.Optimizer):
         be = self.backend
         if rnd.kind == LOCAL:
             rnd.launches[b] = _Launch(None, None)
-        elif rnd.kind == EXACT:
-            rnd.launches[b] = _Launch(be.all_reduce(bucket.flat, "mean", async_op=True), None)
+            return
+        index = rnd.clock.submit()
+        if rnd.kind == EXACT:
+            launch = _Launch(be.all_reduce(bucket.flat, "mean", async_op=True), None)
         else:
-            kept = self._error_feedback[b]  # the call works on a copy, kept if the whole step completes
-            work = ErrorFeedback(tag=kept.tag) if self._fresh_errors(rnd.t) else kept.clone()
-            rnd.launches[b] = _Launch(compressed_allreduce(bucket.flat, work, backend=be, op="mean",
-                                                           async_op=True), work)
+            # The call works on the bucket's spare error feedback, made a copy of the kept one;
+            # the two swap roles if the whole step completes.
+            work = self._spare_errors[b]
+            if self._fresh_errors(rnd.t):
+                work.reset()
+            else:
+                work.copy_(self._error_feedback[b])
+            launch = _Launch(compressed_allreduce(bucket.flat, work, backend=be, op="mean", async_op=True), work)
+        assert launch.handle is not None
+        launch.handle.get_future().add_done_callback(lambda _: rnd.clock.complete(index))
+        rnd.launches[b] = launch
 
     def _launch_rest(self, rnd: _Round) -> None:
         for b in range(len(self._layout())):
@@ -277,6 +306,13 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def _locally_bad(self, found_inf: bool = False) -> bool:
         """Whether this rank's gradients hold NaN/Inf (or its GradScaler found some)."""
         return found_inf or any(g is not None and not all_finite(g) for g in self._grads())
+
+    def _payload_shows_nonfinite(self, kind: str) -> bool:
+        """Whether any non-finite gradient makes this step's payload non-finite, so that the
+        collective itself finds it on every rank alike (an exact average becomes non-finite
+        everywhere; a compressed call raises NonFiniteError everywhere) and `step()` need not
+        scan the gradients first. True for exact steps; subclasses say so for compressed ones."""
+        return kind == EXACT
 
     def _current_round(self) -> _Round:
         """The round of the coming step; a backward after the last one ended starts it over."""
@@ -315,6 +351,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
             rnd.bad = bad  # its payloads go out in step(), from the gradients as they are then
         else:
             rnd = self._current_round()
+            rnd.clock.backward_ended()
             if self.overlap and rnd.kind != LOCAL:
                 self._launch_rest(rnd)
             if self._last_scale is not None:
@@ -367,9 +404,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
             self._skip(failure)
             return loss
         self._round = None
+        self.last_comm_timing = rnd.clock.timing()
         for b, launch in rnd.launches.items():
             if launch.errors is not None:
-                self._error_feedback[b] = launch.errors
+                self._error_feedback[b], self._spare_errors[b] = launch.errors, self._error_feedback[b]
         self._apply(t, rnd.kind, values)
         self._step_count = t
         self.last_step_skipped = False
@@ -385,8 +423,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
                  or rnd.versions != self._versions(self._grads()))
         order = self._ready_order()
         key = float(hash(tuple(order)) % _HASH_MOD)
-        bad, restart, keys, squares = all_sum(
-            [float(self._locally_bad(found_inf)), float(stale), key, key * key], self.backend)
+        kind = self._kind(t)
+        here = found_inf or (not self._payload_shows_nonfinite(kind) and self._locally_bad())
+        bad, restart, keys, squares = all_sum([float(here), float(stale), key, key * key], self.backend)
         if self._bucketer is None:
             n = self.backend.world_size
             self._layout(order if keys == n * key and squares == n * key * key else None)

@@ -125,12 +125,20 @@ class OnebitLamb(FrozenVarianceOptimizer):
                        state: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
         update_moments(state, g, group["betas"])
-        u_pre = state["exp_avg"].div(1 - beta1 ** t).div_(adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"]))
+        denom = adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"], out=self._scratch_like(p, 0))
+        u_pre = torch.div(state["exp_avg"], 1 - beta1 ** t, out=self._scratch_like(p, 1)).div_(denom)
         w = master_weight(p, state)
-        u = u_pre.add(w, alpha=group["weight_decay"]) if group["weight_decay"] else u_pre
+        u = self._weight_decayed(u_pre, w, group, out=denom)
         c, state["coeff_avg"] = warmup_coefficient(trust_ratio(w, u), state.get("coeff_avg"), group)
         w.add_(u, alpha=-group["lr"] * c)
         store_(p, w)
+
+    @staticmethod
+    def _weight_decayed(u_pre: torch.Tensor, w: torch.Tensor, group: dict[str, Any], out: torch.Tensor
+                        ) -> torch.Tensor:
+        """u = u_pre + wd w (written into `out`), or u_pre itself when wd = 0."""
+        wd = group["weight_decay"]
+        return torch.add(u_pre, w, alpha=wd, out=out) if wd else u_pre
 
     def _freeze(self) -> None:
         params = self._params()
@@ -150,13 +158,15 @@ class OnebitLamb(FrozenVarianceOptimizer):
         beta1, beta2 = group["betas"]
         denom, masked = self._frozen_denominator(p, group)
         m = mask_(m, group, denom, masked)
-        grad = (m - beta1 * state["exp_avg"]).div_(1 - beta1)
+        scratch = self._scratch_like(p, 0)
+        grad = torch.sub(m, torch.mul(state["exp_avg"], beta1, out=scratch), out=scratch).div_(1 - beta1)
         fresh = state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         state["exp_avg"].copy_(m)
-        variance_ratio = float((denom / adam_denominator(fresh, beta2, t, group["eps"])).max())
-        u_pre = state["exp_avg"].div(1 - beta1 ** t).div_(denom)
+        fresh_denom = adam_denominator(fresh, beta2, t, group["eps"], out=scratch)
+        variance_ratio = float(torch.div(denom, fresh_denom, out=scratch).max())
+        u_pre = torch.div(state["exp_avg"], 1 - beta1 ** t, out=self._scratch_like(p, 1)).div_(denom)
         w = master_weight(p, state)
-        u = u_pre.add(w, alpha=group["weight_decay"]) if group["weight_decay"] else u_pre
+        u = self._weight_decayed(u_pre, w, group, out=scratch)
         state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], u_pre, u, group)
         c = clamp(state["coeff_frozen"] * state["last_factor"], group["min_coeff"], group["max_coeff"])
         w.add_(u, alpha=-group["lr"] * c)

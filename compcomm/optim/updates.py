@@ -1,4 +1,9 @@
-"""Element-wise pieces the update rules share: moments, Adam denominators, masks, fp32 masters."""
+"""Element-wise pieces the update rules share: moments, Adam denominators, masks, fp32 masters.
+
+They work in place or into a given `out=` tensor: on a CPU, a fresh tensor of a large
+parameter's size costs more (the allocator hands back new pages, each faulted in on first
+touch) than the arithmetic that fills it, so the optimizers reuse buffers instead.
+"""
 from __future__ import annotations
 
 import math
@@ -34,9 +39,11 @@ def update_moments(state: dict[str, Any], grad: torch.Tensor, betas: tuple[float
     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
 
 
-def adam_denominator(exp_avg_sq: torch.Tensor, beta2: float, step: int, eps: float) -> torch.Tensor:
-    """sqrt(v / (1 - beta2^step)) + eps, as torch.optim.Adam computes it (a new tensor)."""
-    return (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+def adam_denominator(exp_avg_sq: torch.Tensor, beta2: float, step: int, eps: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """sqrt(v / (1 - beta2^step)) + eps, with torch.optim.Adam's operations (so its rounding),
+    written into `out` (a new tensor if None)."""
+    return torch.sqrt(exp_avg_sq, out=out).div_(math.sqrt(1 - beta2 ** step)).add_(eps)
 
 
 def negligible(denominator: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,15 +54,46 @@ def negligible(denominator: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def mask_(values: torch.Tensor, group: dict[str, Any], denominator: torch.Tensor,
-          negligible_: torch.Tensor | None = None) -> torch.Tensor:
-    """Zero, in place, the elements of a communicated momentum that must not move the weights:
-    the automatic rule (`negligible`, or its value `negligible_` when already known) and the
-    group's `exp_avg_mask` (1 keeps, 0 masks)."""
-    values.masked_fill_(negligible(denominator, group["eps"]) if negligible_ is None else negligible_, 0.0)
+          negligible_: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The elements of a communicated momentum that must not move the weights zeroed: the
+    automatic rule (`negligible`, or its value `negligible_` when already known) and the
+    group's `exp_avg_mask` (1 keeps, 0 masks). In place, or written into `out` (one pass
+    instead of a copy after the masking)."""
+    where = negligible(denominator, group["eps"]) if negligible_ is None else negligible_
+    if out is None:
+        out = values.masked_fill_(where, 0.0)
+    else:
+        torch.where(where, values.new_zeros(()), values, out=out)
     user = group.get("exp_avg_mask")
     if user is not None:
-        values.mul_(user.to(values.device))
-    return values
+        out.mul_(user.to(out.device))
+    return out
+
+
+class Denominators:
+    """Adam denominators sqrt(v / (1 - beta2^k)) + eps and where they are `negligible`, per
+    parameter, kept while v does not change: the frozen stage of 1-bit Adam/LAMB (k = the
+    freeze step) and 0/1 Adam between variance refreshes (k = the refresh count) reuse them
+    instead of recomputing three passes over v each step. An entry is recomputed when its
+    key (k, eps, beta2) changes; `clear()` after anything else replaces v (a checkpoint load).
+    Kept beside the optimizer state, not in it: derived from it."""
+
+    def __init__(self) -> None:
+        self._entries: dict[torch.Tensor, tuple[tuple[int, float, float], torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, p: torch.Tensor, exp_avg_sq: torch.Tensor, k: int, group: dict[str, Any]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(denominator, negligible) of parameter p, whose second moment is `exp_avg_sq`."""
+        key = (k, group["eps"], group["betas"][1])
+        entry = self._entries.get(p)
+        if entry is None or entry[0] != key:
+            out = entry[1] if entry is not None else None
+            denom = adam_denominator(exp_avg_sq, key[2], k, key[1], out=out)
+            entry = self._entries[p] = (key, denom, negligible(denom, key[1]))
+        return entry[1], entry[2]
+
+    def clear(self) -> None:
+        self._entries.clear()
 
 
 def master_weight(p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:

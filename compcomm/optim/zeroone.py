@@ -51,7 +51,7 @@ import torch
 
 from ..backends import Backend
 from .base import COMPRESSED, EXACT, LOCAL, OnebitOptimizer
-from .updates import adam_denominator, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
+from .updates import Denominators, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
 
 
 class ZeroOneAdam(OnebitOptimizer):
@@ -82,6 +82,7 @@ class ZeroOneAdam(OnebitOptimizer):
         self.local_step_clipper = int(local_step_clipper)
         self.var_interval, self.var_counter, self.var_updates = 1, 0, 0
         self.local_interval, self.local_counter = 1, 0
+        self._denominators = Denominators()  # d changes only when v is refreshed
 
     def _kind(self, t: int) -> str:
         if t <= self.var_freeze_step:
@@ -91,17 +92,28 @@ class ZeroOneAdam(OnebitOptimizer):
     def _fresh_errors(self, t: int) -> bool:
         return t == self.var_freeze_step + 1  # the errors of gradients do not carry over to updates
 
-    def _denominator(self, state: dict[str, Any], group: dict[str, Any], refreshes: int) -> torch.Tensor:
-        return adam_denominator(state["exp_avg_sq"], group["betas"][1], refreshes, group["eps"])
+    def _denominator(self, p: torch.Tensor, group: dict[str, Any], refreshes: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """d after `refreshes` refreshes of v, and where it is negligible (see `mask_`)."""
+        return self._denominators.get(p, self.state[p]["exp_avg_sq"], refreshes, group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._denominators.clear()
+        super().load_state_dict(state_dict)
+
+    def _payload_shows_nonfinite(self, kind: str) -> bool:
+        return kind == EXACT  # compressed payloads are masked: a masked NaN would not show
 
     def _local_step(self, t: int, w: torch.Tensor, m: torch.Tensor, g: torch.Tensor, group: dict[str, Any],
-                    denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's momentum and weights after a local step (new tensors; nothing changes)."""
+                    p: torch.Tensor, m_out: torch.Tensor, w_out: torch.Tensor) -> None:
+        """This rank's momentum and weights after a local step, written into m_out and w_out
+        (either may be m or w itself, to update them in place)."""
         beta1 = group["betas"][0]
-        m_new = mask_(m.lerp(g, 1 - beta1), group, denom)
-        w_new = w.clone()
-        decoupled_step_(w_new, group, m_new, denom, group["lr"] / (1 - beta1 ** t))
-        return m_new, w_new
+        denom, masked = self._denominator(p, group, self.var_updates)
+        mask_(torch.lerp(m, g, 1 - beta1, out=m_out), group, denom, masked)
+        if w_out is not w:
+            w_out.copy_(w)
+        decoupled_step_(w_out, group, m_out, denom, group["lr"] / (1 - beta1 ** t))
 
     def _payload(self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor,
                  out: torch.Tensor) -> None:
@@ -109,13 +121,13 @@ class ZeroOneAdam(OnebitOptimizer):
             out.copy_(g)
             return
         state = self._moments(p)
-        denom = self._denominator(state, group, self.var_updates)
         if t <= self.var_freeze_step:  # a 1-bit gradient, in the update's units
-            mask_(torch.div(g, denom, out=out), group, denom)
+            denom, masked = self._denominator(p, group, self.var_updates)
+            mask_(torch.div(g, denom, out=out), group, denom, masked)
             return
         # a sync: w_r - w_s, this step's local update included
-        _, w_new = self._local_step(t, master_weight(p, state), state["exp_avg"], g, group, denom)
-        torch.sub(w_new, state["sync_weight"], out=out)
+        self._local_step(t, master_weight(p, state), state["exp_avg"], g, group, p, self._scratch_like(p), out)
+        out.sub_(state["sync_weight"])
 
     def _apply(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
         if t <= self.var_freeze_step:
@@ -130,10 +142,9 @@ class ZeroOneAdam(OnebitOptimizer):
             beta1 = group["betas"][0]
             if kind == EXACT:
                 update_moments(state, value, group["betas"])
-                denom = self._denominator(state, group, refreshes)
-            else:
-                denom = self._denominator(state, group, refreshes)
-                state["exp_avg"].lerp_(mask_(value.mul_(denom), group, denom), 1 - beta1)
+            denom, masked = self._denominator(p, group, refreshes)
+            if kind != EXACT:
+                state["exp_avg"].lerp_(mask_(value.mul_(denom), group, denom, masked), 1 - beta1)
             w = master_weight(p, state)
             decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
             store_(p, w)
@@ -148,15 +159,13 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _phase2(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
         for p, value, group, state in self._entries(values):
-            denom = self._denominator(state, group, self.var_updates)
             w = master_weight(p, state)
             if kind == LOCAL:
-                m_new, w_new = self._local_step(t, w, state["exp_avg"], value, group, denom)
-                state["exp_avg"].copy_(m_new)
-                w.copy_(w_new)
+                self._local_step(t, w, state["exp_avg"], value, group, p, state["exp_avg"], w)
                 state["lr_sum"] += group["lr"]
             else:
-                u = mask_(value, group, denom)
+                denom, masked = self._denominator(p, group, self.var_updates)
+                u = mask_(value, group, denom, masked)
                 lr_sum = state["lr_sum"] + group["lr"]
                 torch.add(state["sync_weight"], u, out=w)
                 torch.mul(u, denom, out=state["exp_avg"]).mul_(-(1 - group["betas"][0] ** t) / lr_sum)
