@@ -31,7 +31,10 @@ same ring accounting as compcomm's backends); the final loss (mean over ranks of
 over the last tenth of the steps); the time to reach DDP + AdamW's final loss, where reached (the
 running mean over the same window, against the summed step times). For DDP + AdamW it also times
 the same step with no communication at all (each rank alone) and reports the fraction of DDP's
-step spent communicating: 1 - t(alone) / t(DDP).
+step spent communicating: 1 - t(alone) / t(DDP). For compcomm's optimizers, the fraction of their
+collectives' time hidden behind backward (`last_comm_timing`: the time their collectives ran
+before backward ended over the whole time they ran, summed over the stage's steps and averaged
+over ranks), in each stage.
 
 Every Adam/LAMB method uses --eps (default 1e-4, not torch's 1e-8): a 5-step warm-up leaves some
 second moments near 1e-12, and 1-bit Adam/LAMB, whose compressed momentum has one magnitude per
@@ -75,12 +78,14 @@ SETTINGS = {  # name: (context, embed, hidden, batch per rank)
 class Run:
     """What one method trains with. `bytes_sent()` is this rank's running count of bytes handed
     to the transport; `fixed_bytes` is added per step where nothing counts them (plain DDP);
-    `counting` wraps the steps (for the counter of torch's hooks)."""
+    `counting` wraps the steps (for the counter of torch's hooks); `comm_timing()` is the last
+    step's (busy, hidden) collective seconds, where the method measures them."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     bytes_sent: Callable[[], float] = lambda: 0.0
     fixed_bytes: float = 0.0
     counting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    comm_timing: Callable[[], tuple[float, float] | None] = lambda: None
 
 
 Builder = Callable[[torch.nn.Module, argparse.Namespace], Run]
@@ -168,7 +173,12 @@ def compcomm_optimizer(name: str, stage_arg: str, lr_arg: str = "lr_adam") -> Bu
         trained = [p for p in model.parameters() if p.requires_grad]
         opt = getattr(compcomm.optim, name)(trained, lr=getattr(args, lr_arg), eps=args.eps,
                                             backend=backend, **{stage_arg: args.warmup_steps})
-        return Run(model, opt, lambda: float(backend.bytes_sent))
+
+        def timing() -> tuple[float, float] | None:
+            last = getattr(opt, "last_comm_timing", None)  # absent from older builds
+            return None if last is None else (last.busy, last.hidden)
+
+        return Run(model, opt, lambda: float(backend.bytes_sent), comm_timing=timing)
 
     build.requires = name  # type: ignore[attr-defined]
     return build
@@ -226,7 +236,7 @@ def train(builder: Builder, args: argparse.Namespace, text: torch.Tensor) -> dic
     rank = dist.get_rank()
     run = builder(make_model(args), args)
     gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)
-    times, losses, sent = [], [], []
+    times, losses, sent, comm = [], [], [], []
     dist.barrier()
     with run.counting():
         for step in range(args.steps):
@@ -239,7 +249,8 @@ def train(builder: Builder, args: argparse.Namespace, text: torch.Tensor) -> dic
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
             sent.append(run.bytes_sent() + run.fixed_bytes * (step + 1))
-    return {"times": times, "losses": losses, "sent": sent}
+            comm.append(run.comm_timing())
+    return {"times": times, "losses": losses, "sent": sent, "comm": comm}
 
 
 def rank_main(args: argparse.Namespace, label: str) -> None:
@@ -271,10 +282,20 @@ def rank_main(args: argparse.Namespace, label: str) -> None:
 
 
 def merge(per_rank: list[dict[str, list]]) -> dict[str, list]:
-    """Per step: the slowest rank's time, the mean loss over ranks, rank 0's bytes."""
+    """Per step: the slowest rank's time, the mean loss over ranks, rank 0's bytes, the mean
+    (busy, hidden) collective time over ranks (None where not measured)."""
+    comm = [None if None in c else tuple(statistics.fmean(x) for x in zip(*c))
+            for c in zip(*(r["comm"] for r in per_rank))]
     return {"times": [max(t) for t in zip(*(r["times"] for r in per_rank))],
             "losses": [statistics.fmean(v) for v in zip(*(r["losses"] for r in per_rank))],
-            "sent": per_rank[0]["sent"]}
+            "sent": per_rank[0]["sent"], "comm": comm}
+
+
+def hidden_fraction(comm: list[tuple[float, float] | None], steps: range) -> float | None:
+    """Collective time hidden behind backward over the collective time, summed over `steps`."""
+    measured = [comm[i] for i in steps if comm[i] is not None]
+    busy = sum(c[0] for c in measured)  # type: ignore[index]
+    return sum(c[1] for c in measured) / busy if measured and busy > 0 else None  # type: ignore[index]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +323,8 @@ def summarize(name: str, res: dict[str, list], args: argparse.Namespace, world: 
         "bytes_per_step": statistics.fmean(per_step[i] for i in compressed),
         "warmup_bytes_per_step": statistics.fmean(per_step[i] for i in warm) if warm else None,
         "final_loss": statistics.fmean(res["losses"][-window:]),
+        "comm_hidden_fraction": hidden_fraction(res["comm"], compressed),
+        "warmup_comm_hidden_fraction": hidden_fraction(res["comm"], warm) if warm else None,
         "loss_curve": res["losses"], "step_times_ms": [1e3 * t for t in times], "bytes_sent": sent,
     }
 
@@ -334,13 +357,18 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
     print(f"# compcomm train_step: {label}, world size {world}, gloo, CharMLP {params / 1e6:.1f}M trained params "
           f"({args.setting}), batch {batch}/rank, {args.steps} steps ({args.warmup_steps} warm-up)")
     print(f"# {'method':<20} {'step(ms)':>9} {'warmup(ms)':>10} {'bytes/step':>12} {'warmup B/step':>13} "
-          f"{'final_loss':>10} {'to_target(s)':>12}")
+          f"{'final_loss':>10} {'to_target(s)':>12} {'hidden%':>7} {'warmup hidden%':>14}")
+
+    def percent(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.0f}"
+
     for r in records:
         ttt = r.get("time_to_target_s")
         warm = r["warmup_step_time_ms"]
         print(f"  {r['method']:<20} {r['step_time_ms']:>9.1f} {'-' if warm is None else f'{warm:.1f}':>10} "
               f"{r['bytes_per_step']:>12.0f} {r['warmup_bytes_per_step'] or 0:>13.0f} {r['final_loss']:>10.4f} "
-              f"{'-' if ttt is None else f'{ttt:.2f}':>12}")
+              f"{'-' if ttt is None else f'{ttt:.2f}':>12} {percent(r['comm_hidden_fraction']):>7} "
+              f"{percent(r['warmup_comm_hidden_fraction']):>14}")
     for line in ratios(by):
         print("# " + line)
     if args.json:

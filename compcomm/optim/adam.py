@@ -60,7 +60,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _payload_shows_nonfinite(self, kind: str) -> bool:
         return True  # the payload is g, or m_r = beta1 m + (1 - beta1) g (times s_l > 0)
 
-    def _frozen_denominator(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _frozen_denominator(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """sqrt(v / b2(T0)) + eps and where it is negligible: v no longer changes after the
         freeze, so both are computed once (again after a checkpoint load or a change of eps or
         beta2) instead of in every step."""
@@ -107,7 +107,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
                 denom = adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"], out=self._scratch_like(p))
             else:
                 denom, masked = self._frozen_denominator(p, group)
-                mask_(value, group, denom, masked, out=state["exp_avg"])
+                mask_(value, group, masked, out=state["exp_avg"])
             w = master_weight(p, state)
             decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
             store_(p, w)

@@ -157,7 +157,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
                            state: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
         denom, masked = self._frozen_denominator(p, group)
-        m = mask_(m, group, denom, masked)
+        m = mask_(m, group, masked)
         scratch = self._scratch_like(p, 0)
         grad = torch.sub(m, torch.mul(state["exp_avg"], beta1, out=scratch), out=scratch).div_(1 - beta1)
         fresh = state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

@@ -53,17 +53,18 @@ def negligible(denominator: torch.Tensor, eps: float) -> torch.Tensor:
     return denominator <= 2 * eps
 
 
-def mask_(values: torch.Tensor, group: dict[str, Any], denominator: torch.Tensor,
-          negligible_: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The elements of a communicated momentum that must not move the weights zeroed: the
-    automatic rule (`negligible`, or its value `negligible_` when already known) and the
-    group's `exp_avg_mask` (1 keeps, 0 masks). In place, or written into `out` (one pass
-    instead of a copy after the masking)."""
-    where = negligible(denominator, group["eps"]) if negligible_ is None else negligible_
+def mask_(values: torch.Tensor, group: dict[str, Any], masked: torch.Tensor | None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """The elements of a communicated momentum that must not move the weights zeroed: those
+    where `masked` (the automatic rule, `negligible`; None when no element is) and the group's
+    `exp_avg_mask` (1 keeps, 0 masks). In place, or written into `out` (one pass instead of a
+    copy after the masking)."""
     if out is None:
-        out = values.masked_fill_(where, 0.0)
+        out = values if masked is None else values.masked_fill_(masked, 0.0)
+    elif masked is None:
+        out.copy_(values)
     else:
-        torch.where(where, values.new_zeros(()), values, out=out)
+        torch.where(masked, values.new_zeros(()), values, out=out)
     user = group.get("exp_avg_mask")
     if user is not None:
         out.mul_(user.to(out.device))
@@ -71,25 +72,27 @@ def mask_(values: torch.Tensor, group: dict[str, Any], denominator: torch.Tensor
 
 
 class Denominators:
-    """Adam denominators sqrt(v / (1 - beta2^k)) + eps and where they are `negligible`, per
-    parameter, kept while v does not change: the frozen stage of 1-bit Adam/LAMB (k = the
+    """Adam denominators sqrt(v / (1 - beta2^k)) + eps and where they are `negligible` (None
+    where no element is, so that masking costs nothing), per parameter, kept while v does not
+    change: the frozen stage of 1-bit Adam/LAMB (k = the
     freeze step) and 0/1 Adam between variance refreshes (k = the refresh count) reuse them
     instead of recomputing three passes over v each step. An entry is recomputed when its
     key (k, eps, beta2) changes; `clear()` after anything else replaces v (a checkpoint load).
     Kept beside the optimizer state, not in it: derived from it."""
 
     def __init__(self) -> None:
-        self._entries: dict[torch.Tensor, tuple[tuple[int, float, float], torch.Tensor, torch.Tensor]] = {}
+        self._entries: dict[torch.Tensor, tuple[tuple[int, float, float], torch.Tensor, torch.Tensor | None]] = {}
 
     def get(self, p: torch.Tensor, exp_avg_sq: torch.Tensor, k: int, group: dict[str, Any]
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(denominator, negligible) of parameter p, whose second moment is `exp_avg_sq`."""
         key = (k, group["eps"], group["betas"][1])
         entry = self._entries.get(p)
         if entry is None or entry[0] != key:
             out = entry[1] if entry is not None else None
             denom = adam_denominator(exp_avg_sq, key[2], k, key[1], out=out)
-            entry = self._entries[p] = (key, denom, negligible(denom, key[1]))
+            masked = negligible(denom, key[1])
+            entry = self._entries[p] = (key, denom, masked if bool(masked.any()) else None)
         return entry[1], entry[2]
 
     def clear(self) -> None:

@@ -93,7 +93,7 @@ class ZeroOneAdam(OnebitOptimizer):
         return t == self.var_freeze_step + 1  # the errors of gradients do not carry over to updates
 
     def _denominator(self, p: torch.Tensor, group: dict[str, Any], refreshes: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """d after `refreshes` refreshes of v, and where it is negligible (see `mask_`)."""
         return self._denominators.get(p, self.state[p]["exp_avg_sq"], refreshes, group)
 
@@ -110,7 +110,7 @@ class ZeroOneAdam(OnebitOptimizer):
         (either may be m or w itself, to update them in place)."""
         beta1 = group["betas"][0]
         denom, masked = self._denominator(p, group, self.var_updates)
-        mask_(torch.lerp(m, g, 1 - beta1, out=m_out), group, denom, masked)
+        mask_(torch.lerp(m, g, 1 - beta1, out=m_out), group, masked)
         if w_out is not w:
             w_out.copy_(w)
         decoupled_step_(w_out, group, m_out, denom, group["lr"] / (1 - beta1 ** t))
@@ -123,7 +123,7 @@ class ZeroOneAdam(OnebitOptimizer):
         state = self._moments(p)
         if t <= self.var_freeze_step:  # a 1-bit gradient, in the update's units
             denom, masked = self._denominator(p, group, self.var_updates)
-            mask_(torch.div(g, denom, out=out), group, denom, masked)
+            mask_(torch.div(g, denom, out=out), group, masked)
             return
         # a sync: w_r - w_s, this step's local update included
         self._local_step(t, master_weight(p, state), state["exp_avg"], g, group, p, self._scratch_like(p), out)
@@ -144,7 +144,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 update_moments(state, value, group["betas"])
             denom, masked = self._denominator(p, group, refreshes)
             if kind != EXACT:
-                state["exp_avg"].lerp_(mask_(value.mul_(denom), group, denom, masked), 1 - beta1)
+                state["exp_avg"].lerp_(mask_(value.mul_(denom), group, masked), 1 - beta1)
             w = master_weight(p, state)
             decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
             store_(p, w)
@@ -165,7 +165,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 state["lr_sum"] += group["lr"]
             else:
                 denom, masked = self._denominator(p, group, self.var_updates)
-                u = mask_(value, group, denom, masked)
+                u = mask_(value, group, masked)
                 lr_sum = state["lr_sum"] + group["lr"]
                 torch.add(state["sync_weight"], u, out=w)
                 torch.mul(u, denom, out=state["exp_avg"]).mul_(-(1 - group["betas"][0] ** t) / lr_sum)
