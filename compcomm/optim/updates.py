@@ -56,24 +56,41 @@ def negligible(denominator: torch.Tensor, eps: float) -> torch.Tensor:
 def mask_(values: torch.Tensor, group: dict[str, Any], masked: torch.Tensor | None,
           out: torch.Tensor | None = None) -> torch.Tensor:
     """The elements of a communicated momentum that must not move the weights zeroed: those
-    where `masked` (the automatic rule, `negligible`; None when no element is) and the group's
-    `exp_avg_mask` (1 keeps, 0 masks). In place, or written into `out` (one pass instead of a
-    copy after the masking)."""
-    if out is None:
-        out = values if masked is None else values.masked_fill_(masked, 0.0)
-    elif masked is None:
-        out.copy_(values)
+    `masked` (by the automatic rule, `negligible`: a bool tensor of the values' shape, the flat
+    indices of the few masked elements as `sparse_mask` gives them, or None when no element is)
+    and by the group's `exp_avg_mask` (1 keeps, 0 masks). In place, or written into `out`."""
+    target = values if out is None else out
+    if masked is not None and masked.dtype != torch.bool and not target.is_contiguous():
+        dense = torch.zeros(target.numel(), dtype=torch.bool, device=target.device)
+        masked = dense.index_fill_(0, masked, True).view(target.shape)
+    if masked is not None and masked.dtype == torch.bool:
+        if out is None:
+            values.masked_fill_(masked, 0.0)
+        else:
+            torch.where(masked, values.new_zeros(()), values, out=out)
     else:
-        torch.where(masked, values.new_zeros(()), values, out=out)
+        if out is not None:
+            out.copy_(values)
+        if masked is not None:
+            target.view(-1).index_fill_(0, masked, 0.0)  # costs only the few masked elements
     user = group.get("exp_avg_mask")
     if user is not None:
-        out.mul_(user.to(out.device))
-    return out
+        target.mul_(user.to(target.device))
+    return target
+
+
+def sparse_mask(masked: torch.Tensor) -> torch.Tensor | None:
+    """A bool mask in the form `mask_` applies fastest: None when nothing is masked, the flat
+    indices of the masked elements when they are few (one in 16 or fewer), else the mask itself."""
+    count = int(masked.sum())
+    if count == 0:
+        return None
+    return masked.view(-1).nonzero().view(-1) if 16 * count <= masked.numel() else masked
 
 
 class Denominators:
-    """Adam denominators sqrt(v / (1 - beta2^k)) + eps and where they are `negligible` (None
-    where no element is, so that masking costs nothing), per parameter, kept while v does not
+    """Adam denominators sqrt(v / (1 - beta2^k)) + eps and where they are `negligible` (as
+    `sparse_mask` gives it, so that masking costs little), per parameter, kept while v does not
     change: the frozen stage of 1-bit Adam/LAMB (k = the
     freeze step) and 0/1 Adam between variance refreshes (k = the refresh count) reuse them
     instead of recomputing three passes over v each step. An entry is recomputed when its
@@ -91,9 +108,14 @@ class Denominators:
         if entry is None or entry[0] != key:
             out = entry[1] if entry is not None else None
             denom = adam_denominator(exp_avg_sq, key[2], k, key[1], out=out)
-            masked = negligible(denom, key[1])
-            entry = self._entries[p] = (key, denom, masked if bool(masked.any()) else None)
+            entry = self._entries[p] = (key, denom, sparse_mask(negligible(denom, key[1])))
         return entry[1], entry[2]
+
+    def none_masked(self, params: list[torch.Tensor], k: int) -> bool:
+        """Whether every one of `params` has an entry for k with no negligible element (False
+        when any entry is missing: unknown)."""
+        entries = [self._entries.get(p) for p in params]
+        return all(e is not None and e[0][0] == k and e[2] is None for e in entries)
 
     def clear(self) -> None:
         self._entries.clear()
@@ -118,9 +140,10 @@ def store_(p: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def decoupled_step_(w: torch.Tensor, group: dict[str, Any], direction: torch.Tensor, denominator: torch.Tensor,
-                    step_size: float) -> None:
-    """w <- w (1 - lr wd) - step_size * direction / denominator  (AdamW's update, in place)."""
+                    step_size: float, out: torch.Tensor | None = None) -> None:
+    """w (1 - lr wd) - step_size * direction / denominator  (AdamW's update), in place, or
+    written into `out` (w unchanged) with the same operations, without copying w first."""
     wd = group["weight_decay"]
     if wd:
-        w.mul_(1 - group["lr"] * wd)
-    w.addcdiv_(direction, denominator, value=-step_size)
+        w = w.mul_(1 - group["lr"] * wd) if out is None else torch.mul(w, 1 - group["lr"] * wd, out=out)
+    torch.addcdiv(w, direction, denominator, value=-step_size, out=w if out is None else out)

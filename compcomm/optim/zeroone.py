@@ -102,18 +102,22 @@ class ZeroOneAdam(OnebitOptimizer):
         super().load_state_dict(state_dict)
 
     def _payload_shows_nonfinite(self, kind: str) -> bool:
-        return kind == EXACT  # compressed payloads are masked: a masked NaN would not show
+        """Compressed payloads are masked, and a masked NaN would not show: true for them
+        only when no element of any parameter is masked."""
+        if kind == EXACT:
+            return True
+        if any(group.get("exp_avg_mask") is not None for group in self.param_groups):
+            return False
+        return self._denominators.none_masked([p for p in self._params() if p.requires_grad], self.var_updates)
 
     def _local_step(self, t: int, w: torch.Tensor, m: torch.Tensor, g: torch.Tensor, group: dict[str, Any],
-                    p: torch.Tensor, m_out: torch.Tensor, w_out: torch.Tensor) -> None:
-        """This rank's momentum and weights after a local step, written into m_out and w_out
-        (either may be m or w itself, to update them in place)."""
+                    p: torch.Tensor, m_out: torch.Tensor, w_out: torch.Tensor | None) -> None:
+        """This rank's momentum and weights after a local step, written into m_out (which may
+        be m itself) and w_out (None: w is updated in place)."""
         beta1 = group["betas"][0]
         denom, masked = self._denominator(p, group, self.var_updates)
         mask_(torch.lerp(m, g, 1 - beta1, out=m_out), group, masked)
-        if w_out is not w:
-            w_out.copy_(w)
-        decoupled_step_(w_out, group, m_out, denom, group["lr"] / (1 - beta1 ** t))
+        decoupled_step_(w, group, m_out, denom, group["lr"] / (1 - beta1 ** t), out=w_out)
 
     def _payload(self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor,
                  out: torch.Tensor) -> None:
@@ -161,7 +165,7 @@ class ZeroOneAdam(OnebitOptimizer):
         for p, value, group, state in self._entries(values):
             w = master_weight(p, state)
             if kind == LOCAL:
-                self._local_step(t, w, state["exp_avg"], value, group, p, state["exp_avg"], w)
+                self._local_step(t, w, state["exp_avg"], value, group, p, state["exp_avg"], None)
                 state["lr_sum"] += group["lr"]
             else:
                 denom, masked = self._denominator(p, group, self.var_updates)
