@@ -1,0 +1,171 @@
+"""What an optimizer step costs beyond its arithmetic, on real gloo ranks: the error feedback is
+copied into a spare per bucket instead of cloned, masks touch only the masked elements, the
+gradient scan is skipped only where the collective itself finds non-finite values, and the
+step reports how much of its communication ran behind backward."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from test_optim import backward, make_model, make_optimizer, rank_of, raw
+from test_optim_zeroone import SCHEDULE, make_zeroone
+
+import compcomm
+from compcomm.optim import ZeroOneAdam
+from compcomm.optim.timing import CommClock
+from compcomm.optim.updates import mask_, sparse_mask
+
+from rankpool import group
+
+# ------------------------------------------------------------------ error feedback buffers
+
+
+def error_buffers(name: str) -> tuple[list[set[int]], bool]:
+    """Per bucket, the addresses its worker error lived at over 6 compressed steps; and whether
+    the kept error feedback equals a clone-based copy at the end (bitwise)."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 2)
+    opt.bucket_bytes = 200
+    seen: list[set[int]] = []
+    for step in range(8):
+        backward(model, rank, step)
+        opt.step()
+        if step >= 2:
+            seen = seen or [set() for _ in opt._error_feedback]
+            for addresses, ef in zip(seen, opt._error_feedback):
+                addresses.add(ef.worker_error.data_ptr())
+    twin = compcomm.ErrorFeedback().copy_(opt._error_feedback[0])
+    same = all(torch.equal(a, b) for a, b in ((twin.worker_error, opt._error_feedback[0].worker_error),
+                                             (twin.server_error, opt._error_feedback[0].server_error)))
+    return seen, same and twin.tag == opt._error_feedback[0].tag
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_compressed_steps_reuse_two_error_buffers_per_bucket(pool, name):
+    """A clone per step would give every step's error feedback a new address."""
+    for seen, same in pool.run(error_buffers, name):
+        assert len(seen) >= 3 and all(len(addresses) == 2 for addresses in seen)
+        assert same
+
+
+def test_error_feedback_copy_reuses_buffers_and_copies_state():
+    be = compcomm.backends.get("local")
+    source = compcomm.ErrorFeedback(tag="source")
+    compcomm.compressed_allreduce(torch.randn(100), source, backend=be)
+    target = compcomm.ErrorFeedback(tag="target")
+    assert target.copy_(source) is target and target.tag == "source"
+    first = target.worker_error.data_ptr()
+    compcomm.compressed_allreduce(torch.randn(100), source, backend=be)
+    target.copy_(source)
+    assert target.worker_error.data_ptr() == first  # written in place the second time
+    assert torch.equal(target.worker_error, source.worker_error)
+    assert torch.equal(target.server_error, source.server_error)
+    assert target.worker_error.data_ptr() != source.worker_error.data_ptr()
+    assert (target.numel, target.world_size) == (source.numel, source.world_size)
+    target.copy_(compcomm.ErrorFeedback(tag="empty"))
+    assert not target.initialized
+
+
+# ------------------------------------------------------------------ masks
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.5])
+@pytest.mark.parametrize("into", [False, True])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_sparse_mask_masks_like_the_dense_one(fraction, into, contiguous):
+    g = torch.Generator().manual_seed(3)
+    dense = torch.rand(64, 48, generator=g) < fraction
+    values = torch.randn(64, 48, generator=g)
+    group = {"exp_avg_mask": (torch.rand(48, generator=g) > 0.2).float()}
+    expected = values.masked_fill(dense, 0.0) * group["exp_avg_mask"]
+    form = sparse_mask(dense)
+    assert (form is None) == (fraction == 0.0)
+    assert form is None or (form.dtype == torch.bool) == (fraction == 0.5)
+    out = torch.empty(48, 64).t() if not contiguous else torch.empty(64, 48)
+    source = values.clone()
+    result = mask_(source, group, form, out=out if into else None)
+    assert torch.equal(result, expected)
+    assert (result is out) if into else (result is source)
+
+
+def zeroone_masked_nan(automatic: bool) -> tuple[bool, bool, bool]:
+    """A NaN gradient on one rank, on an element that is masked (by the automatic rule or by
+    exp_avg_mask), in a 1-bit step of phase 1 and in a sync of phase 2: skipped everywhere?"""
+    rank = rank_of(4)
+    model = make_model()
+    first = model[0].weight
+    if automatic:  # no gradient ever reaches column 7 of the first layer: its v is 0
+        opt = make_zeroone(model)
+    else:
+        mask = torch.ones(16, 8)
+        mask[:, 7] = 0.0
+        rest = [p for n, p in model.named_parameters() if n != "0.weight"]
+        opt = ZeroOneAdam([{"params": [first], "exp_avg_mask": mask}, {"params": rest}], lr=1e-2,
+                          backend=compcomm.backends.get("gloo", group=group(4)), **SCHEDULE)
+    skipped = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(SCHEDULE["var_freeze_step"] + 2):
+            model.zero_grad(set_to_none=True)
+            g = torch.Generator().manual_seed(step * 11 + rank)
+            x = torch.randn(16, 8, generator=g)
+            x[:, 7] = 0.0
+            torch.nn.functional.mse_loss(model(x), x[:, :4].sin()).backward()
+            kind = opt._kind(opt.step_count + 1)
+            test_here = (step == 2 and kind == "compressed") or step == SCHEDULE["var_freeze_step"] + 1
+            if test_here and rank == 1:
+                first.grad[5, 7] = math.nan
+            opt.step()
+            if test_here:
+                skipped.append(opt.last_step_skipped)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return skipped == [True, True], finite, opt.skipped_steps == 2
+
+
+@pytest.mark.parametrize("automatic", [True, False])
+def test_zeroone_nan_on_a_masked_element_still_skips(pool, automatic):
+    """0/1 Adam masks what it sends, so only its own scan sees a NaN there."""
+    for result in pool.run(zeroone_masked_nan, automatic):
+        assert all(result), result
+
+
+# ------------------------------------------------------------------ communication behind backward
+
+
+def test_comm_clock_counts_busy_and_hidden_time():
+    clock = CommClock(submitted=[0.0, 1.0, 5.0], completed={0: 2.0, 1: 3.0, 2: 6.0}, backward_end=2.5)
+    timing = clock.timing()
+    # busy: [0, 2] + [2, 3] (queued behind the first) + [5, 6]; hidden: [0, 2] + [2, 2.5]
+    assert timing.busy == pytest.approx(4.0) and timing.hidden == pytest.approx(2.5)
+    assert timing.hidden_fraction == pytest.approx(2.5 / 4.0)
+    assert CommClock().timing().hidden_fraction == 0.0
+
+
+def timings(name: str, overlap: bool) -> tuple[list[tuple[float, float]], bytes]:
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 3)
+    opt.bucket_bytes = 200
+    opt.overlap = overlap
+    out = []
+    for step in range(6):
+        backward(model, rank, step)
+        opt.step()
+        assert opt.last_comm_timing is not None
+        out.append((opt.last_comm_timing.busy, opt.last_comm_timing.hidden))
+    return out, raw(model)
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_last_comm_timing_reports_time_hidden_behind_backward(pool, name):
+    overlapped = pool.run(timings, name, True)
+    plain = pool.run(timings, name, False)
+    for (with_overlap, a), (without, b) in zip(overlapped, plain):
+        assert a == b
+        assert all(busy > 0 and 0 <= hidden <= busy for busy, hidden in with_overlap)
+        assert all(hidden == 0 for _, hidden in without)  # every collective starts in step()
+        # from the second step on, every bucket is submitted during backward: some time hides
+        assert all(hidden > 0 for _, hidden in with_overlap[1:])
