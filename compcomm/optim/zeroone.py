@@ -103,9 +103,9 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _payload_shows_nonfinite(self, kind: str) -> bool:
         """Compressed payloads are masked, and a masked NaN would not show: true for them
-        only when no element of any parameter is masked."""
-        if kind == EXACT:
-            return True
+        only when no element of any parameter is masked. Local steps send nothing."""
+        if kind != COMPRESSED:
+            return kind == EXACT
         if any(group.get("exp_avg_mask") is not None for group in self.param_groups):
             return False
         return self._denominators.none_masked([p for p in self._params() if p.requires_grad], self.var_updates)
