@@ -6,7 +6,9 @@ An MLP of `--layers` square layers, one bucket per layer (`--bucket-mb`), each r
 batch; per variant, the median wall time of a whole step (forward, backward, `opt.step()`,
 ranks aligned by a barrier before each step), in the warm-up stage (uncompressed gradients)
 and in the compression stage (1-bit momenta). Parameters of both variants are compared at the
-end: they must be bitwise equal.
+end: they must be bitwise equal. Per variant and stage it also reports the fraction of the
+collectives' time hidden behind backward (the optimizer's `last_comm_timing`: time they ran
+before backward ended over the time they ran, summed over the stage's steps, mean over ranks).
 
     python bench/optim_overlap.py                              # 4 local gloo ranks
     python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/optim_overlap.py
@@ -60,13 +62,15 @@ def make(args: argparse.Namespace, overlap: bool, freeze: int):
     return model, opt
 
 
-def timed_steps(args: argparse.Namespace, overlap: bool) -> tuple[dict[str, float], bytes, int]:
-    """Median step time (ms) in warm-up and in the compression stage, final parameters, bytes."""
+def timed_steps(args: argparse.Namespace, overlap: bool) -> tuple[dict[str, float], dict[str, float], bytes, int]:
+    """Median step time (ms) and fraction of collective time hidden behind backward, in warm-up
+    and in the compression stage; final parameters; bytes sent."""
     rank = dist.get_rank()
     freeze = args.steps + 1
     model, opt = make(args, overlap, freeze)
     sent = opt.backend.bytes_sent
     times: dict[str, list[float]] = {"warmup": [], "compressed": []}
+    comm: dict[str, list[float]] = {"warmup": [0.0, 0.0], "compressed": [0.0, 0.0]}  # busy, hidden
     for step in range(2 * args.steps + 2):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(args.batch, args.width, generator=g)
@@ -78,15 +82,23 @@ def timed_steps(args: argparse.Namespace, overlap: bool) -> tuple[dict[str, floa
         elapsed = (time.perf_counter() - t0) * 1e3
         if step == 0 or step == freeze:  # the first backward builds the buckets; the freeze step
             continue
-        times["warmup" if step < freeze else "compressed"].append(elapsed)
+        stage = "warmup" if step < freeze else "compressed"
+        times[stage].append(elapsed)
+        comm[stage][0] += opt.last_comm_timing.busy
+        comm[stage][1] += opt.last_comm_timing.hidden
     raw = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-    return {k: statistics.median(v) for k, v in times.items()}, raw, opt.backend.bytes_sent - sent
+    sums = torch.tensor([v for stage in ("warmup", "compressed") for v in comm[stage]], dtype=torch.float64)
+    dist.all_reduce(sums)  # over ranks: the fraction of the summed times
+    hidden = {stage: float(sums[2 * i + 1] / sums[2 * i]) if sums[2 * i] > 0 else 0.0
+              for i, stage in enumerate(("warmup", "compressed"))}
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return medians, hidden, raw, opt.backend.bytes_sent - sent
 
 
 def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
-    plain, raw_plain, bytes_plain = timed_steps(args, overlap=False)
-    overlapped, raw_overlap, bytes_overlap = timed_steps(args, overlap=True)
+    plain, hidden_plain, raw_plain, bytes_plain = timed_steps(args, overlap=False)
+    overlapped, hidden_overlap, raw_overlap, bytes_overlap = timed_steps(args, overlap=True)
     same = raw_plain == raw_overlap and bytes_plain == bytes_overlap
     flags = torch.tensor([0.0 if same else 1.0])
     dist.all_reduce(flags)
@@ -94,7 +106,9 @@ def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [{"stage": stage, "optimizer": args.optimizer, "world_size": world,
              "params": args.layers * (args.width + 1) * args.width,
              "step_ms_no_overlap": plain[stage], "step_ms_overlap": overlapped[stage],
-             "speedup": plain[stage] / overlapped[stage], "bitwise_equal_all_ranks": float(flags) == 0.0}
+             "speedup": plain[stage] / overlapped[stage], "bitwise_equal_all_ranks": float(flags) == 0.0,
+             "comm_hidden_fraction_no_overlap": hidden_plain[stage],
+             "comm_hidden_fraction_overlap": hidden_overlap[stage]}
             for stage in ("warmup", "compressed")]
 
 
@@ -105,10 +119,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"# {args.optimizer}, {world} ranks, {args.layers}x{args.width}^2 MLP, batch {args.batch}, "
           f"buckets of {args.bucket_mb} MiB, median of {args.steps} steps")
-    print(f"{'stage':>10s} | {'no overlap(ms)':>14s} {'overlap(ms)':>12s} {'speedup':>8s} | bitwise equal")
+    print(f"{'stage':>10s} | {'no overlap(ms)':>14s} {'overlap(ms)':>12s} {'speedup':>8s} | "
+          f"{'comm hidden behind backward':>27s} | bitwise equal")
     for r in records:
+        hidden = (f"{100 * r['comm_hidden_fraction_overlap']:.0f}% "
+                  f"(no overlap: {100 * r['comm_hidden_fraction_no_overlap']:.0f}%)")
         print(f"{r['stage']:>10s} | {r['step_ms_no_overlap']:14.1f} {r['step_ms_overlap']:12.1f} "
-              f"{r['speedup']:7.2f}x | {r['bitwise_equal_all_ranks']}")
+              f"{r['speedup']:7.2f}x | {hidden:>27s} | {r['bitwise_equal_all_ranks']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -4,8 +4,13 @@ gradient scan is skipped only where the collective itself finds non-finite value
 step reports how much of its communication ran behind backward."""
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +174,20 @@ def test_last_comm_timing_reports_time_hidden_behind_backward(pool, name):
         assert all(hidden == 0 for _, hidden in without)  # every collective starts in step()
         # from the second step on, every bucket is submitted during backward: some time hides
         assert all(hidden > 0 for _, hidden in with_overlap[1:])
+
+
+def test_optim_overlap_bench_reports_the_hidden_fraction(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "overlap.json"
+    cmd = [sys.executable, str(root / "bench" / "optim_overlap.py"), "--world-size", "2", "--layers", "2",
+           "--width", "64", "--batch", "8", "--steps", "2", "--bucket-mb", "0.01", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "comm hidden behind backward" in proc.stdout
+    records = json.loads(out.read_text())
+    assert [r["stage"] for r in records] == ["warmup", "compressed"]
+    for r in records:
+        assert r["bitwise_equal_all_ranks"]
+        assert r["comm_hidden_fraction_no_overlap"] == 0.0
+        assert 0 < r["comm_hidden_fraction_overlap"] <= 1

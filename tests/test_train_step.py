@@ -36,6 +36,10 @@ def check_records(records: list[dict], world: int) -> None:
         assert by[name]["warmup_bytes_per_step"] == pytest.approx(fp32, rel=0.01), name  # uncompressed
         assert 0 < by[name]["bytes_per_step"] < fp32 / 4, name
     assert 0 <= by["ddp_adamw"]["comm_fraction"] <= 1
+    for name in ("onebit_adam", "onebit_lamb"):  # measured by the optimizers' last_comm_timing
+        for key in ("comm_hidden_fraction", "warmup_comm_hidden_fraction"):
+            assert 0 <= by[name][key] <= 1, (name, key)
+    assert all(by[name]["comm_hidden_fraction"] is None for name in DDP_METHODS)
 
 
 def test_tiny_run_self_spawned(tmp_path):
