@@ -90,32 +90,33 @@ def sparse_mask(masked: torch.Tensor) -> torch.Tensor | None:
 
 class Denominators:
     """Adam denominators sqrt(v / (1 - beta2^k)) + eps and where they are `negligible` (as
-    `sparse_mask` gives it, so that masking costs little), per parameter, kept while v does not
-    change: the frozen stage of 1-bit Adam/LAMB (k = the
+    `sparse_mask` gives it, so that masking costs little; worked out on first request), per
+    parameter, kept while v does not change: the frozen stage of 1-bit Adam/LAMB (k = the
     freeze step) and 0/1 Adam between variance refreshes (k = the refresh count) reuse them
     instead of recomputing three passes over v each step. An entry is recomputed when its
     key (k, eps, beta2) changes; `clear()` after anything else replaces v (a checkpoint load).
     Kept beside the optimizer state, not in it: derived from it."""
 
     def __init__(self) -> None:
-        self._entries: dict[torch.Tensor, tuple[tuple[int, float, float], torch.Tensor, torch.Tensor | None]] = {}
+        self._entries: dict[torch.Tensor, list[Any]] = {}  # p -> [key, denominator, mask, mask known]
 
-    def get(self, p: torch.Tensor, exp_avg_sq: torch.Tensor, k: int, group: dict[str, Any]
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(denominator, negligible) of parameter p, whose second moment is `exp_avg_sq`."""
+    def denominator(self, p: torch.Tensor, exp_avg_sq: torch.Tensor, k: int, group: dict[str, Any]) -> torch.Tensor:
+        """The denominator of parameter p, whose second moment is `exp_avg_sq`."""
         key = (k, group["eps"], group["betas"][1])
         entry = self._entries.get(p)
         if entry is None or entry[0] != key:
             out = entry[1] if entry is not None else None
-            denom = adam_denominator(exp_avg_sq, key[2], k, key[1], out=out)
-            entry = self._entries[p] = (key, denom, sparse_mask(negligible(denom, key[1])))
-        return entry[1], entry[2]
+            entry = self._entries[p] = [key, adam_denominator(exp_avg_sq, key[2], k, key[1], out=out), None, False]
+        return entry[1]
 
-    def none_masked(self, params: list[torch.Tensor], k: int) -> bool:
-        """Whether every one of `params` has an entry for k with no negligible element (False
-        when any entry is missing: unknown)."""
-        entries = [self._entries.get(p) for p in params]
-        return all(e is not None and e[0][0] == k and e[2] is None for e in entries)
+    def get(self, p: torch.Tensor, exp_avg_sq: torch.Tensor, k: int, group: dict[str, Any]
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(denominator, negligible) of parameter p, whose second moment is `exp_avg_sq`."""
+        denom = self.denominator(p, exp_avg_sq, k, group)
+        entry = self._entries[p]
+        if not entry[3]:
+            entry[2], entry[3] = sparse_mask(negligible(denom, group["eps"])), True
+        return denom, entry[2]
 
     def clear(self) -> None:
         self._entries.clear()

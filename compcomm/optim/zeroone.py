@@ -95,7 +95,7 @@ class ZeroOneAdam(OnebitOptimizer):
     def _denominator(self, p: torch.Tensor, group: dict[str, Any], refreshes: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """d after `refreshes` refreshes of v, and where it is negligible (see `mask_`)."""
-        return self._denominators.get(p, self.state[p]["exp_avg_sq"], refreshes, group)
+        return self._denominators.get(p, self._moments(p)["exp_avg_sq"], refreshes, group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._denominators.clear()
@@ -108,7 +108,8 @@ class ZeroOneAdam(OnebitOptimizer):
             return kind == EXACT
         if any(group.get("exp_avg_mask") is not None for group in self.param_groups):
             return False
-        return self._denominators.none_masked([p for p in self._params() if p.requires_grad], self.var_updates)
+        return all(self._denominator(p, group, self.var_updates)[1] is None
+                   for group in self.param_groups for p in group["params"] if p.requires_grad)
 
     def _local_step(self, t: int, w: torch.Tensor, m: torch.Tensor, g: torch.Tensor, group: dict[str, Any],
                     p: torch.Tensor, m_out: torch.Tensor, w_out: torch.Tensor | None) -> None:
@@ -144,10 +145,11 @@ class ZeroOneAdam(OnebitOptimizer):
         for p, value, group, state in self._entries(values):
             state = self._moments(p)
             beta1 = group["betas"][0]
-            if kind == EXACT:
+            if kind == EXACT:  # the mask is worked out later, if a 1-bit step needs it
                 update_moments(state, value, group["betas"])
-            denom, masked = self._denominator(p, group, refreshes)
-            if kind != EXACT:
+                denom = self._denominators.denominator(p, state["exp_avg_sq"], refreshes, group)
+            else:
+                denom, masked = self._denominator(p, group, refreshes)
                 state["exp_avg"].lerp_(mask_(value.mul_(denom), group, masked), 1 - beta1)
             w = master_weight(p, state)
             decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
