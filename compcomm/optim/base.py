@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from ..allreduce import compressed_allreduce
 from ..backends import Backend, resolve
@@ -271,17 +272,23 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Fill bucket b with this rank's payloads and start its collective (if the step sends)."""
         bucket = self._layout().buckets[b]
         params = self._params()
-        for view, k in zip(bucket.views, bucket.indices):
-            p, group = params[self._order[k]], self._group_of[self._order[k]]
-            g = p.grad
-            g = torch.zeros_like(p, dtype=torch.float32) if g is None or not p.requires_grad else g.float()
-            if rnd.scale is not None:
-                g = g / rnd.scale
-            self._payload(rnd.t, rnd.kind, p, group, g, view.view_as(p))
-        be = self.backend
+        with record_function("compcomm.optim.payload"):
+            for view, k in zip(bucket.views, bucket.indices):
+                p, group = params[self._order[k]], self._group_of[self._order[k]]
+                g = p.grad
+                g = torch.zeros_like(p, dtype=torch.float32) if g is None or not p.requires_grad else g.float()
+                if rnd.scale is not None:
+                    g = g / rnd.scale
+                self._payload(rnd.t, rnd.kind, p, group, g, view.view_as(p))
         if rnd.kind == LOCAL:
             rnd.launches[b] = _Launch(None, None)
             return
+        with record_function("compcomm.optim.submit"):
+            rnd.launches[b] = self._submit(rnd, b)
+
+    def _submit(self, rnd: _Round, b: int) -> _Launch:
+        """Start bucket b's collective on its filled buffer."""
+        bucket, be = self._layout().buckets[b], self.backend
         index = rnd.clock.submit()
         if rnd.kind == EXACT:
             launch = _Launch(be.all_reduce(bucket.flat, "mean", async_op=True), None)
@@ -296,7 +303,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
             launch = _Launch(compressed_allreduce(bucket.flat, work, backend=be, op="mean", async_op=True), work)
         assert launch.handle is not None
         launch.handle.get_future().add_done_callback(lambda _: rnd.clock.complete(index))
-        rnd.launches[b] = launch
+        return launch
 
     def _launch_rest(self, rnd: _Round) -> None:
         for b in range(len(self._layout())):
@@ -389,17 +396,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
         scale = None if scale_tensor is None else float(scale_tensor)
         found_inf = bool(float(getattr(self, "found_inf", 0.0)))
         t = self._step_count + 1
-        rnd = self._round
-        if rnd is not None and rnd.bad is not None and rnd.t == t:  # agreed at the first backward
-            bad = rnd.bad
-            rnd.scale = scale
-        else:
-            bad = self._verdict(scale, found_inf)
-            rnd = self._round
-            assert rnd is not None  # _verdict opened this step's round
-        self._last_scale = scale
-        self._launch_rest(rnd)
-        values, failure = self._collect(rnd)
+        with record_function("compcomm.optim.wait"):  # the verdict queues behind the collectives
+            bad, rnd = self._agree(t, scale, found_inf)
+            self._last_scale = scale
+            self._launch_rest(rnd)
+            values, failure = self._collect(rnd)
         if failure is not None or bad:
             self._skip(failure)
             return loss
@@ -408,10 +409,21 @@ class OnebitOptimizer(torch.optim.Optimizer):
         for b, launch in rnd.launches.items():
             if launch.errors is not None:
                 self._error_feedback[b], self._spare_errors[b] = launch.errors, self._error_feedback[b]
-        self._apply(t, rnd.kind, values)
+        with record_function("compcomm.optim.update"):
+            self._apply(t, rnd.kind, values)
         self._step_count = t
         self.last_step_skipped = False
         return loss
+
+    def _agree(self, t: int, scale: float | None, found_inf: bool) -> tuple[bool, _Round]:
+        """Step t's verdict (taken now, or at the first backward) and its round."""
+        rnd = self._round
+        if rnd is not None and rnd.bad is not None and rnd.t == t:  # agreed at the first backward
+            rnd.scale = scale
+            return rnd.bad, rnd
+        bad = self._verdict(scale, found_inf)
+        assert self._round is not None  # _verdict opened this step's round
+        return bad, self._round
 
     def _verdict(self, scale: float | None, found_inf: bool) -> bool:
         """The step's one all-reduce: is some rank's gradient non-finite? did some rank change its
