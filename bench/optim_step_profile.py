@@ -88,17 +88,20 @@ def rank_main(args: argparse.Namespace) -> list[tuple[str, dict[str, float]]] | 
     return None if dist.get_rank() else [(n, r) for n, r in results if r is not None]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    results, world = run_ranks(rank_main, args, args.world_size)
-    if results is None:
-        return
+def report(results: list[tuple[str, dict[str, float]]], args: argparse.Namespace, world: int) -> None:
     print(f"# optim_step_profile: {world} ranks, rank 0, mean of the last {args.profiled} of {args.steps} steps "
           f"({args.warmup_steps} warm-up), ms per step (CPU time for regions and operators)")
     for name, rec in results:
         print(f"== {name}")
         for key, value in rec.items():
             print(f"  {key:<28s} {value:8.1f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    results, world = run_ranks(rank_main, args, args.world_size)
+    if results is not None:  # rank 0, or the spawning process
+        report(results, args, world)
 
 
 if __name__ == "__main__":
