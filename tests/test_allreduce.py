@@ -92,3 +92,23 @@ def test_error_feedback_identity(pool, op):
     worker = np.mean([r["worker"] for r in res], axis=0) if op == "mean" else np.sum([r["worker"] for r in res], axis=0)
     server = np.concatenate([r["server"] for r in res])[:numel]
     np.testing.assert_allclose(res[0]["out_sum"] + worker + server, exact, atol=1e-4 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("numel", [5_000_001])  # phase 2 in 3 pieces, the last chunk padded
+def test_call_with_phase_two_in_pieces_matches_reference(pool, numel):
+    from compcomm.allreduce import PIECE_BYTES, SERVER_SCALE_BYTES, _pieces
+    from compcomm.layout import chunk_size
+
+    world, steps = 4, 2
+    assert len(_pieces(SERVER_SCALE_BYTES + chunk_size(numel, world) // 8)) == 3 > 1
+    assert chunk_size(numel, world) // 8 > 2 * PIECE_BYTES
+    per_rank = pool.run(run_steps, world, numel, "float32", "mean", steps)
+    worker = np.zeros((world, padded_size(numel, world)))
+    server = np.zeros((world, padded_size(numel, world) // world))
+    for step in range(steps):
+        records = [per_rank[r][step] for r in range(world)]
+        assert len({rec["raw"] for rec in records}) == 1, "outputs differ between ranks"
+        expected, worker, server = reference_allreduce([rec["input"] for rec in records], worker, server, "mean")
+        np.testing.assert_allclose(records[0]["output"], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        worker = np.stack([rec["worker"] for rec in records])
+        server = np.stack([rec["server"] for rec in records])
