@@ -21,6 +21,9 @@ bytes of fp32 parts (an all-to-all reduce-scatter sends half the bytes of an fp3
 it is the one used) and about (k-1)/k * N/8 bytes of results. Each rank runs the worker and
 server codec on N/k elements instead of N, and decodes all N.
 
+A tensor below `min_compress_bytes` takes the same route with the exact path across nodes
+(fp32 chunks summed in node order, / H for "mean"): the exact mean of the node means.
+
 Errors (SPEC-like, across both levels): first this rank's own checks and an agreement over all n
 ranks (count, sequence, numel, op, dtype, ErrorFeedback tag), then, after the reduce-scatter, the
 across-node phase 0 on every part (non-finite sums, overflow) and an intra-node agreement on every

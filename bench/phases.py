@@ -6,10 +6,9 @@
 Run under torchrun or bench/netsim.py (it reads RANK/WORLD_SIZE). For every size it times, on
 all ranks at once, each part of the flat 1-bit collective on its own, then the whole call:
 
-    header    phase 0: all-to-all of fixed slots (a 16-byte header + FOLD_BYTES / n bytes of signs)
+    header    phase 0: all-to-all of a 16-byte header + min(C/8, FOLD_BYTES / n) bytes of signs per peer
     scan      worker pass: reads x and the worker error (N elements), packs the signs of x'
-    a2a       phase 1: all-to-all of the packed signs, (n-1) blocks of C/8 bytes (less what
-              phase 0 carried: none of it when C/8 <= FOLD_BYTES / n)
+    a2a       phase 1: all-to-all of the rest of the packed signs (none when C/8 <= FOLD_BYTES / n)
     werr      worker error update: reads x and the error, writes the error (N elements)
     server    server pass: n rows of C/8 sign bytes and the server error -> y, its signs
     gather    phase 2: all-gather of each server's (t_j, signs), (n-1) blocks of 4 + C/8 bytes
@@ -75,10 +74,10 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
     scales = torch.ones(n)
     mine = torch.zeros(4 + c // 8, dtype=torch.uint8)
     everyone = torch.zeros(n, mine.numel(), dtype=torch.uint8)
-    slot = HEADER.itemsize + FOLD_BYTES // n
-    header = torch.zeros(n, slot, dtype=torch.uint8)
+    room = min(FOLD_BYTES // n, c // 8)  # a repeated call's room in phase 0
+    header = torch.zeros(n, HEADER.itemsize + room, dtype=torch.uint8)
     headers = torch.empty_like(header)
-    rest = torch.zeros(n, max(0, c // 8 - FOLD_BYTES // n), dtype=torch.uint8)
+    rest = torch.zeros(n, c // 8 - room, dtype=torch.uint8)
     rest_received = torch.empty_like(rest)
 
     def decode() -> None:

@@ -4,11 +4,11 @@ For world size n and N elements padded to M = ceil(N / 8n) * 8n, chunk C = M / n
 
     worker r:   x' = pad(x) + e_w           s_r = ||x'[:N]|| / sqrt(N)
                 e_w <- x' - s_r sign(x')     (0 on padding)
-    phase 0:    all-to-all of fixed-size slots (`FOLD_BYTES` per rank): slot j holds this rank's
-                `HEADER` (so every rank validates every rank's call) and the first bytes of its
-                packed signs for server j
+    phase 0:    all-to-all of one slot per server: slot j holds this rank's `HEADER` (so every
+                rank validates every rank's call) and the first bytes of its packed signs for
+                server j, as many as the slots' agreed room holds (see `FOLD_BYTES`)
     phase 1:    all-to-all of the rest of the packed signs: rank j gets chunk j of each sign(x'_r)
-                (no phase 1 when the signs fit in phase 0's slots: small calls)
+                (no phase 1 when phase 0 carried them all: repeated small calls)
     server j:   y = (1/n) sum_r s_r sign(x'_r)[chunk j] + e_s       t_j = ||y[:k]|| / sqrt(k)
                 e_s <- y - t_j sign(y)       (0 beyond the k real elements)
     phase 2:    all-gather of (t_j, packed sign(y)) in one collective
@@ -23,8 +23,8 @@ or ErrorFeedback tag, ranks out of step (the call's sequence number on the group
 in any rank's input or error state, and sums that could overflow: with B = sum_r s_r, the server's
 fp32 partial sums stay below B and |y| below B/n (or B for "sum") + max|e_s|, so the call is refused
 (NonFiniteError) when either bound reaches the top of fp32 or of the output dtype. A finite input
-therefore never yields a non-finite output or error state. Phase 0's message has the same size
-whatever the arguments, so ranks passing different sizes are told so instead of hanging.
+therefore never yields a non-finite output or error state. Phase 0's slots have the same size on
+every rank whatever the arguments, so ranks passing different sizes are told so instead of hanging.
 
 With `min_compress_bytes`, a tensor of fewer bytes is reduced exactly instead, through the same
 phases and checks: phase 0/1 carry fp32 chunk j of x to server j, which sums them in rank order
@@ -80,11 +80,6 @@ rank knows alike. So a repeated call whose rows fit costs two collective latenci
 (1-bit: up to 4 MiB of fp32 at n = 4), a larger call sends the rest in phase 1, and no call carries
 more padding than its predecessor's rows. FOLD_BYTES is about one latency's worth of bytes at
 10 Gbit/s (~100 us)."""
-
-PHASE2_PIECES = 8
-PIECE_BYTES = 64 * 1024
-"""Phase 2 goes in up to PHASE2_PIECES all-gathers of at least PIECE_BYTES of signs per server,
-so that decoding one piece overlaps the transfer of the next."""
 
 SERVER_SCALE_BYTES = 4
 """Phase 2's message of server j: t_j as fp32 bytes, then the packed signs of sign(y_j)."""
@@ -242,9 +237,9 @@ class PreparedCall:
         """Each error update runs while the collective that does not depend on it is in flight."""
         if self.exact:
             self.result = self._gather(self._exact_sum(self._phase1(lambda: None)), lambda: None)
-            decode_result(self.result, self.flat, exact=True)
         else:
-            self.result = self._one_bit()  # decoded piece by piece as phase 2 arrives
+            self.result = self._one_bit()
+        decode_result(self.result, self.flat, self.exact)
         if self.flat.data_ptr() != self.tensor.data_ptr() or not self.tensor.is_contiguous():
             self.tensor.copy_(self.flat.view(self.tensor.shape))
         return self.tensor
@@ -267,32 +262,7 @@ class PreparedCall:
             coder.error_update_(server, server_scale, served)
             self.ef.record_server_max()
 
-        return self._gather_decoding(mine, server_update)
-
-    def _gather_decoding(self, mine: torch.Tensor, meanwhile: Callable[[], None]) -> torch.Tensor:
-        """Phase 2 in pieces of the servers' messages (the first carries every t_j), all started
-        at once; each piece is decoded into the output while the next ones are on the wire."""
-        n, numel, flat = self.be.world_size, self.flat.numel(), self.flat
-        everyone = torch.empty(n, mine.numel(), dtype=torch.uint8, device=mine.device)
-        bounds = _pieces(mine.numel())
-        in_flight = []
-        for start, stop in bounds:
-            got = everyone if len(bounds) == 1 else torch.empty(n, stop - start, dtype=torch.uint8, device=mine.device)
-            in_flight.append((start, stop, got, self.be.all_gather(mine[start:stop], got, async_op=True)))
-        meanwhile()
-        c, coder, head = chunk_size(numel, n), codec.codec_for(flat.device), SERVER_SCALE_BYTES
-        for start, stop, got, handle in in_flight:
-            handle.wait()
-            if got is not everyone:
-                everyone[:, start:stop].copy_(got)
-            if start == 0:
-                scales = everyone[:, :head].reshape(-1).view(torch.float32).tolist()
-            lo = 8 * max(0, start - head)  # the elements of each chunk this piece codes
-            for j in range(n):
-                hi = min(8 * (stop - head), real_count(j, numel, n))
-                if hi > lo:
-                    coder.decode(everyone[j, head + lo // 8:stop], scales[j], flat[j * c + lo:j * c + hi])
-        return everyone
+        return self._gather(mine, server_update)
 
     def _phase1(self, meanwhile: Callable[[], None]) -> torch.Tensor:
         """(n, W): row r is what rank r sent this one; the part phase 0 did not carry goes now,
@@ -344,15 +314,6 @@ def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False
         start, k = j * c, real_count(j, numel, n)
         if k:
             coder.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start:start + k])
-
-
-def _pieces(length: int) -> list[tuple[int, int]]:
-    """Byte ranges of phase 2's pieces of a `length`-byte server message: at most
-    PHASE2_PIECES, each at least PIECE_BYTES of signs (smaller messages go whole)."""
-    signs = length - SERVER_SCALE_BYTES
-    step = max(PIECE_BYTES, -(-signs // PHASE2_PIECES))
-    cuts = list(range(SERVER_SCALE_BYTES + step, length, step))
-    return list(zip([0] + cuts, cuts + [length]))
 
 
 def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
