@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--tag", default="", help="appended to the output files' names (e.g. for a variant)")
     args = ap.parse_args(argv)
     unknown = set(args.runs.split(",")) - set(RUNS)
     if unknown:
@@ -322,6 +323,7 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: in
 def write_outputs(report: dict[str, Any], out: str) -> None:
     os.makedirs(out, exist_ok=True)
     stem = "convergence" if report["args"]["task"] == "char-mlp" else f"convergence_{report['args']['task']}"
+    stem += f"_{report['args']['tag']}" if report["args"]["tag"] else ""
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {os.path.join(out, stem + '.json')}")
