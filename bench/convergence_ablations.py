@@ -3,16 +3,19 @@
 Runs bench/convergence.py's `onebit_lamb` (same task, data, model and settings; every
 convergence.py option applies) with one piece of the compression stage changed per variant:
 
-    shipped            OnebitLamb as it is
-    exact-momentum     the momentum averaged exactly (fp32 all-reduce) instead of in 1 bit; the
-                       update rule kept (v frozen, frozen coefficient times the variance factor)
-    live-coefficient   exact momentum and LAMB's own trust ratio clamp(||w|| / ||u||) at every
-                       step, u from the frozen v: LAMB with its second moment frozen at the freeze
-    factor-one         1-bit as shipped, the variance factor pinned to 1 (factor_min = factor_max = 1)
+    shipped                OnebitLamb as it is
+    exact-momentum         the momentum averaged exactly (fp32 all-reduce) instead of in 1 bit;
+                           the update rule kept (v frozen, frozen coefficient times the factor)
+    live-coefficient       exact momentum and LAMB's own trust ratio clamp(||w|| / ||u||) at
+                           every step, u from the frozen v: LAMB with v frozen at the freeze
+    live-coefficient-1bit  the same trust ratio on the 1-bit momentum (what the paper avoids)
+    factor-one             1-bit as shipped, the variance factor pinned to 1
+                           (factor_min = factor_max = 1)
 
-The first isolates the 1-bit compression, the second the frozen coefficient, the third the
-variance factor. It prints each variant's final validation loss and its gap to the `lamb`
-baseline given by --baseline (from convergence_transformer.json), and writes --json.
+exact-momentum isolates the 1-bit compression, live-coefficient the frozen coefficient,
+live-coefficient-1bit why the paper freezes it, factor-one the variance factor. It prints each
+variant's final validation loss and its gap to the `lamb` baseline given by --baseline (from
+convergence_transformer.json), and writes --json.
 
     python bench/convergence_ablations.py --task transformer --hidden 64 --context 32 --batch 16 \\
         --lr-adam 6e-3 --lr-lamb 2e-2 --json bench/results/convergence_transformer_ablations.json
@@ -33,7 +36,7 @@ from compcomm import optim
 from compcomm.optim import base, lamb
 from compcomm.optim.updates import mask_, master_weight, store_
 
-VARIANTS = ("shipped", "exact-momentum", "live-coefficient", "factor-one")
+VARIANTS = ("shipped", "exact-momentum", "live-coefficient", "live-coefficient-1bit", "factor-one")
 
 
 def exact_average(tensor: torch.Tensor, errors: Any, backend: Any, op: str, async_op: bool) -> Any:
@@ -68,7 +71,9 @@ def apply_variant(variant: str) -> None:
     """Change, in this rank's process, what convergence.py's onebit_lamb run builds."""
     if variant in ("exact-momentum", "live-coefficient"):
         base.compressed_allreduce = exact_average  # type: ignore[assignment]
-    classes: dict[str, Callable[..., Any]] = {"live-coefficient": LiveCoefficientLamb, "factor-one": FactorOneLamb}
+    classes: dict[str, Callable[..., Any]] = {"live-coefficient": LiveCoefficientLamb,
+                                              "live-coefficient-1bit": LiveCoefficientLamb,
+                                              "factor-one": FactorOneLamb}
     if variant in classes:
         optim.OnebitLamb = classes[variant]  # type: ignore[misc]
 
