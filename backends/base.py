@@ -64,6 +64,11 @@ class Backend(ABC):
         """Every channel a call on this backend uses (a composite backend has several)."""
         return [self.channel]
 
+    def sequence_number(self) -> int:
+        """The number of the call running now on this backend, equal on every rank that makes
+        the same calls (phase 0 compares it to catch ranks out of step)."""
+        return ordering.sequence_number(self.channel)
+
     @property
     def transport(self) -> Any:
         return self.channel.transport

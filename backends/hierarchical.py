@@ -21,6 +21,9 @@ bytes of fp32 parts (an all-to-all reduce-scatter sends half the bytes of an fp3
 it is the one used) and about (k-1)/k * N/8 bytes of results. Each rank runs the worker and
 server codec on N/k elements instead of N, and decodes all N.
 
+A tensor below `min_compress_bytes` takes the same route with the exact path across nodes
+(fp32 chunks summed in node order, / H for "mean"): the exact mean of the node means.
+
 Errors (SPEC-like, across both levels): first this rank's own checks and an agreement over all n
 ranks (count, sequence, numel, op, dtype, ErrorFeedback tag), then, after the reduce-scatter, the
 across-node phase 0 on every part (non-finite sums, overflow) and an intra-node agreement on every
@@ -89,12 +92,17 @@ class HierarchicalBackend(Backend):
 
     @property
     def channel(self) -> ordering.Channel:
-        """The intra-node group's channel: its sequence numbers stand for the composite's."""
+        """The intra-node group's channel (where the composite also keeps its count of calls)."""
         return self.intra.channel
 
     @property
     def channels(self) -> list[ordering.Channel]:
         return [*self.intra.channels, *self.inter.channels]
+
+    def sequence_number(self) -> int:
+        """The number of this composite's compressed call now running (counted per composite,
+        since the intra group's own tickets also count calls one node makes on its own)."""
+        return self.intra.channel.agreed.get(self._channel_key(), 0)
 
     def _channel_key(self) -> Hashable:
         return ("hierarchical", self.intra._channel_key(), self.inter._channel_key())
@@ -109,11 +117,14 @@ class HierarchicalBackend(Backend):
     # -- the compressed collective ---------------------------------------------------------------
 
     def compressed_schedule(self, tensors: list[torch.Tensor], efs: list[ErrorFeedback],
-                            op: str) -> list[torch.Tensor]:
-        """compressed_allreduce(_coalesced) over this backend; runs holding both channels."""
+                            op: str, min_compress_bytes: int | None = None) -> list[torch.Tensor]:
+        """compressed_allreduce(_coalesced) over this backend; runs holding both channels. A
+        tensor below `min_compress_bytes` is reduced exactly across nodes too."""
         from compcomm import allreduce
 
-        allreduce.agree(tensors, efs, self, op, self.part)
+        counts = self.intra.channel.agreed  # this composite's calls, counted where every rank sees them
+        counts[self._channel_key()] = counts.get(self._channel_key(), -1) + 1
+        exact = allreduce.agree(tensors, efs, self, op, self.part, min_compress_bytes)
         parts = [self._reduce_scatter(t.detach().reshape(-1), torch.float32, i) for i, t in enumerate(tensors)]
         if op == "mean":
             for part in parts:
@@ -122,7 +133,7 @@ class HierarchicalBackend(Backend):
         calls: list[allreduce.PreparedCall] = []
         failure: Exception | None = None
         try:
-            calls = allreduce.prepare_coalesced(real, efs, self.inter, op, [t.dtype for t in tensors])
+            calls = allreduce.prepare_coalesced(real, efs, self.inter, op, [t.dtype for t in tensors], exact)
         except Exception as exc:  # agreed on this inter group: now agreed inside the node too
             failure = exc
         self._agree_inside_node(failure)
@@ -138,7 +149,7 @@ class HierarchicalBackend(Backend):
 
         k, numel = self.intra.world_size, tensor.numel()
         size = chunk_size(numel, k)
-        longest = self._result_bytes(size)
+        longest = self._result_bytes(size, call.exact)
         mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         mine[:call.result.numel()].copy_(call.result.view(-1))
         everyone = torch.empty(k, longest, dtype=torch.uint8, device=self.device)
@@ -147,17 +158,17 @@ class HierarchicalBackend(Backend):
         for i in range(k):
             real = real_count(i, numel, k)
             if real:
-                rows = everyone[i, :self._result_bytes(real)].view(self.inter.world_size, -1)
-                decode_result(rows, flat[i * size:i * size + real])
+                rows = everyone[i, :self._result_bytes(real, call.exact)].view(self.inter.world_size, -1)
+                decode_result(rows, flat[i * size:i * size + real], call.exact)
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.detach().copy_(flat.view(tensor.shape))
 
-    def _result_bytes(self, numel: int) -> int:
+    def _result_bytes(self, numel: int, exact: bool) -> int:
         """Bytes of phase 2's result of a `numel`-element call across the H nodes."""
         from compcomm.allreduce import SERVER_SCALE_BYTES
 
         h = self.inter.world_size
-        return h * (SERVER_SCALE_BYTES + chunk_size(numel, h) // 8)
+        return h * 4 * chunk_size(numel, h) if exact else h * (SERVER_SCALE_BYTES + chunk_size(numel, h) // 8)
 
     def _agree_inside_node(self, failure: Exception | None) -> None:
         """Raise, on every rank of the node, the verdict of the lowest local index that failed.

@@ -7,7 +7,8 @@
     python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/allreduce_bw.py
 
 For every size, one row for `compcomm.compressed_allreduce` ("compressed") and one for the
-backend's uncompressed `all_reduce` ("allreduce"), both with op="mean":
+backend's uncompressed `all_reduce` ("allreduce"), both with op="mean" (and with `--ops` a row
+"exact": compressed_allreduce below its `min_compress_bytes`, compcomm's exact path):
 
     time(us)     per call, averaged over --iters timed calls (min/max over those calls shown too);
                  a call's time is the slowest rank's
@@ -44,6 +45,7 @@ from peak_memory import supported as memory_measurable
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+OPS = ("compressed", "allreduce", "exact")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -93,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nprocs", type=int, default=4,
                    help="ranks to spawn locally when not launched by torchrun/mpirun (default 4)")
     p.add_argument("--ops", default="compressed,allreduce",
-                   help="comma-separated ops to run: compressed, allreduce (default both)")
+                   help="comma-separated ops to run: compressed, allreduce, exact (compcomm's "
+                        "uncompressed path, as below min_compress_bytes) (default compressed,allreduce)")
     p.add_argument("--hierarchical", action="store_true",
                    help="also run the compressed op on compcomm.backends.get('hierarchical'): exact within "
                         "each node of LOCAL_WORLD_SIZE ranks, 1-bit across nodes (torchrun/netsim launches)")
@@ -154,8 +157,8 @@ def check_args(args) -> list[str]:
     """The ops to run, after rejecting bad --ops / --iters / --warmup."""
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     for op in ops:
-        if op not in ("compressed", "allreduce"):
-            raise SystemExit(f"unknown op {op!r} in --ops (choose compressed, allreduce)")
+        if op not in OPS:
+            raise SystemExit(f"unknown op {op!r} in --ops (choose from {', '.join(OPS)})")
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
     return ops
@@ -197,9 +200,11 @@ def operation(op: str, be, x: torch.Tensor, exact: torch.Tensor, warmup: int):
             be.all_reduce(buf, "mean")
     else:
         ef = compcomm.ErrorFeedback()
+        # "exact": the same call below min_compress_bytes, i.e. compcomm's uncompressed path
+        threshold = buf.numel() * buf.element_size() + 1 if op == "exact" else None
 
         def call() -> None:
-            compcomm.compressed_allreduce(buf, ef, backend=be, op="mean")
+            compcomm.compressed_allreduce(buf, ef, backend=be, op="mean", min_compress_bytes=threshold)
     call()
     err = _rel_error(buf, exact)
     for _ in range(warmup - 1):
@@ -268,7 +273,7 @@ def run_rank(args, be, label: str, hier=None) -> list[dict] | None:
 
 
 def _summary(records: list[dict]) -> None:
-    for op in ("compressed", "allreduce"):
+    for op in OPS:
         rows = [r for r in records if r["op"] == op]
         if rows:  # as nccl-tests ends its table
             print(f"# Avg bus bandwidth    : {sum(r['busbw_GBps'] for r in rows) / len(rows):.4f} ({op})")
@@ -279,8 +284,10 @@ def _summary(records: list[dict]) -> None:
         print("# speedup (allreduce time / compressed time) and wire-byte ratio per size:")
     for c, a in pairs:
         ratio = a["wire_bytes"] / c["wire_bytes"] if c["wire_bytes"] else float("inf")
+        exact = by.get(("exact", c["size_bytes"]))
+        versus = f", exact path {a['time_us'] / exact['time_us']:6.2f}x" if exact else ""
         print(f"#   {human(c['size_bytes']):>10}: speedup {a['time_us'] / c['time_us']:6.2f}x, "
-              f"wire {ratio:5.1f}x less")
+              f"wire {ratio:5.1f}x less{versus}")
     flat = [(h, by[("compressed", h["size_bytes"])]) for h in records
             if h["backend"] == "hierarchical" and ("compressed", h["size_bytes"]) in by]
     if flat:
@@ -314,7 +321,7 @@ def write_plot(records: list[dict], path: str, title: str, rate_GBps: float | No
         raise SystemExit(f"--plot needs matplotlib ({exc}); install it with: pip install matplotlib "
                          "(or compcomm[plot]), or drop --plot") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for op, style in (("compressed", "o-"), ("allreduce", "s--")):
+    for op, style in (("compressed", "o-"), ("allreduce", "s--"), ("exact", "^:")):
         rows = sorted((r for r in records if r["op"] == op), key=lambda r: r["size_bytes"])
         if rows:
             ax.plot([r["size_bytes"] / 2**20 for r in rows], [r["busbw_GBps"] for r in rows], style,

@@ -65,9 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr-adam", type=float, default=3e-3)
     ap.add_argument("--lr-lamb", type=float, default=1e-2)
-    ap.add_argument("--var-update-scaler", type=int, default=8, help="ZeroOneAdam's var_update_scaler")
-    ap.add_argument("--local-step-scaler", type=int, default=40, help="ZeroOneAdam's local_step_scaler")
-    ap.add_argument("--local-step-clipper", type=int, default=16, help="ZeroOneAdam's local_step_clipper")
+    ap.add_argument("--var-update-scaler", type=int, default=16,
+                    help="ZeroOneAdam's var_update_scaler (default: DeepSpeed's default, 16)")
+    ap.add_argument("--local-step-scaler", type=int, default=None,
+                    help="ZeroOneAdam's local_step_scaler (default: from the learning-rate schedule, "
+                         "see lr_policy_scaler)")
+    ap.add_argument("--local-step-clipper", type=int, default=16,
+                    help="ZeroOneAdam's local_step_clipper (default: DeepSpeed's default, 16)")
     ap.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
                     help="learning rate: cosine decay to 10%% over the run, or constant")
     ap.add_argument("--weight-decay", type=float, default=0.0)
@@ -77,11 +81,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--tag", default="", help="appended to the output files' names (e.g. for a variant)")
     args = ap.parse_args(argv)
     unknown = set(args.runs.split(",")) - set(RUNS)
     if unknown:
         ap.error(f"unknown runs {sorted(unknown)}")
+    if args.local_step_scaler is None:
+        args.local_step_scaler = lr_policy_scaler(args)
     return args
+
+
+def freeze_step(args: argparse.Namespace) -> int:
+    """The last uncompressed (1-bit Adam/LAMB) or variance-refreshing (0/1 Adam) step."""
+    return max(1, round(args.warmup * args.steps))
+
+
+def lr_factor(args: argparse.Namespace, step: int) -> float:
+    """The learning rate after `step` scheduler steps, as a fraction of the peak."""
+    if args.schedule == "constant":
+        return 1.0
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(step, args.steps) / args.steps))
+
+
+def lr_policy_scaler(args: argparse.Namespace) -> int:
+    """ZeroOneAdam's local_step_scaler by 0/1 Adam's learning-rate policy (Lu et al. 2022, section 6;
+    DeepSpeed's docs say to pre-calculate it from the schedule): the local-step interval doubles
+    each time the learning rate halves, so that interval * lr, how far a rank walks alone, stays
+    about what it was at the freeze. With a fixed doubling period, that is the number of steps
+    in which the rate halves on average over the compression stage; a rate that never halves
+    never lengthens the interval (a period beyond the run)."""
+    freeze = freeze_step(args)
+    halvings = math.log2(lr_factor(args, freeze) / lr_factor(args, args.steps))
+    return max(1, round((args.steps - freeze) / halvings)) if halvings > 0 else args.steps + 1
 
 
 # ------------------------------------------------------------------ data and model
@@ -174,7 +205,7 @@ def make_optimizer(name: str, model: torch.nn.Module, args: argparse.Namespace, 
     from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 
     kind, compressed, _ = RUNS[name]
-    freeze = max(1, round(args.warmup * args.steps)) if compressed else args.steps
+    freeze = freeze_step(args) if compressed else args.steps
     if kind == "adam":
         return OnebitAdam(model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay,
                           freeze_step=freeze, backend=backend)
@@ -196,8 +227,7 @@ def run_one(name: str, args: argparse.Namespace, text: torch.Tensor, split: int,
     backend = compcomm.backends.get("gloo")
     opt = make_optimizer(name, model, args, backend)
     if args.schedule == "cosine":
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(args, s))
     gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)  # same batches in every run
     curve, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -293,6 +323,7 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: in
 def write_outputs(report: dict[str, Any], out: str) -> None:
     os.makedirs(out, exist_ok=True)
     stem = "convergence" if report["args"]["task"] == "char-mlp" else f"convergence_{report['args']['task']}"
+    stem += f"_{report['args']['tag']}" if report["args"]["tag"] else ""
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {os.path.join(out, stem + '.json')}")

@@ -10,8 +10,9 @@ Each phase costs latency + bytes / bandwidth, or codec bytes / memory bandwidth:
     codec pass:                         bytes moved / gamma_pass * share
     share = max(1, ranks on the machine / cores): ranks of a simulated cluster share its cores
 
-and the call overlaps what it overlaps: header + scan + max(a2a, werr) + server + max(gather,
-serr) + decode. The calibration file (one run of bench/phases.py, ideally 2 hosts, so share = 1)
+and the call overlaps what it overlaps: scan + header + max(a2a, werr) + server + max(gather,
+serr) + decode (phase 0's all-to-all carries a repeated call's first FOLD_BYTES / n sign bytes per
+peer, phase 1 the rest). The calibration file (one run of bench/phases.py, ideally 2 hosts, so share = 1)
 gives alpha (header), B (a2a and gather bytes), every gamma (its codec passes) and, when it has
 several ranks per host, the loopback bandwidth B_lo (rs); every other file is then predicted
 and printed next to its measurements. `--extrapolate` prints the model at 64-1024 ranks for a
@@ -24,6 +25,7 @@ import json
 import math
 
 BURST = 256 * 1024  # netsim's tbf bucket: transfers below it leave at the veth's speed
+FOLD_BYTES = 128 * 1024  # compcomm.allreduce.FOLD_BYTES (not imported: the model runs without compcomm)
 CODEC = ("scan", "werr", "server", "serr", "decode")
 
 
@@ -34,8 +36,8 @@ def chunk(numel: int, n: int) -> int:
 def flat_bytes(numel: int, n: int) -> dict[str, float]:
     """Bytes per rank of every part of the flat call over n ranks (comm: sent; codec: moved)."""
     c = chunk(numel, n)
-    m = c * n
-    return {"header": 16.0 * (n - 1), "a2a": (n - 1) * c / 8, "gather": (n - 1) * (4 + c / 8),
+    m, room = c * n, min(FOLD_BYTES // n, c // 8)
+    return {"header": (n - 1) * (16.0 + room), "a2a": (n - 1) * (c / 8 - room), "gather": (n - 1) * (4 + c / 8),
             "scan": 8.0 * numel + m / 8, "werr": 12.0 * numel, "server": n * c / 8 + 8.0 * c + c / 8,
             "serr": 8.0 * c, "decode": 4.0 * m + m / 8, "allreduce": 2 * (n - 1) / n * 4 * numel}
 
@@ -53,12 +55,12 @@ def flat_parts(p: dict, numel: int, n: int, share: float, k: int = 1,
     b = flat_bytes(numel, n)
     t = {part: b[part] / p["gamma"][part] * share for part in CODEC}
     crossing = (n - k) / (n - 1) if n > 1 else 0.0
-    t["header"] = comm_time(p, 0.0, n - 1, share, p["B"])
-    t["a2a"] = comm_time(p, b["a2a"] * crossing, n - 1, share, link)
+    t["header"] = comm_time(p, b["header"] * crossing, n - 1, share, link)
+    t["a2a"] = comm_time(p, b["a2a"] * crossing, n - 1, share, link) if b["a2a"] else 0.0
     t["gather"] = comm_time(p, b["gather"] * crossing, n - 1, share, link)
     t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, p["B"])
-    t["call"] = (t["header"] + t["scan"] + max(t["a2a"], t["werr"]) + t["server"] + max(t["gather"], t["serr"])
-                 + t["decode"])
+    t["call"] = (t["scan"] + t["header"] + max(t["a2a"], t["werr"]) + t["server"]
+                 + max(t["gather"], t["serr"]) + t["decode"])
     return t
 
 

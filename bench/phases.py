@@ -6,9 +6,9 @@
 Run under torchrun or bench/netsim.py (it reads RANK/WORLD_SIZE). For every size it times, on
 all ranks at once, each part of the flat 1-bit collective on its own, then the whole call:
 
-    header    phase 0: all-gather of one 32-byte header per rank
+    header    phase 0: all-to-all of a 16-byte header + min(C/8, FOLD_BYTES / n) bytes of signs per peer
     scan      worker pass: reads x and the worker error (N elements), packs the signs of x'
-    a2a       phase 1: all-to-all of the packed signs, (n-1) blocks of C/8 bytes
+    a2a       phase 1: all-to-all of the rest of the packed signs (none when C/8 <= FOLD_BYTES / n)
     werr      worker error update: reads x and the error, writes the error (N elements)
     server    server pass: n rows of C/8 sign bytes and the server error -> y, its signs
     gather    phase 2: all-gather of each server's (t_j, signs), (n-1) blocks of 4 + C/8 bytes
@@ -58,6 +58,7 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
     """One record: every part's time for a `numel`-element fp32 tensor on this group."""
     import compcomm
     from compcomm import codec
+    from compcomm.allreduce import FOLD_BYTES, HEADER
     from compcomm.layout import chunk_size, padded_size, real_count
 
     n, rank = be.world_size, be.rank
@@ -73,17 +74,20 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
     scales = torch.ones(n)
     mine = torch.zeros(4 + c // 8, dtype=torch.uint8)
     everyone = torch.zeros(n, mine.numel(), dtype=torch.uint8)
-    header = torch.zeros(32, dtype=torch.uint8)
-    headers = torch.empty(n, 32, dtype=torch.uint8)
+    room = min(FOLD_BYTES // n, c // 8)  # a repeated call's room in phase 0
+    header = torch.zeros(n, HEADER.itemsize + room, dtype=torch.uint8)
+    headers = torch.empty_like(header)
+    rest = torch.zeros(n, c // 8 - room, dtype=torch.uint8)
+    rest_received = torch.empty_like(rest)
 
     def decode() -> None:
         for j in range(n):
             coder.decode(everyone[j, 4:], 1.0, out[j * c:(j + 1) * c])
 
     calls = {
-        "header": lambda: be.all_gather(header, headers),
+        "header": lambda: be.all_to_all(header, headers),
         "scan": lambda: coder.worker_scan(x, worker, signs.view(-1)),
-        "a2a": lambda: be.all_to_all(signs, received),
+        "a2a": lambda: rest.numel() and be.all_to_all(rest, rest_received),
         "werr": lambda: coder.error_update_(worker, 1.0, numel, x),
         "server": lambda: coder.server_scan_(received, scales, n, server, served, mine[4:]),
         "gather": lambda: be.all_gather(mine, everyone),

@@ -4,8 +4,11 @@ For world size n and N elements padded to M = ceil(N / 8n) * 8n, chunk C = M / n
 
     worker r:   x' = pad(x) + e_w           s_r = ||x'[:N]|| / sqrt(N)
                 e_w <- x' - s_r sign(x')     (0 on padding)
-    phase 0:    all-gather of a `HEADER` per tensor: every rank validates every rank's call
-    phase 1:    all-to-all of packed signs: rank j gets chunk j of each sign(x'_r)
+    phase 0:    all-to-all of one slot per server: slot j holds this rank's `HEADER` (so every
+                rank validates every rank's call) and the first bytes of its packed signs for
+                server j, as many as the slots' agreed room holds (see `FOLD_BYTES`)
+    phase 1:    all-to-all of the rest of the packed signs: rank j gets chunk j of each sign(x'_r)
+                (no phase 1 when phase 0 carried them all: repeated small calls)
     server j:   y = (1/n) sum_r s_r sign(x'_r)[chunk j] + e_s       t_j = ||y[:k]|| / sqrt(k)
                 e_s <- y - t_j sign(y)       (0 beyond the k real elements)
     phase 2:    all-gather of (t_j, packed sign(y)) in one collective
@@ -20,7 +23,13 @@ or ErrorFeedback tag, ranks out of step (the call's sequence number on the group
 in any rank's input or error state, and sums that could overflow: with B = sum_r s_r, the server's
 fp32 partial sums stay below B and |y| below B/n (or B for "sum") + max|e_s|, so the call is refused
 (NonFiniteError) when either bound reaches the top of fp32 or of the output dtype. A finite input
-therefore never yields a non-finite output or error state.
+therefore never yields a non-finite output or error state. Phase 0's slots have the same size on
+every rank whatever the arguments, so ranks passing different sizes are told so instead of hanging.
+
+With `min_compress_bytes`, a tensor of fewer bytes is reduced exactly instead, through the same
+phases and checks: phase 0/1 carry fp32 chunk j of x to server j, which sums them in rank order
+(then divides by n for "mean"), and phase 2 all-gathers the sums, so the result is again bitwise
+the same on every rank and backend. Its error feedback is neither used nor changed.
 """
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Literal, NamedTuple, overload
 
 import numpy as np
 import torch
@@ -36,9 +45,9 @@ import torch
 from . import codec
 from .backends import Backend, resolve
 from .error_feedback import ErrorFeedback
-from .errors import NonFiniteError
+from .errors import NonFiniteError, largest_magnitude
 from .layout import chunk_size, real_count
-from .ordering import Pending, sequence_number
+from .ordering import Pending
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OPS = ("mean", "sum")
@@ -50,7 +59,8 @@ CALL = np.dtype([
     ("tag", "<u4"),         # ErrorFeedback.fingerprint
     ("op", "u1"),           # index in OPS
     ("dtype", "u1"),        # index in FLOAT_DTYPES
-    ("reserved", "V2"),
+    ("exact", "u1"),        # 1 when reduced exactly (below min_compress_bytes)
+    ("reserved", "V1"),
 ])
 """What every rank must agree on, per tensor. Only its digest travels, unless the digests differ."""
 
@@ -61,6 +71,15 @@ HEADER = np.dtype([
     ("code", "<i4"),        # 0, or 1 + index in ERRORS of the error this rank's own checks raised
 ])
 """Phase 0's per-tensor wire format (16 bytes per tensor and rank)."""
+
+FOLD_BYTES = 128 * 1024
+"""The most phase-1 bytes per rank that phase 0's all-to-all carries. Its slots have the same size
+on every rank whatever the arguments: a HEADER plus the room of the group's previous accepted call
+(its first tensor's row width, at most FOLD_BYTES / n; none for a group's first call), which every
+rank knows alike. So a repeated call whose rows fit costs two collective latencies instead of three
+(1-bit: up to 4 MiB of fp32 at n = 4), a larger call sends the rest in phase 1, and no call carries
+more padding than its predecessor's rows. FOLD_BYTES is about one latency's worth of bytes at
+10 Gbit/s (~100 us)."""
 
 SERVER_SCALE_BYTES = 4
 """Phase 2's message of server j: t_j as fp32 bytes, then the packed signs of sign(y_j)."""
@@ -78,18 +97,18 @@ _LARGEST = {torch.float32: float(torch.finfo(torch.float32).max),
 @overload
 def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
                          backend: Backend | str | None = ..., op: str = ...,
-                         async_op: Literal[False] = ...) -> torch.Tensor: ...
+                         async_op: Literal[False] = ..., min_compress_bytes: int | None = ...) -> torch.Tensor: ...
 
 
 @overload
 def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
                          backend: Backend | str | None = ..., op: str = ...,
-                         async_op: Literal[True] = ...) -> Pending: ...
+                         async_op: Literal[True] = ..., min_compress_bytes: int | None = ...) -> Pending: ...
 
 
 def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
                          backend: Backend | str | None = None, op: str = "mean",
-                         async_op: bool = False) -> torch.Tensor | Pending:
+                         async_op: bool = False, min_compress_bytes: int | None = None) -> torch.Tensor | Pending:
     """Average (op="mean") or sum (op="sum") `tensor` over all ranks in place, with 1-bit
     compression and error feedback carried in `error_feedback`; returns `tensor`.
 
@@ -99,14 +118,19 @@ def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
     whose `wait()` returns the tensor or raises; leave the tensor alone until then. compcomm's
     calls on a group run in the order they were submitted, on a private duplicate of the group,
     so the caller's own collectives may run meanwhile.
+
+    `min_compress_bytes` (default None: always compress): a tensor of fewer bytes is reduced
+    exactly (fp32 sums in rank order, the same checks, `error_feedback` left as it is), for
+    small tensors where the 1-bit code saves no time; every rank must pass the same value.
     """
     be = resolve(backend, tensor)
-    return be.ordered(lambda: _run([tensor], [error_feedback], be, op)[0], async_op=async_op)
+    return be.ordered(lambda: _run([tensor], [error_feedback], be, op, min_compress_bytes)[0], async_op=async_op)
 
 
 def compressed_allreduce_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback],
                                    backend: Backend | str | None = None, op: str = "mean",
-                                   async_op: bool = False) -> list[torch.Tensor] | Pending:
+                                   async_op: bool = False,
+                                   min_compress_bytes: int | None = None) -> list[torch.Tensor] | Pending:
     """`compressed_allreduce` of several tensors (one ErrorFeedback each) as one call: one
     phase-0 agreement for all of them, so either every tensor is reduced on every rank or none
     is and nothing changes (e.g. a NaN in the last bucket leaves the first bucket's error state
@@ -116,53 +140,76 @@ def compressed_allreduce_coalesced(tensors: Sequence[torch.Tensor], error_feedba
         raise ValueError(f"need one ErrorFeedback per tensor and at least one tensor, got "
                          f"{len(tensors)} tensors and {len(efs)} ErrorFeedbacks")
     be = resolve(backend, tensors[0])
-    return be.ordered(lambda: _run(tensors, efs, be, op), async_op=async_op)
+    return be.ordered(lambda: _run(tensors, efs, be, op, min_compress_bytes), async_op=async_op)
 
 
 def prepare(tensor: torch.Tensor, error_feedback: ErrorFeedback, backend: Backend,
-            op: str = "mean", dtype: torch.dtype | None = None) -> PreparedCall:
+            op: str = "mean", dtype: torch.dtype | None = None, exact: bool = False) -> PreparedCall:
     """The first half of a call: local checks and the phase-0 agreement over `backend`.
 
     Raises the agreed error on every rank of `backend`, modifying nothing, or returns the call
     ready to `commit()`. For composite schedules (a hierarchical backend) that must agree across
     another group before committing; run both halves inside that schedule's ordered call.
     `dtype` is the dtype the result ends in when not the tensor's (a composite reducing an fp32
-    part of a half-precision tensor), for the overflow verdict.
+    part of a half-precision tensor), for the overflow verdict; `exact` reduces it uncompressed.
     """
-    return prepare_coalesced([tensor], [error_feedback], backend, op, None if dtype is None else [dtype])[0]
+    return prepare_coalesced([tensor], [error_feedback], backend, op, None if dtype is None else [dtype],
+                             [exact])[0]
 
 
 def prepare_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback],
-                      backend: Backend, op: str = "mean",
-                      dtypes: Sequence[torch.dtype] | None = None) -> list[PreparedCall]:
+                      backend: Backend, op: str = "mean", dtypes: Sequence[torch.dtype] | None = None,
+                      exact: Sequence[bool] | None = None) -> list[PreparedCall]:
     """`prepare` of several tensors with one phase-0 agreement (as `compressed_allreduce_coalesced`)."""
     tensors, efs = list(tensors), list(error_feedbacks)
-    return backend.ordered(lambda: _prepare(tensors, efs, backend, op, dtypes))
+    flags = [False] * len(tensors) if exact is None else [bool(e) for e in exact]
+    return backend.ordered(lambda: _prepare(tensors, efs, backend, op, lambda i, t: flags[i], dtypes))
 
 
 def agree(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback], backend: Backend,
-          op: str, part: Callable[[int], tuple[int, int]]) -> None:
+          op: str, part: Callable[[int], tuple[int, int]], min_compress_bytes: int | None = None) -> list[bool]:
     """Phase 0 of a composite call, without the worker scan: this rank's checks of its
     arguments, each ErrorFeedback serving the (numel, world_size) `part(tensor.numel())` of the
-    work, then agreement over `backend` on count, sequence, numel, op, dtype and tag. Raises the
-    agreed error on every rank of `backend`, modifying nothing. Run it inside the composite's
-    ordered call."""
-    def check(i: int, tensor: torch.Tensor, ef: ErrorFeedback, headers: np.ndarray) -> torch.dtype:
+    work, then agreement over `backend` on count, sequence, numel, op, dtype, tag and which
+    tensors go uncompressed (returned, one flag per tensor). Raises the agreed error on every
+    rank of `backend`, modifying nothing. Run it inside the composite's ordered call."""
+    flags: list[bool] = []
+
+    def check(i: int, tensor: torch.Tensor, ef: ErrorFeedback, headers: np.ndarray) -> Scanned:
         check_arguments(tensor, ef, backend, op, part)
-        return tensor.dtype
+        flags.append(below(tensor, min_compress_bytes))
+        return Scanned(tensor.dtype, flags[-1])
 
-    _phase0(list(tensors), list(error_feedbacks), backend, op, check)
+    _phase0(list(tensors), list(error_feedbacks), backend, op, check, fold=False)
+    return flags
 
 
-def _run(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str) -> list[torch.Tensor]:
+def below(tensor: torch.Tensor, min_compress_bytes: int | None) -> bool:
+    """Whether `tensor` goes uncompressed: fewer bytes than `min_compress_bytes` (None: never)."""
+    if min_compress_bytes is None:
+        return False
+    if isinstance(min_compress_bytes, bool) or not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
+        raise ValueError(f"min_compress_bytes must be None or a number of bytes >= 0, got {min_compress_bytes!r}")
+    return tensor.numel() * tensor.element_size() < min_compress_bytes
+
+
+def _run(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
+         min_compress_bytes: int | None) -> list[torch.Tensor]:
     schedule = getattr(be, "compressed_schedule", None)  # a composite backend's own schedule
-    if schedule is not None:
-        with torch.no_grad():
-            return schedule(tensors, efs, op)
     with torch.no_grad():
-        for call in _prepare(tensors, efs, be, op):
+        if schedule is not None:
+            return schedule(tensors, efs, op, min_compress_bytes)
+        for call in _prepare(tensors, efs, be, op, lambda i, t: below(t, min_compress_bytes)):
             call.commit()
     return tensors
+
+
+class Scanned(NamedTuple):
+    """What phase 0 needs of one tensor after this rank's checks."""
+
+    dtype: torch.dtype                # the dtype the result ends in (for the overflow verdict)
+    exact: bool                       # reduced uncompressed
+    rows: torch.Tensor | None = None  # (n, W) bytes of phase 1, row j for server j
 
 
 @dataclass
@@ -174,10 +221,12 @@ class PreparedCall:
     ef: ErrorFeedback
     be: Backend
     op: str
-    signs: torch.Tensor    # (n, C/8) packed worker signs, row j for server j
-    scales: np.ndarray     # every rank's s_r (fp32)
+    rows: torch.Tensor     # (n, W) bytes of phase 1, row j for server j: packed signs, or fp32 if exact
+    early: torch.Tensor | None  # (n, e) the first e bytes of what each rank sent this one, from phase 0
+    scales: np.ndarray     # every rank's s_r (fp32); max |x_r| if exact
     scale: float           # this rank's s_r
-    result: torch.Tensor | None = None  # after commit: phase 2's bytes, (n, 4 + C/8), see `decode_result`
+    exact: bool            # reduced uncompressed (below min_compress_bytes)
+    result: torch.Tensor | None = None  # after commit: phase 2's bytes, see `decode_result`
 
     def commit(self) -> torch.Tensor:
         """Phases 1 and 2 and the decode; updates the error feedback; returns the tensor."""
@@ -186,42 +235,78 @@ class PreparedCall:
 
     def _commit(self) -> torch.Tensor:
         """Each error update runs while the collective that does not depend on it is in flight."""
+        if self.exact:
+            self.result = self._gather(self._exact_sum(self._phase1(lambda: None)), lambda: None)
+        else:
+            self.result = self._one_bit()
+        decode_result(self.result, self.flat, self.exact)
+        if self.flat.data_ptr() != self.tensor.data_ptr() or not self.tensor.is_contiguous():
+            self.tensor.copy_(self.flat.view(self.tensor.shape))
+        return self.tensor
+
+    def _one_bit(self) -> torch.Tensor:
         be, flat, numel = self.be, self.flat, self.flat.numel()
-        n, rank, device = be.world_size, be.rank, flat.device
-        c = chunk_size(numel, n)
+        n, device = be.world_size, flat.device
         worker, server = self.ef.buffers(numel, n, device)
         coder = codec.codec_for(device)
-
-        received = torch.empty_like(self.signs)
-        in_flight = be.all_to_all(self.signs, received, async_op=True)
-        coder.error_update_(worker, self.scale, numel, flat)
-        in_flight.wait()
-        self.signs = received  # drop the sent bits
-
-        served = real_count(rank, numel, n)
-        mine = torch.empty(SERVER_SCALE_BYTES + c // 8, dtype=torch.uint8, device=device)
+        received = self._phase1(lambda: coder.error_update_(worker, self.scale, numel, flat))
+        served = real_count(be.rank, numel, n)
+        mine = torch.empty(SERVER_SCALE_BYTES + received.shape[1], dtype=torch.uint8, device=device)
         divisor = n if self.op == "mean" else 1
         sum_sq = coder.server_scan_(received, torch.from_numpy(self.scales).to(device), divisor,
                                     server, served, mine[SERVER_SCALE_BYTES:])
         server_scale = codec.rms_scale(sum_sq, served)
         mine[:SERVER_SCALE_BYTES].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
-        everyone = torch.empty(n, mine.numel(), dtype=torch.uint8, device=device)
-        in_flight = be.all_gather(mine, everyone, async_op=True)
-        coder.error_update_(server, server_scale, served)
-        self.ef.record_server_max()
+
+        def server_update() -> None:
+            coder.error_update_(server, server_scale, served)
+            self.ef.record_server_max()
+
+        return self._gather(mine, server_update)
+
+    def _phase1(self, meanwhile: Callable[[], None]) -> torch.Tensor:
+        """(n, W): row r is what rank r sent this one; the part phase 0 did not carry goes now,
+        while `meanwhile()` runs."""
+        done = 0 if self.early is None else self.early.shape[1]
+        if done == self.rows.shape[1]:
+            meanwhile()
+            received = self.early.contiguous() if self.early is not None else torch.empty_like(self.rows)
+        else:
+            rest = self.rows if done == 0 else self.rows[:, done:].contiguous()
+            got = torch.empty_like(rest)
+            in_flight = self.be.all_to_all(rest, got, async_op=True)
+            meanwhile()
+            in_flight.wait()
+            received = got if self.early is None else torch.cat([self.early, got], dim=1)
+        self.rows = received  # drop what was sent
+        return received
+
+    def _exact_sum(self, received: torch.Tensor) -> torch.Tensor:
+        """This server's chunk of the exact reduction: fp32 rows summed in rank order (/ n for mean)."""
+        parts = received.view(torch.float32)
+        total = parts[0].clone()
+        for row in parts[1:]:
+            total.add_(row)
+        if self.op == "mean":
+            total.div_(self.be.world_size)
+        return total.view(torch.uint8)
+
+    def _gather(self, mine: torch.Tensor, meanwhile: Callable[[], None]) -> torch.Tensor:
+        """Phase 2: every server's message, (n, len(mine)), while `meanwhile()` runs."""
+        everyone = torch.empty(self.be.world_size, mine.numel(), dtype=torch.uint8, device=mine.device)
+        in_flight = self.be.all_gather(mine, everyone, async_op=True)
+        meanwhile()
         in_flight.wait()
-
-        self.result = everyone
-        decode_result(everyone, flat)
-        if flat.data_ptr() != self.tensor.data_ptr() or not self.tensor.is_contiguous():
-            self.tensor.copy_(flat.view(self.tensor.shape))
-        return self.tensor
+        return everyone
 
 
-def decode_result(everyone: torch.Tensor, out: torch.Tensor) -> None:
+def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False) -> None:
     """out (the N-element flat output, any float dtype) <- the call's result, from phase 2's bytes:
-    row j holds server j's t_j (fp32) and the packed signs of its chunk."""
+    row j holds server j's t_j (fp32) and the packed signs of its chunk, or if `exact` its fp32 sums."""
     n, numel = everyone.shape[0], out.numel()
+    if exact:
+        out.copy_(everyone.view(torch.float32).view(-1)[:numel])
+        return
     c = chunk_size(numel, n)
     coder = codec.codec_for(out.device)
     server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
@@ -232,50 +317,61 @@ def decode_result(everyone: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
+             exact: Callable[[int, torch.Tensor], bool],
              dtypes: Sequence[torch.dtype] | None = None) -> list[PreparedCall]:
     """This rank's checks and worker scans, then phase 0; raises the agreed error everywhere."""
-    scanned: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+    scanned: list[tuple[torch.Tensor, torch.Tensor, float, bool]] = []
 
-    def scan(i: int, tensor: torch.Tensor, ef: ErrorFeedback, headers: np.ndarray) -> torch.dtype:
-        flat, signs, sum_sq = _local_scan(tensor, ef, be, op)
-        scale = codec.rms_scale(sum_sq, tensor.numel())
-        scanned.append((flat, signs, scale))
-        headers["scale"][i], headers["server_max"][i] = scale, ef.server_error_max()
-        return tensor.dtype if dtypes is None else dtypes[i]
+    def scan(i: int, tensor: torch.Tensor, ef: ErrorFeedback, headers: np.ndarray) -> Scanned:
+        check_arguments(tensor, ef, be, op)
+        uncompressed = exact(i, tensor)
+        flat, rows, scale = (_exact_rows if uncompressed else _worker_scan)(tensor, ef, be)
+        scanned.append((flat, rows, scale, uncompressed))
+        headers["scale"][i] = scale
+        headers["server_max"][i] = 0.0 if uncompressed else ef.server_error_max()
+        return Scanned(tensor.dtype if dtypes is None else dtypes[i], uncompressed, rows)
 
-    everyone = _phase0(tensors, efs, be, op, scan)
+    everyone, early = _phase0(tensors, efs, be, op, scan, fold=True)
     scales = everyone["scale"].astype(np.float32)
-    return [PreparedCall(tensor.detach(), flat, ef, be, op, signs, scales[:, i].copy(), scale)
-            for i, (tensor, ef, (flat, signs, scale)) in enumerate(zip(tensors, efs, scanned))]
+    return [PreparedCall(tensor.detach(), flat, ef, be, op, rows, early if i == 0 else None,
+                         scales[:, i].copy(), scale, uncompressed)
+            for i, (tensor, ef, (flat, rows, scale, uncompressed)) in enumerate(zip(tensors, efs, scanned))]
 
 
 def _phase0(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
-            local: Callable[[int, torch.Tensor, ErrorFeedback, np.ndarray], torch.dtype]) -> np.ndarray:
+            local: Callable[[int, torch.Tensor, ErrorFeedback, np.ndarray], Scanned],
+            fold: bool) -> tuple[np.ndarray, torch.Tensor | None]:
     """Phase 0: `local(i, tensor, ef, headers)` runs this rank's checks of tensor i (filling what
-    it measured into headers[i] and returning the result's dtype), then every rank's headers are
-    gathered and judged alike. Returns them, (n, count), or raises the agreed error everywhere."""
+    it measured into headers[i]), then every rank's headers are gathered and judged alike, with
+    the first tensor's rows folded in (`fold`). Returns them, (n, count), and what the other ranks
+    sent this one of the first tensor's rows, or raises the agreed error everywhere."""
     count = len(tensors)
     calls = np.zeros(count, dtype=CALL)
-    calls["count"], calls["seq"] = count, sequence_number(be.channel)
+    calls["count"], calls["seq"] = count, be.sequence_number()
     headers = np.zeros(count, dtype=HEADER)
+    first_rows: torch.Tensor | None = None
     failure: Exception | None = None
     try:
         _check_distinct(efs)
         for i, (tensor, ef) in enumerate(zip(tensors, efs)):
-            _describe_call(calls, i, tensor, ef, op, local(i, tensor, ef, headers))
+            scanned = local(i, tensor, ef, headers)
+            _describe_call(calls, i, tensor, ef, op, scanned)
+            first_rows = scanned.rows if i == 0 else first_rows
     except Exception as exc:  # reported to every rank in phase 0, then raised everywhere
-        failure = exc
+        failure, first_rows = exc, None
         headers["code"] = _error_code(exc)
     headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
-    everyone = _exchange(headers, be)
+    everyone, early = _exchange(headers, be, first_rows, fold)
     _raise_if_rejected(everyone, calls, failure, be)
-    return everyone
+    if fold and first_rows is not None:  # accepted: every rank has the same width
+        be.channel.agreed["fold_room"] = min(FOLD_BYTES // be.world_size, first_rows.shape[1])
+    return everyone, early
 
 
 def _describe_call(calls: np.ndarray, i: int, tensor: torch.Tensor, ef: ErrorFeedback, op: str,
-                   dtype: torch.dtype) -> None:
+                   scanned: Scanned) -> None:
     for field, value in (("numel", tensor.numel()), ("tag", ef.fingerprint), ("op", OPS.index(op)),
-                         ("dtype", FLOAT_DTYPES.index(dtype))):
+                         ("dtype", FLOAT_DTYPES.index(scanned.dtype)), ("exact", scanned.exact)):
         calls[field][i] = value
 
 
@@ -284,13 +380,31 @@ def _error_code(exc: Exception) -> int:
     return 1 + next((i for i, cls in enumerate(ERRORS) if type(exc) is cls), len(ERRORS) - 1)
 
 
-def _exchange(headers: np.ndarray, be: Backend) -> np.ndarray:
-    """All-gather the headers: (n, count) records. The first record goes alone, so that ranks
+def _exchange(headers: np.ndarray, be: Backend, rows: torch.Tensor | None,
+              fold: bool) -> tuple[np.ndarray, torch.Tensor | None]:
+    """Exchange the headers: (n, count) records, and the first tensor's early rows. The first
+    record goes alone (in the folded all-to-all, or an all-gather of its own), so that ranks
     disagreeing on the count (part of the digest) are caught before sizes differ."""
-    first = _all_gather_records(headers[:1], be)
+    first, early = _folded(headers[:1], rows, be) if fold else (_all_gather_records(headers[:1], be), None)
     if len(headers) == 1 or (first["digest"] != first["digest"][:1]).any() or first["code"].any():
-        return first
-    return np.concatenate([first, _all_gather_records(headers[1:], be)], axis=1)
+        return first, early
+    return np.concatenate([first, _all_gather_records(headers[1:], be)], axis=1), early
+
+
+def _folded(record: np.ndarray, rows: torch.Tensor | None, be: Backend) -> tuple[np.ndarray, torch.Tensor | None]:
+    """Phase 0's all-to-all: slot j carries `record` and the first bytes of rows[j], in the
+    room every rank agreed on (see FOLD_BYTES), so no argument can make sizes differ."""
+    n, head = be.world_size, HEADER.itemsize
+    room = be.channel.agreed.get("fold_room", 0)
+    send = torch.zeros(n, head + room, dtype=torch.uint8, device=be.device)
+    send[:, :head] = torch.from_numpy(record.view(np.uint8).copy()).to(be.device)
+    carried = 0 if rows is None else min(room, rows.shape[1])
+    if rows is not None and carried:
+        send[:, head:head + carried].copy_(rows[:, :carried])
+    recv = torch.empty_like(send)
+    be.all_to_all(send, recv)
+    records = recv[:, :head].cpu().numpy().view(HEADER).reshape(n, 1)
+    return records, recv[:, head:head + carried] if carried else None
 
 
 def _all_gather_records(records: np.ndarray, be: Backend) -> np.ndarray:
@@ -300,16 +414,25 @@ def _all_gather_records(records: np.ndarray, be: Backend) -> np.ndarray:
     return recv.cpu().numpy().view(records.dtype).reshape(be.world_size, len(records))
 
 
-def _local_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend,
-                op: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Validate this rank's arguments; return the flattened tensor (a view when contiguous),
-    its packed worker signs (n, C/8) and sum(x'^2). Nothing is modified."""
-    check_arguments(tensor, ef, be, op)
+def _worker_scan(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The flattened tensor (a view when contiguous), its packed worker signs (n, C/8) and s_r.
+    Nothing is modified."""
     n, numel = be.world_size, tensor.numel()
     signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
     worker = ef.worker_error.to(tensor.device) if ef.worker_error is not None else None
     flat = tensor.detach().reshape(-1)
-    return flat, signs, codec.codec_for(tensor.device).worker_scan(flat, worker, signs.view(-1))
+    sum_sq = codec.codec_for(tensor.device).worker_scan(flat, worker, signs.view(-1))
+    return flat, signs, codec.rms_scale(sum_sq, numel)
+
+
+def _exact_rows(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """For an uncompressed call: the flattened tensor, its fp32 chunks as bytes (n, 4C) and
+    max |x|, which bounds the sums as s_r does (NaN/inf when x is not finite)."""
+    n, numel = be.world_size, tensor.numel()
+    flat = tensor.detach().reshape(-1)
+    rows = torch.zeros(n, chunk_size(numel, n), dtype=torch.float32, device=tensor.device)
+    rows.view(-1)[:numel].copy_(flat)
+    return flat, rows.view(torch.uint8), largest_magnitude(flat)
 
 
 def check_arguments(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str,
@@ -377,7 +500,7 @@ def _disagreement(calls: np.ndarray) -> str:
     if (calls["count"] != calls["count"][:1]).any():
         return (f"ranks disagree on the number of tensors in the call (per rank: {calls['count'][:, 0].tolist()}); "
                 "nothing was reduced")
-    for field in ("seq", "numel", "op", "dtype", "tag"):
+    for field in ("seq", "numel", "op", "dtype", "exact", "tag"):
         differs = np.flatnonzero((calls[field] != calls[field][:1]).any(axis=0))
         if differs.size:
             column = calls[field][:, int(differs[0])].tolist()
@@ -390,8 +513,9 @@ def _disagreement(calls: np.ndarray) -> str:
     shown = {"op": lambda v: OPS[v], "dtype": lambda v: str(FLOAT_DTYPES[v]).replace("torch.", "")}
     values = [shown[field](v) for v in column] if field in shown else column
     what = {"seq": "call sequence numbers on this group", "op": "op", "dtype": "dtype",
-            "tag": "ErrorFeedback tags"}[field]
+            "exact": "compression (1 = uncompressed)", "tag": "ErrorFeedback tags"}[field]
     hint = {"seq": "; every rank must make the same compcomm calls on a group in the same order",
+            "exact": "; pass the same min_compress_bytes on every rank",
             "tag": "; the ranks paired different ErrorFeedbacks (async calls submitted in different "
                    "orders?): submit calls in the same order on every rank"}.get(field, "")
     return f"ranks disagree on the call's {what} (per rank: {values}){hint}; nothing was reduced"

@@ -39,6 +39,9 @@ class Channel:
         self._issued = 0
         self._serving = 0
         self._worker: ThreadPoolExecutor | None = None
+        self.agreed: dict[Hashable, int] = {}
+        """Values every rank sets alike from the agreed outcome of calls on this channel (calls
+        pair by position, so these stay equal across ranks even when the ranks' arguments differ)."""
 
     def worker(self) -> ThreadPoolExecutor:
         """The thread that runs this channel's async calls (made on first use)."""

@@ -92,3 +92,24 @@ def test_error_feedback_identity(pool, op):
     worker = np.mean([r["worker"] for r in res], axis=0) if op == "mean" else np.sum([r["worker"] for r in res], axis=0)
     server = np.concatenate([r["server"] for r in res])[:numel]
     np.testing.assert_allclose(res[0]["out_sum"] + worker + server, exact, atol=1e-4 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("numel", [5_000_001])  # the last chunk padded
+def test_large_call_with_signs_split_between_phases_zero_and_one_matches_reference(pool, numel):
+    """From the second call on, phase 0 carries the first FOLD_BYTES / n sign bytes of each
+    row and phase 1 the rest; the result is the reference's."""
+    from compcomm.allreduce import FOLD_BYTES
+    from compcomm.layout import chunk_size
+
+    assert chunk_size(numel, 4) // 8 > FOLD_BYTES // 4
+    world, steps = 4, 2
+    per_rank = pool.run(run_steps, world, numel, "float32", "mean", steps)
+    worker = np.zeros((world, padded_size(numel, world)))
+    server = np.zeros((world, padded_size(numel, world) // world))
+    for step in range(steps):
+        records = [per_rank[r][step] for r in range(world)]
+        assert len({rec["raw"] for rec in records}) == 1, "outputs differ between ranks"
+        expected, worker, server = reference_allreduce([rec["input"] for rec in records], worker, server, "mean")
+        np.testing.assert_allclose(records[0]["output"], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        worker = np.stack([rec["worker"] for rec in records])
+        server = np.stack([rec["server"] for rec in records])

@@ -266,3 +266,57 @@ def empty_flat() -> dict:
 def test_empty_tensor_on_the_flat_collective(six):
     """An empty part (more local ranks than 8-element blocks) is an empty call across nodes."""
     assert six.run(empty_flat, ranks=[0, 1]) == [{"numel": 0, "worker": 0, "server_max": 0.0}] * 2
+
+
+def below_threshold(layout: str) -> dict:
+    """A coalesced call where the first tensor goes uncompressed (min_compress_bytes) and the
+    second is compressed."""
+    be = _backends[layout]
+    efs = [compcomm.ErrorFeedback("small"), compcomm.ErrorFeedback("large")]
+    x = [make_input(be.rank, 0, 301), make_input(be.rank, 1, 5000)]
+    t = [v.clone() for v in x]
+    compcomm.compressed_allreduce_coalesced(t, efs, backend=be, min_compress_bytes=4 * 1000)
+    return {"input": x[0].numpy(), "output": t[0].numpy().tobytes(), "large": t[1].numpy().tobytes(),
+            "small_errors": (efs[0].worker_error, efs[0].server_error), "large_used": efs[1].worker_error is not None}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_min_compress_bytes_through_hierarchical_is_the_exact_mean_of_node_means(six, layout):
+    hosts, k = LAYOUTS[layout]
+    results = six.run(below_threshold, layout, ranks=ranks_of(layout))
+    assert len({r["output"] for r in results}) == 1 and len({r["large"] for r in results}) == 1
+    assert all(r["small_errors"] == (None, None) and r["large_used"] for r in results)
+    inputs = [torch.from_numpy(r["input"]) for r in results]
+    means = []
+    for h in range(hosts):  # node sums in local rank order, then / k (fp32), as documented
+        total = inputs[h * k].clone()
+        for j in range(1, k):
+            total += inputs[h * k + j]
+        means.append(total / k)
+    expected = means[0].clone()
+    for mean in means[1:]:
+        expected += mean
+    expected /= hosts
+    assert results[0]["output"] == expected.numpy().tobytes()
+
+
+def node_call_then_composite() -> dict:
+    """Node 0's ranks reduce over their own group first (a legitimate node-local call), then
+    all four make a hierarchical call."""
+    from rankpool import group
+
+    be = _backends["2x2"]
+    if be.rank < 2:
+        compcomm.compressed_allreduce(torch.ones(10), compcomm.ErrorFeedback(),
+                                      backend=compcomm.backends.get("gloo", group=group(2)))
+    t = make_input(be.rank, 0, 100)
+    return {"error": caught(compcomm.compressed_allreduce, t, compcomm.ErrorFeedback(), backend=be),
+            "out": t.numpy().tobytes()}
+
+
+def test_a_node_local_call_does_not_put_the_composite_out_of_step(six):
+    """Regression: the composite compared the intra groups' call tickets across nodes, so one
+    node's own call on its group made the next hierarchical call fail as 'out of step'."""
+    results = six.run(node_call_then_composite, ranks=ranks_of("2x2"))
+    assert [r["error"] for r in results] == [None] * 4
+    assert len({r["out"] for r in results}) == 1

@@ -65,7 +65,8 @@ def test_cpu_tensors_go_to_mpi_without_copy(ranks):
 
 
 def wire_bytes(numel: int, n: int) -> int:
-    """Phase 0 header (16 B), phase 1 signs (C/8), phase 2 scale and signs (4 + C/8), to n-1 peers."""
+    """A repeated call: phase 0's header (16 B) and signs (C/8), phase 2's scale and signs (4 + C/8),
+    to n-1 peers."""
     c8 = chunk_size(numel, n) // 8
     return (n - 1) * (16 + c8 + 4 + c8)
 

@@ -311,8 +311,10 @@ def test_one_collective_per_bucket(pool, name):
         assert buckets >= 3
         for warm in per_step[:2]:  # flag + one uncompressed all-reduce per bucket
             assert (warm["all_reduce"], warm["all_gather"], warm["all_to_all"]) == (1 + buckets, 0, 0)
-        for comp in per_step[2:]:  # flag + one compressed allreduce (2 gathers, 1 all-to-all) per bucket
-            assert (comp["all_reduce"], comp["all_gather"], comp["all_to_all"]) == (1, 2 * buckets, buckets)
+        for comp in per_step[2:]:  # flag + one compressed allreduce per bucket: its phase-0 all-to-all,
+            # a phase-1 all-to-all when phase 0 had no room for all its signs, one phase-2 all-gather
+            assert (comp["all_reduce"], comp["all_gather"]) == (1, buckets)
+            assert buckets <= comp["all_to_all"] <= 2 * buckets
         assert per_step[0]["bytes"] >= 2 * 3 / 4 * 4 * numel
         assert per_step[3]["bytes"] < per_step[0]["bytes"] / 3
 

@@ -1,0 +1,1 @@
+python bench/netsim.py --hosts 4 --rate 10gbit --subnet 10.77.34.0/24 -- python bench/allreduce_bw.py --backend gloo --min-bytes 4K --max-bytes 4M --factor 4 --iters 10 --warmup 3 --ops compressed,exact,allreduce --json bench/results/netsim_4h_10gbit_crossover.json -q

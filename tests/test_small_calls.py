@@ -1,0 +1,136 @@
+"""Small calls on 4 real gloo ranks: phase 0's all-to-all (equal-sized on every rank) carries the first bytes of
+phase 1 (so a call whose signs fit makes two collectives, and sizes that differ across ranks are
+still an error, never a hang), and `min_compress_bytes`, which reduces small tensors exactly
+(fp32 sums in rank order) with the same checks and the error feedback left alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import compcomm
+from compcomm.allreduce import FOLD_BYTES, HEADER, SERVER_SCALE_BYTES
+from compcomm.layout import chunk_size
+
+from rankpool import caught, group
+
+WORLD = 4
+
+
+def _backend():
+    return compcomm.backends.get("gloo", group=group(WORLD))
+
+
+def _input(rank: int, numel: int, dtype: torch.dtype, step: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return (torch.randn(numel, generator=g) * (rank + 1)).to(dtype)
+
+
+def exact_calls(numel: int, dtype: torch.dtype, op: str) -> dict:
+    be = _backend()
+    ef = compcomm.ErrorFeedback()
+    x = _input(be.rank, numel, dtype)
+    t, threshold = x.clone(), numel * x.element_size() + 1
+    compcomm.compressed_allreduce(x.clone(), compcomm.ErrorFeedback(), backend=be, op=op, min_compress_bytes=threshold)
+    before = be.bytes_sent  # a repeated call: phase 0 has room for what the previous one needed
+    compcomm.compressed_allreduce(t, ef, backend=be, op=op, min_compress_bytes=threshold)
+    return {"input": x.float().numpy(), "output": t.float().numpy(), "raw": t.view(-1).numpy().tobytes()
+            if dtype == torch.float32 else t.view(torch.int16).numpy().tobytes(),
+            "errors": (ef.worker_error, ef.server_error), "bytes": be.bytes_sent - before}
+
+
+@pytest.mark.parametrize("numel", [1, 1000, 100_000])  # the last one's fp32 rows exceed phase 0's room
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_below_min_compress_bytes_is_the_rank_order_sum(pool, numel, dtype, op):
+    records = pool.run(exact_calls, numel, dtype, op)
+    assert len({rec["raw"] for rec in records}) == 1, "outputs differ between ranks"
+    total = torch.from_numpy(records[0]["input"]).clone()
+    for rec in records[1:]:
+        total += torch.from_numpy(rec["input"])
+    if op == "mean":
+        total /= WORLD
+    expected = total.to(dtype).float().numpy()
+    np.testing.assert_array_equal(records[0]["output"], expected)
+    assert all(rec["errors"] == (None, None) for rec in records), "the error feedback was touched"
+    c = chunk_size(numel, WORLD)
+    assert records[0]["bytes"] == (WORLD - 1) * (HEADER.itemsize + 2 * 4 * c)
+
+
+def _counted(be) -> dict:
+    """Count the byte collectives `be` starts (the transport itself is untouched)."""
+    counts = {"all_to_all": 0, "all_gather": 0}
+    for name in counts:
+        start = getattr(be, "_" + name)
+
+        def counting(*args, _start=start, _name=name):
+            counts[_name] += 1
+            return _start(*args)
+        setattr(be, "_" + name, counting)
+    return counts
+
+
+def repeated_call(previous: int, numel: int) -> dict:
+    """A call of `previous` elements, then one of `numel`: the second one's bytes and collectives."""
+    be = _backend()
+    compcomm.compressed_allreduce(_input(be.rank, previous, torch.float32), compcomm.ErrorFeedback(), backend=be)
+    counts = _counted(be)
+    before = be.bytes_sent
+    compcomm.compressed_allreduce(_input(be.rank, numel, torch.float32), compcomm.ErrorFeedback(), backend=be)
+    return {"bytes": be.bytes_sent - before, **counts}
+
+
+@pytest.mark.parametrize("previous,numel", [(1000, 1000), (1 << 18, 1 << 18), (3 << 20, 3 << 20),
+                                            (3 << 20, 1000), (1000, 3 << 20)])
+def test_phase_zero_carries_as_much_of_phase_one_as_the_previous_call_needed(pool, previous, numel):
+    """The room in phase 0's slots is the previous accepted call's row width (at most
+    FOLD_BYTES / n): a repeated call whose signs fit makes two collectives, a large one sends
+    the rest in phase 1, and padding never exceeds what the previous call's rows needed."""
+    sent = pool.run(repeated_call, previous, numel)
+    assert len({tuple(r.items()) for r in sent}) == 1
+    c8, before = chunk_size(numel, WORLD) // 8, chunk_size(previous, WORLD) // 8
+    room = min(FOLD_BYTES // WORLD, before)
+    assert sent[0]["bytes"] == (WORLD - 1) * (HEADER.itemsize + room + max(0, c8 - room) + SERVER_SCALE_BYTES + c8)
+    assert sent[0]["all_to_all"] == (1 if c8 <= room else 2)
+    if previous == numel:  # steady state: the signs once, plus 20 bytes per peer
+        assert sent[0]["bytes"] == (WORLD - 1) * (2 * c8 + HEADER.itemsize + SERVER_SCALE_BYTES)
+        assert sent[0]["all_to_all"] == 1 + (c8 > FOLD_BYTES // WORLD)
+    assert sent[0]["all_gather"] == 1
+
+
+def rejected(numel_of_rank: dict, threshold_of_rank: dict, poison: int | None = None,
+             dtype: torch.dtype = torch.float32, magnitude: float = 1.0, op: str = "mean") -> dict:
+    be = _backend()
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(_input(be.rank, 64, torch.float32), ef, backend=be)  # a state to keep
+    state = {k: v.clone() for k, v in ef.state_dict().items() if isinstance(v, torch.Tensor)}
+    x = _input(be.rank, numel_of_rank.get(be.rank, 64), torch.float32)
+    x = (x / x.abs().max() * magnitude).to(dtype)
+    if poison == be.rank:
+        x[0] = float("nan")
+    t = x.clone()
+    result = caught(compcomm.compressed_allreduce, t, ef, backend=be, op=op,
+                    min_compress_bytes=threshold_of_rank.get(be.rank, 1 << 20))
+    kept = (all(torch.equal(v, ef.state_dict()[k]) for k, v in state.items())
+            and t.numpy().tobytes() == x.numpy().tobytes())  # bitwise: NaN stays where it was
+    return {"caught": result, "kept": kept}
+
+
+@pytest.mark.parametrize("case", ["threshold_differs", "threshold_invalid", "nan", "overflow", "numel_differs"])
+def test_bad_calls_raise_everywhere_and_change_nothing(pool, case):
+    args = {"threshold_differs": ({}, {2: 0}),
+            "threshold_invalid": ({}, {1: -5}),
+            "nan": ({}, {}, 3),
+            "overflow": ({}, {}, None, torch.float16, 3e4, "sum"),  # each rank's values fit fp16, the sum not
+            "numel_differs": ({0: 5_000_000}, {})}[case]
+    records = pool.run(rejected, *args)
+    assert all(rec["kept"] for rec in records), "a rejected call changed a tensor or error state"
+    errors = {rec["caught"] for rec in records}
+    assert len(errors) == 1 and None not in errors, f"ranks disagree: {errors}"
+    cls, message = errors.pop()
+    expected = {"threshold_differs": ("ValueError", "min_compress_bytes"),
+                "threshold_invalid": ("ValueError", "min_compress_bytes must be"),
+                "nan": ("NonFiniteError", "non-finite"),
+                "overflow": ("NonFiniteError", "overflow"),
+                "numel_differs": ("ValueError", "not 5000000 elements")}[case]
+    assert cls == expected[0] and expected[1] in message, message
