@@ -187,6 +187,7 @@ def test_optim_overlap_bench_reports_the_hidden_fraction(tmp_path):
     assert "comm hidden behind backward" in proc.stdout
     records = json.loads(out.read_text())
     assert [r["stage"] for r in records] == ["warmup", "compressed"]
-    for r in records:  # (bitwise equality of the two variants is tested in test_optim_overlap.py)
+    for r in records:
+        assert r["bitwise_equal_all_ranks"]  # parameters, with and without overlap, on every rank
         assert r["comm_hidden_fraction_no_overlap"] == 0.0
         assert 0 < r["comm_hidden_fraction_overlap"] <= 1
