@@ -133,6 +133,38 @@ def test_lamb_warmup_step_matches_formula(pool):
     assert max(pool.run(lamb_warmup_reference)) < 1e-5
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_lamb_compressed_update_matches_formula(weight_decay):
+    """One compression-stage update of 1-bit LAMB, given the averaged momentum m, against the
+    formula of compcomm/optim/lamb.py's docstring written out in float64."""
+    torch.manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(50))
+    opt = OnebitLamb([p], lr=0.05, weight_decay=weight_decay, freeze_step=2, backend="local")
+    for _ in range(2):  # warm-up; the second step freezes
+        p.grad = torch.randn(50)
+        opt.step()
+    state, group = opt.state[p], opt.param_groups[0]
+    w0, m_prev, v = p.detach().double().clone(), state["exp_avg"].double(), state["exp_avg_sq"].double()
+    fresh0, last, frozen = state["exp_avg_sq_fresh"].double(), state["last_factor"], state["coeff_frozen"]
+    m, t, (b1, b2), eps = torch.randn(50), 3, group["betas"], group["eps"]
+    opt._compressed_update(t, p, m.clone(), group, state)
+    g = (m.double() - b1 * m_prev) / (1 - b1)
+    fresh = b2 * fresh0 + (1 - b2) * g * g
+    d = (v / (1 - b2 ** 2)).sqrt() + eps
+    f = float((d / ((fresh / (1 - b2 ** t)).sqrt() + eps)).max())
+    u_pre = (m.double() / (1 - b1 ** t)) / d
+    u = u_pre + weight_decay * w0
+    if weight_decay:
+        r = min(1.0, float(u_pre.norm() / u.norm()))
+        f = r * f + (1 - r)
+    f = min(max(f, 0.5), 4.0)  # factor_min, factor_max
+    f = min(max(f, last * 0.9), last * 1.1)  # factor_threshold around the last factor
+    c = min(max(frozen * f, 0.01), 10.0)
+    expected = w0 - 0.05 * c * u
+    assert float((p.detach().double() - expected).abs().max() / expected.abs().max()) < 1e-6
+    assert torch.equal(state["exp_avg"], m) and state["last_factor"] == pytest.approx(f, rel=1e-6)
+
+
 # ------------------------------------------------------------------ checkpoints
 
 def straight_vs_resumed(name: str, steps: int, stop: int, freeze_step: int) -> tuple[bytes, bytes, bytes, bytes]:

@@ -68,11 +68,12 @@ def warmup_coefficient(ratio: float | None, coeff_avg: float | None,
     return c, c if coeff_avg is None else beta * coeff_avg + (1 - beta) * c
 
 
-def compressed_factor(variance_ratio: float, last: float, u_pre: torch.Tensor, u: torch.Tensor,
+def compressed_factor(variance_ratio: float, last: float, u_pre: torch.Tensor | None, u: torch.Tensor | None,
                       group: dict[str, Any]) -> float:
-    """The factor f of the compression stage (module docstring), from max(d(v, T0) / d(v_fresh, t))."""
+    """The factor f of the compression stage (module docstring), from max(d(v, T0) / d(v_fresh, t));
+    u_pre and u are needed only with weight decay."""
     factor = variance_ratio
-    if group["weight_decay"]:
+    if group["weight_decay"] and u_pre is not None and u is not None:
         u_norm = float(torch.linalg.vector_norm(u))
         r = min(1.0, float(torch.linalg.vector_norm(u_pre)) / u_norm) if u_norm > 0 else 1.0
         factor = r * factor + (1.0 - r)
@@ -159,15 +160,25 @@ class OnebitLamb(FrozenVarianceOptimizer):
         denom, masked = self._frozen_denominator(p, group)
         m = mask_(m, group, masked)
         scratch = self._scratch_like(p, 0)
-        grad = torch.sub(m, torch.mul(state["exp_avg"], beta1, out=scratch), out=scratch).div_(1 - beta1)
-        fresh = state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        # g_rec = (m - beta1 m_prev) / (1 - beta1): the division is folded into the addcmul's value
+        delta = torch.add(m, state["exp_avg"], alpha=-beta1, out=scratch)
+        fresh = state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(delta, delta, value=(1 - beta2) / (1 - beta1) ** 2)
         state["exp_avg"].copy_(m)
         fresh_denom = adam_denominator(fresh, beta2, t, group["eps"], out=scratch)
         variance_ratio = float(torch.div(denom, fresh_denom, out=scratch).max())
-        u_pre = torch.div(state["exp_avg"], 1 - beta1 ** t, out=self._scratch_like(p, 1)).div_(denom)
         w = master_weight(p, state)
-        u = self._weight_decayed(u_pre, w, group, out=scratch)
-        state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], u_pre, u, group)
-        c = clamp(state["coeff_frozen"] * state["last_factor"], group["min_coeff"], group["max_coeff"])
-        w.add_(u, alpha=-group["lr"] * c)
+        if group["weight_decay"]:
+            u_pre = torch.div(state["exp_avg"], 1 - beta1 ** t, out=self._scratch_like(p, 1)).div_(denom)
+            u = self._weight_decayed(u_pre, w, group, out=scratch)
+            state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], u_pre, u, group)
+            w.add_(u, alpha=-group["lr"] * self._compressed_coefficient(state, group))
+        else:  # u = m_hat / d in one pass, the bias correction folded into the step size
+            state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], None, None, group)
+            step = group["lr"] * self._compressed_coefficient(state, group) / (1 - beta1 ** t)
+            w.addcdiv_(state["exp_avg"], denom, value=-step)
         store_(p, w)
+
+    @staticmethod
+    def _compressed_coefficient(state: dict[str, Any], group: dict[str, Any]) -> float:
+        """c = clamp(c_frz f, min_coeff, max_coeff)."""
+        return clamp(state["coeff_frozen"] * state["last_factor"], group["min_coeff"], group["max_coeff"])
