@@ -34,6 +34,7 @@ the same on every rank and backend. Its error feedback is neither used nor chang
 from __future__ import annotations
 
 import math
+import numbers
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -136,10 +137,7 @@ def compressed_allreduce_coalesced(tensors: Sequence[torch.Tensor], error_feedba
     is and nothing changes (e.g. a NaN in the last bucket leaves the first bucket's error state
     untouched). Returns the list of tensors, or a handle with async_op=True."""
     tensors, efs = list(tensors), list(error_feedbacks)
-    if len(tensors) != len(efs) or not tensors:
-        raise ValueError(f"need one ErrorFeedback per tensor and at least one tensor, got "
-                         f"{len(tensors)} tensors and {len(efs)} ErrorFeedbacks")
-    be = resolve(backend, tensors[0])
+    be = resolve(backend, tensors[0] if tensors else None)  # a bad pairing is an agreed error, in phase 0
     return be.ordered(lambda: _run(tensors, efs, be, op, min_compress_bytes), async_op=async_op)
 
 
@@ -188,7 +186,8 @@ def below(tensor: torch.Tensor, min_compress_bytes: int | None) -> bool:
     """Whether `tensor` goes uncompressed: fewer bytes than `min_compress_bytes` (None: never)."""
     if min_compress_bytes is None:
         return False
-    if isinstance(min_compress_bytes, bool) or not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
+    if (isinstance(min_compress_bytes, bool) or not isinstance(min_compress_bytes, numbers.Integral)
+            or min_compress_bytes < 0):
         raise ValueError(f"min_compress_bytes must be None or a number of bytes >= 0, got {min_compress_bytes!r}")
     return tensor.numel() * tensor.element_size() < min_compress_bytes
 
@@ -283,7 +282,7 @@ class PreparedCall:
 
     def _exact_sum(self, received: torch.Tensor) -> torch.Tensor:
         """This server's chunk of the exact reduction: fp32 rows summed in rank order (/ n for mean)."""
-        parts = received.view(torch.float32)
+        parts = _as_fp32(received)
         total = parts[0].clone()
         for row in parts[1:]:
             total.add_(row)
@@ -305,7 +304,7 @@ def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False
     row j holds server j's t_j (fp32) and the packed signs of its chunk, or if `exact` its fp32 sums."""
     n, numel = everyone.shape[0], out.numel()
     if exact:
-        out.copy_(everyone.view(torch.float32).view(-1)[:numel])
+        out.copy_(_as_fp32(everyone).view(-1)[:numel])
         return
     c = chunk_size(numel, n)
     coder = codec.codec_for(out.device)
@@ -314,6 +313,11 @@ def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False
         start, k = j * c, real_count(j, numel, n)
         if k:
             coder.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start:start + k])
+
+
+def _as_fp32(rows: torch.Tensor) -> torch.Tensor:
+    """(n, 4C) contiguous bytes as (n, C) fp32, also when C = 0 (an empty part)."""
+    return rows.reshape(-1).view(torch.float32).view(rows.shape[0], rows.shape[1] // 4)
 
 
 def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
@@ -346,13 +350,13 @@ def _phase0(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, 
     the first tensor's rows folded in (`fold`). Returns them, (n, count), and what the other ranks
     sent this one of the first tensor's rows, or raises the agreed error everywhere."""
     count = len(tensors)
-    calls = np.zeros(count, dtype=CALL)
+    calls = np.zeros(max(count, 1), dtype=CALL)  # one record at least: phase 0 always sends one
     calls["count"], calls["seq"] = count, be.sequence_number()
-    headers = np.zeros(count, dtype=HEADER)
+    headers = np.zeros(max(count, 1), dtype=HEADER)
     first_rows: torch.Tensor | None = None
     failure: Exception | None = None
     try:
-        _check_distinct(efs)
+        _check_pairs(tensors, efs)
         for i, (tensor, ef) in enumerate(zip(tensors, efs)):
             scanned = local(i, tensor, ef, headers)
             _describe_call(calls, i, tensor, ef, op, scanned)
@@ -471,7 +475,10 @@ def _overlaps(tensor: torch.Tensor) -> bool:
     return False
 
 
-def _check_distinct(efs: list[ErrorFeedback]) -> None:
+def _check_pairs(tensors: list[torch.Tensor], efs: list[ErrorFeedback]) -> None:
+    if len(tensors) != len(efs) or not tensors:
+        raise ValueError(f"need one ErrorFeedback per tensor and at least one tensor, got "
+                         f"{len(tensors)} tensors and {len(efs)} ErrorFeedbacks")
     if len({id(ef) for ef in efs}) != len(efs):
         raise ValueError("the same ErrorFeedback was passed for two tensors of one call; use one per tensor")
 

@@ -320,3 +320,19 @@ def test_a_node_local_call_does_not_put_the_composite_out_of_step(six):
     results = six.run(node_call_then_composite, ranks=ranks_of("2x2"))
     assert [r["error"] for r in results] == [None] * 4
     assert len({r["out"] for r in results}) == 1
+
+
+def tiny_exact(numel: int) -> dict:
+    be = _backends["2x2"]
+    t = make_input(be.rank, 0, numel)
+    return {"error": caught(compcomm.compressed_allreduce, t, compcomm.ErrorFeedback(), backend=be,
+                            min_compress_bytes=1 << 20), "out": t.numpy().tobytes()}
+
+
+@pytest.mark.parametrize("numel", [3, 20])  # 3: the part of local index 1 is empty
+def test_tiny_tensor_below_min_compress_bytes(six, numel):
+    """Regression: an empty part on the exact path failed to decode on its ranks after the
+    node had agreed, and their node peers waited in the result's all-gather."""
+    results = six.run(tiny_exact, numel, ranks=ranks_of("2x2"))
+    assert [r["error"] for r in results] == [None] * 4
+    assert len({r["out"] for r in results}) == 1

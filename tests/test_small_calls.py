@@ -134,3 +134,42 @@ def test_bad_calls_raise_everywhere_and_change_nothing(pool, case):
                 "overflow": ("NonFiniteError", "overflow"),
                 "numel_differs": ("ValueError", "not 5000000 elements")}[case]
     assert cls == expected[0] and expected[1] in message, message
+
+
+def empty_exact() -> dict:
+    be = _backend()
+    t = torch.zeros(0, dtype=torch.float16)
+    error = caught(compcomm.compressed_allreduce, t, compcomm.ErrorFeedback(), backend=be, min_compress_bytes=8)
+    return {"error": error, "numel": t.numel()}
+
+
+def test_empty_tensor_below_min_compress_bytes(pool):
+    """Regression: an empty tensor always goes exact, and its (n, 0) result failed to decode
+    after phase 0 had accepted the call (a RuntimeError on every rank)."""
+    assert pool.run(empty_exact) == [{"error": None, "numel": 0}] * WORLD
+    t = torch.zeros(0)
+    assert compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(), backend="local", min_compress_bytes=1) is t
+    x = torch.ones(3)  # any integer type is a number of bytes (numpy's too)
+    compcomm.compressed_allreduce(x, compcomm.ErrorFeedback(), backend="local", min_compress_bytes=np.int64(64))
+    assert torch.equal(x, torch.ones(3))
+
+
+def coalesced_pairing(rank_with_extra_tensor: int) -> dict:
+    be = _backend()
+    tensors = [_input(be.rank, 10, torch.float32)]
+    if be.rank == rank_with_extra_tensor:
+        tensors.append(_input(be.rank, 10, torch.float32))
+    error = caught(compcomm.compressed_allreduce_coalesced, tensors, [compcomm.ErrorFeedback()], backend=be)
+    after = caught(compcomm.compressed_allreduce_coalesced, [_input(be.rank, 10, torch.float32)],
+                   [compcomm.ErrorFeedback()], backend=be)
+    return {"error": error, "after": after}
+
+
+def test_a_bad_pairing_on_one_rank_is_an_error_everywhere(pool):
+    """Regression: two tensors and one ErrorFeedback on one rank raised there before phase 0,
+    and the other ranks waited for it forever."""
+    results = pool.run(coalesced_pairing, 2)
+    assert len({r["error"] for r in results}) == 1, results
+    cls, message = results[0]["error"]
+    assert cls == "ValueError" and "rank 2" in message and "one ErrorFeedback per tensor" in message
+    assert all(r["after"] is None for r in results)
