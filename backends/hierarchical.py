@@ -44,12 +44,9 @@ import torch
 
 from compcomm import ordering
 from compcomm.error_feedback import ErrorFeedback
-from compcomm.errors import NonFiniteError
 from compcomm.layout import chunk_size, real_count
 
 from .base import Backend, Handle
-
-_VERDICTS: tuple[type[Exception], ...] = (TypeError, ValueError, NonFiniteError, RuntimeError)
 
 
 class HierarchicalBackend(Backend):
@@ -174,19 +171,18 @@ class HierarchicalBackend(Backend):
         """Raise, on every rank of the node, the verdict of the lowest local index that failed.
 
         Each inter group's verdict is the same on all its ranks, so every node picks the same one."""
+        from compcomm.allreduce import ERRORS, error_code, gather_messages
+
         k = self.intra.world_size
-        code = 0 if failure is None else 1 + next(
-            (i for i, cls in enumerate(_VERDICTS) if isinstance(failure, cls)), len(_VERDICTS) - 1)
+        code = 0 if failure is None else error_code(failure)
         codes = torch.empty(k, 1, dtype=torch.uint8, device=self.device)
         self.intra.all_gather(torch.tensor([code], dtype=torch.uint8, device=self.device), codes)
         failed = [i for i, c in enumerate(codes.view(-1).tolist()) if c]
         if not failed:
             return
-        from compcomm.allreduce import gather_messages
-
         first = failed[0]
         text = gather_messages(str(failure or ""), self.intra)[first]
-        cls = _VERDICTS[int(codes[first, 0]) - 1]
+        cls = ERRORS[int(codes[first, 0]) - 1]
         raise cls(f"across nodes, part {first} of {k}: {text}") from failure
 
     # -- exact collectives inside the node -------------------------------------------------------

@@ -85,8 +85,9 @@ more padding than its predecessor's rows. FOLD_BYTES is about one latency's wort
 SERVER_SCALE_BYTES = 4
 """Phase 2's message of server j: t_j as fp32 bytes, then the packed signs of sign(y_j)."""
 
-ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, RuntimeError)
-"""Errors a rank's own checks may raise, carried by index in HEADER.code (others as RuntimeError)."""
+ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, NonFiniteError, RuntimeError)
+"""Errors carried by index (`error_code`): a rank's own checks in HEADER.code, and a composite
+schedule's verdicts between its groups (others travel as RuntimeError)."""
 
 _MESSAGE_BYTES = 1024
 _HEADROOM = 1.0 - 2.0 ** -10  # fp32 rounding of the partial sums stays well inside this
@@ -360,10 +361,11 @@ def _phase0(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, 
         for i, (tensor, ef) in enumerate(zip(tensors, efs)):
             scanned = local(i, tensor, ef, headers)
             _describe_call(calls, i, tensor, ef, op, scanned)
-            first_rows = scanned.rows if i == 0 else first_rows
+            if i == 0:
+                first_rows = scanned.rows
     except Exception as exc:  # reported to every rank in phase 0, then raised everywhere
         failure, first_rows = exc, None
-        headers["code"] = _error_code(exc)
+        headers["code"] = error_code(exc)
     headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
     everyone, early = _exchange(headers, be, first_rows, fold)
     _raise_if_rejected(everyone, calls, failure, be)
@@ -379,8 +381,8 @@ def _describe_call(calls: np.ndarray, i: int, tensor: torch.Tensor, ef: ErrorFee
         calls[field][i] = value
 
 
-def _error_code(exc: Exception) -> int:
-    """HEADER.code of a rank's own error: 1 + its index in ERRORS (RuntimeError for the rest)."""
+def error_code(exc: Exception) -> int:
+    """The code of an error that travels: 1 + its index in ERRORS (RuntimeError for the rest)."""
     return 1 + next((i for i, cls in enumerate(ERRORS) if type(exc) is cls), len(ERRORS) - 1)
 
 
@@ -403,8 +405,8 @@ def _folded(record: np.ndarray, rows: torch.Tensor | None, be: Backend) -> tuple
     send = torch.zeros(n, head + room, dtype=torch.uint8, device=be.device)
     send[:, :head] = torch.from_numpy(record.view(np.uint8).copy()).to(be.device)
     carried = 0 if rows is None else min(room, rows.shape[1])
-    if rows is not None and carried:
-        send[:, head:head + carried].copy_(rows[:, :carried])
+    if carried:
+        send[:, head:head + carried].copy_(rows[:, :carried])  # type: ignore[index]
     recv = torch.empty_like(send)
     be.all_to_all(send, recv)
     records = recv[:, :head].cpu().numpy().view(HEADER).reshape(n, 1)

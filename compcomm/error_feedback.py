@@ -83,11 +83,7 @@ class ErrorFeedback:
 
     def clone(self) -> ErrorFeedback:
         """An independent copy (same tag, buffers cloned): work on it, keep it if the work succeeds."""
-        twin = ErrorFeedback(tag=self.tag)
-        if self.worker_error is not None and self.server_error is not None:
-            twin.worker_error, twin.server_error = self.worker_error.clone(), self.server_error.clone()
-            twin.numel, twin.world_size, twin._server_max = self.numel, self.world_size, self._server_max
-        return twin
+        return ErrorFeedback(tag=self.tag).copy_(self)
 
     def copy_(self, source: ErrorFeedback) -> ErrorFeedback:
         """Become an independent copy of `source` (as `source.clone()`), writing into this
