@@ -18,7 +18,7 @@ from test_optim import backward, make_model, make_optimizer, rank_of, raw
 from test_optim_zeroone import SCHEDULE, make_zeroone
 
 import compcomm
-from compcomm.optim import ZeroOneAdam
+from compcomm.optim import OnebitLamb, ZeroOneAdam
 from compcomm.optim.timing import CommClock
 from compcomm.optim.updates import mask_, sparse_mask
 
@@ -135,6 +135,30 @@ def test_zeroone_nan_on_a_masked_element_still_skips(pool, automatic):
     """0/1 Adam masks what it sends, so only its own scan sees a NaN there."""
     for result in pool.run(zeroone_masked_nan, automatic):
         assert all(result), result
+
+
+
+@pytest.mark.parametrize("name", ["zeroone", "lamb"])
+def test_freeze_step_fills_buffers_allocated_at_the_first_step(name):
+    """State that the freeze fills (0/1 Adam's weights of the last sync w_s, 1-bit LAMB's fresh
+    variance) lives in memory taken with the moments at step 1: a tensor allocated in the
+    freeze step made that step 1.2x DDP's on 4 ranks sharing 2 cores (its pages faulted in
+    there). The freeze still fills it with the weights, resp. the variance, of that step."""
+    model = make_model()
+    if name == "zeroone":
+        opt, key, freeze = ZeroOneAdam(model.parameters(), backend="local", **SCHEDULE), "sync_weight", 12
+    else:
+        opt, key, freeze = OnebitLamb(model.parameters(), backend="local", freeze_step=4), "exp_avg_sq_fresh", 4
+    backward(model, 0, 0)
+    opt.step()
+    held = {id(p): opt.state[p][key].data_ptr() for p in model.parameters()}
+    for step in range(1, freeze):
+        backward(model, 0, step)
+        opt.step()
+    for p in model.parameters():
+        state = opt.state[p]
+        assert state[key].data_ptr() == held[id(p)]
+        assert torch.equal(state[key], p.detach() if name == "zeroone" else state["exp_avg_sq"])
 
 
 # ------------------------------------------------------------------ communication behind backward

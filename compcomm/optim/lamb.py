@@ -91,6 +91,8 @@ class OnebitLamb(FrozenVarianceOptimizer):
     start every rank from the same parameters, and call `step()` on every rank together.
     """
 
+    _HELD_FROM_START = ("exp_avg_sq_fresh",)  # v_fresh, filled at the freeze
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100000,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
@@ -150,7 +152,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         for p, r in zip(params, rms):
             state = self.state[p]
             state["coeff_frozen"] = state.get("coeff_avg") or 1.0
-            state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+            state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])
             state["last_factor"] = 1.0
             state["momentum_scale"] = united / r if r > 0.0 and math.isfinite(united / r) else 1.0
 

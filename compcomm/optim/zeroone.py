@@ -65,6 +65,7 @@ class ZeroOneAdam(OnebitOptimizer):
     """
 
     _SCALARS = ("var_interval", "var_counter", "var_updates", "local_interval", "local_counter")
+    _HELD_FROM_START = ("sync_weight",)  # w_s, filled at the freeze
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, var_freeze_step: int = 100000,
@@ -155,7 +156,7 @@ class ZeroOneAdam(OnebitOptimizer):
             decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
             store_(p, w)
             if t == self.var_freeze_step:
-                state["sync_weight"] = w.clone()
+                state["sync_weight"].copy_(w)
                 state["lr_sum"] = 0.0
         if kind == EXACT:
             self.var_updates = refreshes
