@@ -114,14 +114,16 @@ class HierarchicalBackend(Backend):
     # -- the compressed collective ---------------------------------------------------------------
 
     def compressed_schedule(self, tensors: list[torch.Tensor], efs: list[ErrorFeedback],
-                            op: str, min_compress_bytes: int | None = None) -> list[torch.Tensor]:
+                            op: str, min_compress_bytes: int | None = None,
+                            outs: list[ErrorFeedback] | None = None) -> list[torch.Tensor]:
         """compressed_allreduce(_coalesced) over this backend; runs holding both channels. A
-        tensor below `min_compress_bytes` is reduced exactly across nodes too."""
+        tensor below `min_compress_bytes` is reduced exactly across nodes too; `outs` receive
+        the errors after the call (None: `efs` themselves)."""
         from compcomm import allreduce
 
         counts = self.intra.channel.agreed  # this composite's calls, counted where every rank sees them
         counts[self._channel_key()] = counts.get(self._channel_key(), -1) + 1
-        exact = allreduce.agree(tensors, efs, self, op, self.part, min_compress_bytes)
+        exact = allreduce.agree(tensors, efs, self, op, self.part, min_compress_bytes, outs)
         parts = [self._reduce_scatter(t.detach().reshape(-1), torch.float32, i) for i, t in enumerate(tensors)]
         if op == "mean":
             for part in parts:
@@ -130,7 +132,7 @@ class HierarchicalBackend(Backend):
         calls: list[allreduce.PreparedCall] = []
         failure: Exception | None = None
         try:
-            calls = allreduce.prepare_coalesced(real, efs, self.inter, op, [t.dtype for t in tensors], exact)
+            calls = allreduce.prepare_coalesced(real, efs, self.inter, op, [t.dtype for t in tensors], exact, outs)
         except Exception as exc:  # agreed on this inter group: now agreed inside the node too
             failure = exc
         self._agree_inside_node(failure)

@@ -8,7 +8,7 @@ ranks, one thread each, or under torchrun / bench/netsim.py) and profiles rank 0
 compression stage with torch.profiler. Per step (mean over the profiled steps) it prints the
 wall time of forward + backward and of `step()`, the CPU time of the optimizer's own regions
 (`compcomm.optim.payload`: filling the buckets, during backward; `submit`: starting each bucket's
-collective, including the copy of its error feedback; `wait`: step() waiting for the collectives
+collective; `wait`: step() waiting for the collectives
 and the verdict; `update`: the update rule), the collectives' busy and hidden time
 (`last_comm_timing`), and the aten operators that took the most CPU time in the main thread.
 The collectives' own codec work runs on the channel's worker thread in native code, which the

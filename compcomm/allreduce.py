@@ -99,18 +99,21 @@ _LARGEST = {torch.float32: float(torch.finfo(torch.float32).max),
 @overload
 def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
                          backend: Backend | str | None = ..., op: str = ...,
-                         async_op: Literal[False] = ..., min_compress_bytes: int | None = ...) -> torch.Tensor: ...
+                         async_op: Literal[False] = ..., min_compress_bytes: int | None = ...,
+                         error_feedback_out: ErrorFeedback | None = ...) -> torch.Tensor: ...
 
 
 @overload
 def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
                          backend: Backend | str | None = ..., op: str = ...,
-                         async_op: Literal[True] = ..., min_compress_bytes: int | None = ...) -> Pending: ...
+                         async_op: Literal[True] = ..., min_compress_bytes: int | None = ...,
+                         error_feedback_out: ErrorFeedback | None = ...) -> Pending: ...
 
 
 def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
                          backend: Backend | str | None = None, op: str = "mean",
-                         async_op: bool = False, min_compress_bytes: int | None = None) -> torch.Tensor | Pending:
+                         async_op: bool = False, min_compress_bytes: int | None = None,
+                         error_feedback_out: ErrorFeedback | None = None) -> torch.Tensor | Pending:
     """Average (op="mean") or sum (op="sum") `tensor` over all ranks in place, with 1-bit
     compression and error feedback carried in `error_feedback`; returns `tensor`.
 
@@ -124,49 +127,64 @@ def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
     `min_compress_bytes` (default None: always compress): a tensor of fewer bytes is reduced
     exactly (fp32 sums in rank order, the same checks, `error_feedback` left as it is), for
     small tensors where the 1-bit code saves no time; every rank must pass the same value.
+
+    `error_feedback_out` (default None: `error_feedback` itself) receives the error state after
+    the call, and `error_feedback` is then left as it was: for a caller that keeps the old state
+    until it knows that a larger step succeeded (an optimizer whose later bucket may fail), at
+    the cost of no copy (the errors are written once, into its buffers, which it reuses).
     """
     be = resolve(backend, tensor)
-    return be.ordered(lambda: _run([tensor], [error_feedback], be, op, min_compress_bytes)[0], async_op=async_op)
+    outs = None if error_feedback_out is None else [error_feedback_out]
+    return be.ordered(lambda: _run([tensor], [error_feedback], be, op, min_compress_bytes, outs)[0],
+                      async_op=async_op)
 
 
 def compressed_allreduce_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback],
                                    backend: Backend | str | None = None, op: str = "mean",
-                                   async_op: bool = False,
-                                   min_compress_bytes: int | None = None) -> list[torch.Tensor] | Pending:
+                                   async_op: bool = False, min_compress_bytes: int | None = None,
+                                   error_feedbacks_out: Sequence[ErrorFeedback] | None = None
+                                   ) -> list[torch.Tensor] | Pending:
     """`compressed_allreduce` of several tensors (one ErrorFeedback each) as one call: one
     phase-0 agreement for all of them, so either every tensor is reduced on every rank or none
     is and nothing changes (e.g. a NaN in the last bucket leaves the first bucket's error state
-    untouched). Returns the list of tensors, or a handle with async_op=True."""
+    untouched). Returns the list of tensors, or a handle with async_op=True.
+    `error_feedbacks_out`: one per tensor, as `compressed_allreduce`'s `error_feedback_out`."""
     tensors, efs = list(tensors), list(error_feedbacks)
+    outs = None if error_feedbacks_out is None else list(error_feedbacks_out)
     be = resolve(backend, tensors[0] if tensors else None)  # a bad pairing is an agreed error, in phase 0
-    return be.ordered(lambda: _run(tensors, efs, be, op, min_compress_bytes), async_op=async_op)
+    return be.ordered(lambda: _run(tensors, efs, be, op, min_compress_bytes, outs), async_op=async_op)
 
 
 def prepare(tensor: torch.Tensor, error_feedback: ErrorFeedback, backend: Backend,
-            op: str = "mean", dtype: torch.dtype | None = None, exact: bool = False) -> PreparedCall:
+            op: str = "mean", dtype: torch.dtype | None = None, exact: bool = False,
+            error_feedback_out: ErrorFeedback | None = None) -> PreparedCall:
     """The first half of a call: local checks and the phase-0 agreement over `backend`.
 
     Raises the agreed error on every rank of `backend`, modifying nothing, or returns the call
     ready to `commit()`. For composite schedules (a hierarchical backend) that must agree across
     another group before committing; run both halves inside that schedule's ordered call.
     `dtype` is the dtype the result ends in when not the tensor's (a composite reducing an fp32
-    part of a half-precision tensor), for the overflow verdict; `exact` reduces it uncompressed.
+    part of a half-precision tensor), for the overflow verdict; `exact` reduces it uncompressed;
+    `error_feedback_out` as in `compressed_allreduce`.
     """
     return prepare_coalesced([tensor], [error_feedback], backend, op, None if dtype is None else [dtype],
-                             [exact])[0]
+                             [exact], None if error_feedback_out is None else [error_feedback_out])[0]
 
 
 def prepare_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback],
                       backend: Backend, op: str = "mean", dtypes: Sequence[torch.dtype] | None = None,
-                      exact: Sequence[bool] | None = None) -> list[PreparedCall]:
+                      exact: Sequence[bool] | None = None,
+                      error_feedbacks_out: Sequence[ErrorFeedback] | None = None) -> list[PreparedCall]:
     """`prepare` of several tensors with one phase-0 agreement (as `compressed_allreduce_coalesced`)."""
     tensors, efs = list(tensors), list(error_feedbacks)
+    outs = None if error_feedbacks_out is None else list(error_feedbacks_out)
     flags = [False] * len(tensors) if exact is None else [bool(e) for e in exact]
-    return backend.ordered(lambda: _prepare(tensors, efs, backend, op, lambda i, t: flags[i], dtypes))
+    return backend.ordered(lambda: _prepare(tensors, efs, backend, op, lambda i, t: flags[i], dtypes, outs))
 
 
 def agree(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback], backend: Backend,
-          op: str, part: Callable[[int], tuple[int, int]], min_compress_bytes: int | None = None) -> list[bool]:
+          op: str, part: Callable[[int], tuple[int, int]], min_compress_bytes: int | None = None,
+          error_feedbacks_out: Sequence[ErrorFeedback] | None = None) -> list[bool]:
     """Phase 0 of a composite call, without the worker scan: this rank's checks of its
     arguments, each ErrorFeedback serving the (numel, world_size) `part(tensor.numel())` of the
     work, then agreement over `backend` on count, sequence, numel, op, dtype, tag and which
@@ -179,7 +197,8 @@ def agree(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedba
         flags.append(below(tensor, min_compress_bytes))
         return Scanned(tensor.dtype, flags[-1])
 
-    _phase0(list(tensors), list(error_feedbacks), backend, op, check, fold=False)
+    outs = None if error_feedbacks_out is None else list(error_feedbacks_out)
+    _phase0(list(tensors), list(error_feedbacks), backend, op, check, fold=False, outs=outs)
     return flags
 
 
@@ -194,12 +213,12 @@ def below(tensor: torch.Tensor, min_compress_bytes: int | None) -> bool:
 
 
 def _run(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
-         min_compress_bytes: int | None) -> list[torch.Tensor]:
+         min_compress_bytes: int | None, outs: list[ErrorFeedback] | None = None) -> list[torch.Tensor]:
     schedule = getattr(be, "compressed_schedule", None)  # a composite backend's own schedule
     with torch.no_grad():
         if schedule is not None:
-            return schedule(tensors, efs, op, min_compress_bytes)
-        for call in _prepare(tensors, efs, be, op, lambda i, t: below(t, min_compress_bytes)):
+            return schedule(tensors, efs, op, min_compress_bytes, outs)
+        for call in _prepare(tensors, efs, be, op, lambda i, t: below(t, min_compress_bytes), outs=outs):
             call.commit()
     return tensors
 
@@ -218,7 +237,8 @@ class PreparedCall:
 
     tensor: torch.Tensor   # the caller's tensor (detached), written at the end
     flat: torch.Tensor     # its flat fp view or contiguous copy
-    ef: ErrorFeedback
+    ef: ErrorFeedback      # the errors the call starts from
+    into: ErrorFeedback    # where the errors after the call go: `ef` itself, or one that takes them
     be: Backend
     op: str
     rows: torch.Tensor     # (n, W) bytes of phase 1, row j for server j: packed signs, or fp32 if exact
@@ -237,6 +257,8 @@ class PreparedCall:
         """Each error update runs while the collective that does not depend on it is in flight."""
         if self.exact:
             self.result = self._gather(self._exact_sum(self._phase1(lambda: None)), lambda: None)
+            if self.into is not self.ef:
+                self.into.copy_(self.ef)  # the errors after the call are those before it
         else:
             self.result = self._one_bit()
         decode_result(self.result, self.flat, self.exact)
@@ -247,9 +269,9 @@ class PreparedCall:
     def _one_bit(self) -> torch.Tensor:
         be, flat, numel = self.be, self.flat, self.flat.numel()
         n, device = be.world_size, flat.device
-        worker, server = self.ef.buffers(numel, n, device)
+        worker, server, worker_out = self.into.follow(self.ef, numel, n, device)
         coder = codec.codec_for(device)
-        received = self._phase1(lambda: coder.error_update_(worker, self.scale, numel, flat))
+        received = self._phase1(lambda: coder.error_update_(worker, self.scale, numel, flat, worker_out))
         served = real_count(be.rank, numel, n)
         mine = torch.empty(SERVER_SCALE_BYTES + received.shape[1], dtype=torch.uint8, device=device)
         divisor = n if self.op == "mean" else 1
@@ -260,7 +282,7 @@ class PreparedCall:
 
         def server_update() -> None:
             coder.error_update_(server, server_scale, served)
-            self.ef.record_server_max()
+            self.into.record_server_max()
 
         return self._gather(mine, server_update)
 
@@ -323,7 +345,8 @@ def _as_fp32(rows: torch.Tensor) -> torch.Tensor:
 
 def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
              exact: Callable[[int, torch.Tensor], bool],
-             dtypes: Sequence[torch.dtype] | None = None) -> list[PreparedCall]:
+             dtypes: Sequence[torch.dtype] | None = None,
+             outs: list[ErrorFeedback] | None = None) -> list[PreparedCall]:
     """This rank's checks and worker scans, then phase 0; raises the agreed error everywhere."""
     scanned: list[tuple[torch.Tensor, torch.Tensor, float, bool]] = []
 
@@ -336,16 +359,17 @@ def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend,
         headers["server_max"][i] = 0.0 if uncompressed else ef.server_error_max()
         return Scanned(tensor.dtype if dtypes is None else dtypes[i], uncompressed, rows)
 
-    everyone, early = _phase0(tensors, efs, be, op, scan, fold=True)
+    everyone, early = _phase0(tensors, efs, be, op, scan, fold=True, outs=outs)
     scales = everyone["scale"].astype(np.float32)
-    return [PreparedCall(tensor.detach(), flat, ef, be, op, rows, early if i == 0 else None,
+    return [PreparedCall(tensor.detach(), flat, ef, into, be, op, rows, early if i == 0 else None,
                          scales[:, i].copy(), scale, uncompressed)
-            for i, (tensor, ef, (flat, rows, scale, uncompressed)) in enumerate(zip(tensors, efs, scanned))]
+            for i, (tensor, ef, into, (flat, rows, scale, uncompressed))
+            in enumerate(zip(tensors, efs, outs or efs, scanned))]
 
 
 def _phase0(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
             local: Callable[[int, torch.Tensor, ErrorFeedback, np.ndarray], Scanned],
-            fold: bool) -> tuple[np.ndarray, torch.Tensor | None]:
+            fold: bool, outs: list[ErrorFeedback] | None = None) -> tuple[np.ndarray, torch.Tensor | None]:
     """Phase 0: `local(i, tensor, ef, headers)` runs this rank's checks of tensor i (filling what
     it measured into headers[i]), then every rank's headers are gathered and judged alike, with
     the first tensor's rows folded in (`fold`). Returns them, (n, count), and what the other ranks
@@ -357,7 +381,7 @@ def _phase0(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, 
     first_rows: torch.Tensor | None = None
     failure: Exception | None = None
     try:
-        _check_pairs(tensors, efs)
+        _check_pairs(tensors, efs, outs)
         for i, (tensor, ef) in enumerate(zip(tensors, efs)):
             scanned = local(i, tensor, ef, headers)
             _describe_call(calls, i, tensor, ef, op, scanned)
@@ -477,12 +501,24 @@ def _overlaps(tensor: torch.Tensor) -> bool:
     return False
 
 
-def _check_pairs(tensors: list[torch.Tensor], efs: list[ErrorFeedback]) -> None:
+def _check_pairs(tensors: list[torch.Tensor], efs: list[ErrorFeedback], outs: list[ErrorFeedback] | None) -> None:
     if len(tensors) != len(efs) or not tensors:
         raise ValueError(f"need one ErrorFeedback per tensor and at least one tensor, got "
                          f"{len(tensors)} tensors and {len(efs)} ErrorFeedbacks")
     if len({id(ef) for ef in efs}) != len(efs):
         raise ValueError("the same ErrorFeedback was passed for two tensors of one call; use one per tensor")
+    if outs is None:
+        return
+    if len(outs) != len(efs):
+        raise ValueError(f"need one output ErrorFeedback per tensor, got {len(outs)} for {len(efs)} tensors")
+    for out in outs:
+        if not isinstance(out, ErrorFeedback):
+            raise TypeError(f"error_feedback_out must be a compcomm.ErrorFeedback, got {type(out).__name__}")
+    sources = {id(ef) for ef in efs}
+    others = [id(out) for out, ef in zip(outs, efs) if out is not ef]
+    if len({id(out) for out in outs}) != len(outs) or sources.intersection(others):
+        raise ValueError("an output ErrorFeedback is also another tensor's input or output in this call; "
+                         "give each tensor its own (or its input itself)")
 
 
 def _raise_if_rejected(headers: np.ndarray, calls: np.ndarray, failure: Exception | None, be: Backend) -> None:

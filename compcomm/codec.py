@@ -6,7 +6,8 @@ the allreduce calls in this order:
 
 - `worker_scan`: v = x + e_w; bits = sign(v); returns sum(v[:N]^2). Writes only the bits,
   so the call can still be rejected afterwards with nothing changed.
-- `error_update_`: e <- v - s sign(v) on the real elements, 0 on padding (worker and server).
+- `error_update_`: e <- v - s sign(v) on the real elements, 0 on padding (worker and server),
+  in place or into another buffer.
 - `server_scan_`: y = (1/n) sum_r s_r sign_r + e_s, stored in e_s; bits = sign(y); sum(y^2).
 - `decode`: out = t sign, written in the output dtype.
 
@@ -127,23 +128,29 @@ class Codec:
             pack_signs(v, bits[start // 8:stop // 8])
         return float(acc)
 
-    def error_update_(self, error: torch.Tensor, scale: float, real: int, x: torch.Tensor | None = None) -> None:
-        """error <- v - scale * sign(v) with v = error (+ x on x's length) on [:real], 0 beyond."""
+    def error_update_(self, error: torch.Tensor, scale: float, real: int, x: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> None:
+        """out <- v - scale * sign(v) with v = error (+ x on x's length) on [:real], 0 beyond.
+        `out` (default: error itself) is another buffer of error's size when the caller keeps
+        the old errors: one pass writes the new ones, with no copy of the old first."""
+        target = error if out is None else out
         n = 0 if x is None else x.numel()
-        if self._fused("cc_error_update", error.device, error.numel(), (x, error),
-                       (_ptr(x), 0 if x is None else DTYPE_CODES[x.dtype], n, error.data_ptr(), real,
-                        error.numel(), scale)):
+        if self._fused("cc_error_update", error.device, error.numel(), (x, error, target),
+                       (_ptr(x), 0 if x is None else DTYPE_CODES[x.dtype], n, error.data_ptr(), target.data_ptr(),
+                        real, error.numel(), scale)):
             return
+        if target is not error:
+            target.copy_(error)
         plus = torch.tensor(scale, dtype=torch.float32, device=error.device)
         minus, step = -plus, block_size(error.device)
         for start in range(0, real, step):
-            v = error[start:min(start + step, real)]
+            v = target[start:min(start + step, real)]
             live = max(0, min(n, start + v.numel()) - start)
             if live:
                 assert x is not None
                 v[:live] += x[start:start + live]
             v -= torch.where(v >= 0, plus, minus)
-        error[real:].zero_()
+        target[real:].zero_()
 
     def server_scan_(self, bits: torch.Tensor, scales: torch.Tensor, divisor: int, error: torch.Tensor, real: int,
                      out_bits: torch.Tensor) -> float:

@@ -81,6 +81,33 @@ class ErrorFeedback:
             self.server_error = self.server_error.to(device)
         return self.worker_error, self.server_error
 
+    def follow(self, source: ErrorFeedback, numel: int, world_size: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Take over the errors of a call that starts from `source`'s and leaves `source` as it
+        is: (worker error to read, server error to update in place, worker error to write).
+        The call writes the worker error into this instance's buffer, reused when it fits, so
+        keeping the old state costs no copy of it; only the server error (C of the M
+        elements) is copied. With `source` itself, `buffers()`, in place."""
+        if source is self:
+            worker, server = self.buffers(numel, world_size, device)
+            return worker, server, worker
+        old_worker, old_server = source.worker_error, source.server_error
+        shapes = ((padded_size(numel, world_size),), (chunk_size(numel, world_size),))
+        mine = (self.worker_error, self.server_error)
+        if not all(t is not None and t.shape == shape and t.device == device for t, shape in zip(mine, shapes)):
+            self.worker_error = torch.empty(shapes[0], dtype=torch.float32, device=device)
+            self.server_error = torch.empty(shapes[1], dtype=torch.float32, device=device)
+        assert self.worker_error is not None and self.server_error is not None
+        if old_worker is None or old_server is None:  # source unused: the errors start at zero
+            self.worker_error.zero_()
+            self.server_error.zero_()
+            old_worker = self.worker_error
+        else:
+            self.server_error.copy_(old_server.to(device))
+            old_worker = old_worker.to(device)
+        self.tag, self.numel, self.world_size, self._server_max = source.tag, numel, world_size, None
+        return old_worker, self.server_error, self.worker_error
+
     def clone(self) -> ErrorFeedback:
         """An independent copy (same tag, buffers cloned): work on it, keep it if the work succeeds."""
         return ErrorFeedback(tag=self.tag).copy_(self)

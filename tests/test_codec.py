@@ -96,6 +96,10 @@ def test_worker_scan_and_update(kind, numel, dtype):
     (_, n_args), (_, t_args) = both(kind, "error_update_", error, 0.625, numel, x)
     assert same_bits(n_args[0], t_args[0])
     assert torch.equal(n_args[0][numel:], torch.zeros(m - numel))
+    # into another buffer (garbage before): the same bits, and the old errors left as they were
+    (_, o_args), (_, u_args) = both(kind, "error_update_", error, 0.625, numel, x, torch.full((m,), 7.0))
+    assert same_bits(o_args[4], n_args[0]) and same_bits(u_args[4], n_args[0])
+    assert same_bits(o_args[0], error) and same_bits(u_args[0], error)
 
 
 @pytest.mark.parametrize("n, c, real", [(1, 8, 3), (3, 64, 64), (4, 4096, 4000), (5, 8192, 8013), (4, 4096, 0)])

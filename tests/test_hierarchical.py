@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_error_feedback_out import check_out_against_in_place, out_against_in_place
 
 import compcomm
 from compcomm.layout import chunk_size, padded_size, real_count
@@ -213,6 +214,15 @@ def test_coalesced_call_through_hierarchical_is_all_or_nothing(six, layout):
     assert len({r["good"] for r in results}) == 1
     assert len({r["error"] for r in results}) == 1 and results[0]["error"][0] == "NonFiniteError"
     assert all(r["kept"] and r["same_as_separate_calls"] for r in results)
+
+
+def out_call(layout: str, numel: int) -> list[dict]:
+    return out_against_in_place(_backends[layout], numel, 3)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_error_feedback_out_through_hierarchical_is_the_in_place_call(six, layout):
+    check_out_against_in_place(six.run(out_call, layout, 1001, ranks=ranks_of(layout)))
 
 
 def train(layout: str, steps: int) -> dict:

@@ -182,14 +182,16 @@ void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, cc_ind
     else *partial = scan(x, BF16, n, e, m, bits);
 }
 
-/* Pass 2: e <- v - s sign(v), v = x + e (x may be NULL: v = e), on [:real]; 0 on [real:m]. */
+/* Pass 2: out <- v - s sign(v), v = x + e (x may be NULL: v = e), on [:real]; 0 on [real:m].
+ * out may be e itself (in place) or another buffer (e is then left as it was). */
 static inline float minus_signed(float v, float s) {
     return v - (v >= 0.0f ? s : -s);
 }
 
-static inline void update(const void *x, int dtype, int64_t with_x, float *e, int64_t real, float s) {
-    for (int64_t i = 0; i < with_x; i++) e[i] = minus_signed(load(x, i, dtype) + e[i], s);
-    for (int64_t i = with_x; i < real; i++) e[i] = minus_signed(e[i], s);
+static inline void update(const void *x, int dtype, int64_t with_x, const float *e, float *out, int64_t real,
+                          float s) {
+    for (int64_t i = 0; i < with_x; i++) out[i] = minus_signed(load(x, i, dtype) + e[i], s);
+    for (int64_t i = with_x; i < real; i++) out[i] = minus_signed(e[i], s);
 }
 
 #ifdef __SSE2__
@@ -200,27 +202,29 @@ static inline __m256 minus_signed8(__m256 v, __m256 plus, __m256 minus) {
 
 /* The float32 update with AVX2: bitwise that of `update` (same single fp32 subtraction). */
 __attribute__((target("avx2,fma")))
-static void update_f32_avx2(const float *x, int64_t with_x, float *e, int64_t real, float s) {
+static void update_f32_avx2(const float *x, int64_t with_x, const float *e, float *out, int64_t real, float s) {
     __m256 plus = _mm256_set1_ps(s), minus = _mm256_set1_ps(-s);
     int64_t i = 0;
     for (; i + 8 <= with_x; i += 8)
-        _mm256_storeu_ps(e + i, minus_signed8(_mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i)), plus, minus));
-    for (; i < with_x; i++) e[i] = minus_signed(x[i] + e[i], s);
-    for (; i + 8 <= real; i += 8) _mm256_storeu_ps(e + i, minus_signed8(_mm256_loadu_ps(e + i), plus, minus));
-    for (; i < real; i++) e[i] = minus_signed(e[i], s);
+        _mm256_storeu_ps(out + i,
+                         minus_signed8(_mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i)), plus, minus));
+    for (; i < with_x; i++) out[i] = minus_signed(x[i] + e[i], s);
+    for (; i + 8 <= real; i += 8) _mm256_storeu_ps(out + i, minus_signed8(_mm256_loadu_ps(e + i), plus, minus));
+    for (; i < real; i++) out[i] = minus_signed(e[i], s);
 }
 #endif
 
-void cc_error_update(const void *x, int dtype, cc_index n, float *e, cc_index real, cc_index m, float s) {
+void cc_error_update(const void *x, int dtype, cc_index n, const float *e, float *out, cc_index real, cc_index m,
+                     float s) {
     int64_t with_x = x ? (n < real ? n : real) : 0;
 #ifdef __SSE2__
-    if ((!x || dtype == F32) && have_avx2_fma()) update_f32_avx2(x, with_x, e, real, s);
+    if ((!x || dtype == F32) && have_avx2_fma()) update_f32_avx2(x, with_x, e, out, real, s);
     else
 #endif
-    if (!x || dtype == F32) update(x, F32, with_x, e, real, s);
-    else if (dtype == F16) update(x, F16, with_x, e, real, s);
-    else update(x, BF16, with_x, e, real, s);
-    if (m > real) memset(e + real, 0, (size_t)(m - real) * sizeof(float));
+    if (!x || dtype == F32) update(x, F32, with_x, e, out, real, s);
+    else if (dtype == F16) update(x, F16, with_x, e, out, real, s);
+    else update(x, BF16, with_x, e, out, real, s);
+    if (m > real) memset(out + real, 0, (size_t)(m - real) * sizeof(float));
 }
 
 /* Server pass: y = e + (sum_r scales[r] sign_r) / divisor, summed in rank order, stored in e;

@@ -75,12 +75,12 @@ extern "C" __global__ void cc_worker_scan(const void *x, int dtype, cc_index n, 
     store_block_sum(acc, partial);
 }
 
-extern "C" __global__ void cc_error_update(const void *x, int dtype, cc_index n, float *e, cc_index real,
-                                           cc_index m, float s) {
+extern "C" __global__ void cc_error_update(const void *x, int dtype, cc_index n, const float *e, float *out,
+                                           cc_index real, cc_index m, float s) {
     long long with_x = x ? (n < real ? n : real) : 0;
     for (long long i = first_index(); i < m; i += grid_step()) {
         float v = i < with_x ? load_value(x, i, dtype) + e[i] : e[i];
-        e[i] = i < real ? v - (v >= 0.0f ? s : -s) : 0.0f;
+        out[i] = i < real ? v - (v >= 0.0f ? s : -s) : 0.0f;
     }
 }
 

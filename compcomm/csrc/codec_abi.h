@@ -25,10 +25,11 @@ typedef long long cc_index;
 CC_KERNEL void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, cc_index m,
                               unsigned char *bits, double *partial);
 
-/* Error update: e <- v - s sign(v) on [0, real), v = x + e on x's first n elements (x may be
- * null) and v = e beyond; 0 on [real, m). */
-CC_KERNEL void cc_error_update(const void *x, int dtype, cc_index n, float *e, cc_index real, cc_index m,
-                               float s);
+/* Error update: out <- v - s sign(v) on [0, real), v = x + e on x's first n elements (x may be
+ * null) and v = e beyond; 0 on [real, m). out is e itself (in place) or a buffer that does not
+ * overlap it (e is then left unchanged). */
+CC_KERNEL void cc_error_update(const void *x, int dtype, cc_index n, const float *e, float *out, cc_index real,
+                               cc_index m, float s);
 
 /* Server pass: y = e + (sum_r +-scales[r]) / divisor, summed in rank order, stored in e over
  * [0, c); out_bits = sign(y); partial sums of y[:real]^2. Row r of `bits` starts at r * stride. */

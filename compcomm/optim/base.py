@@ -20,9 +20,10 @@ collective finds it on every rank alike and the rank's own scan of its gradients
 
 A step is all-or-nothing on every rank: if any rank's gradients (or a GradScaler's inf check)
 are non-finite, or an average is non-finite (an fp32 overflow of finite inputs), every rank
-skips the step. Each bucket's compressed allreduce updates a copy of its error feedback (in a
-spare kept per bucket, so no memory is allocated per step), which replaces the bucket's state
-only once the whole step has succeeded, so a step either changes every bucket's state or none.
+skips the step. Each bucket's compressed allreduce writes the new errors into a spare error
+feedback kept per bucket (`error_feedback_out`: no copy of the state, no allocation per step),
+which replaces the bucket's state only once the whole step has succeeded, so a step either
+changes every bucket's state or none.
 Parameters, moments, error buffers and the step count are then exactly as before; the step
 warns (the first time) and counts itself in `skipped_steps`.
 
@@ -128,7 +129,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._bucket_of: dict[int, int] = {}
         self._order: list[int] = []  # bucket slot -> parameter index, set by _layout
         self._error_feedback: list[ErrorFeedback] = []
-        self._spare_errors: list[ErrorFeedback] = []  # per bucket: what a step's call works on
+        self._spare_errors: list[ErrorFeedback] = []  # per bucket: where a step's call writes
         self._group_of: list[dict[str, Any]] = []  # parameter index -> its group
         self._scratch: dict[tuple[int, torch.device], torch.Tensor] = {}
         self.last_comm_timing: CommTiming | None = None
@@ -299,14 +300,16 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if rnd.kind == EXACT:
             launch = _Launch(be.all_reduce(bucket.flat, "mean", async_op=True), None)
         else:
-            # The call works on the bucket's spare error feedback, made a copy of the kept one;
-            # the two swap roles if the whole step completes.
+            # The call starts from the kept error feedback and writes the new errors into the
+            # bucket's spare (no copy of the kept one first); the two swap roles if the whole
+            # step completes, else the kept one is still the state before the step.
             work = self._spare_errors[b]
+            source = self._error_feedback[b]
             if self._fresh_errors(rnd.t):
                 work.reset()
-            else:
-                work.copy_(self._error_feedback[b])
-            launch = _Launch(compressed_allreduce(bucket.flat, work, backend=be, op="mean", async_op=True), work)
+                source = work
+            launch = _Launch(compressed_allreduce(bucket.flat, source, backend=be, op="mean", async_op=True,
+                                                  error_feedback_out=work), work)
         assert launch.handle is not None
         launch.handle.get_future().add_done_callback(lambda _: rnd.clock.complete(index))
         return launch

@@ -102,9 +102,9 @@ void emulate_worker_scan(unsigned grid, unsigned block, const void *x, int dtype
     launch(grid, block, [=] { cc_worker_scan(x, dtype, n, e, m, bits, partial); });
 }
 
-void emulate_error_update(unsigned grid, unsigned block, const void *x, int dtype, long long n, float *e,
-                          long long real, long long m, float s) {
-    launch(grid, block, [=] { cc_error_update(x, dtype, n, e, real, m, s); });
+void emulate_error_update(unsigned grid, unsigned block, const void *x, int dtype, long long n, const float *e,
+                          float *out, long long real, long long m, float s) {
+    launch(grid, block, [=] { cc_error_update(x, dtype, n, e, out, real, m, s); });
 }
 
 void emulate_server_scan(unsigned grid, unsigned block, const unsigned char *bits, long long stride, int nranks,
