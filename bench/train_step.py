@@ -24,10 +24,12 @@ The first --warmup-steps steps are the warm-up stage of the staged methods (Powe
 start_powerSGD_iter, the hook's start_iter, the optimizers' freeze_step); the others use them to
 warm up too. Reported per method: median step time over the steps after the warm-up (the
 compression stage) and over the warm-up steps (the first step, with its allocations and DDP's
-bucket rebuild, left out); bytes this rank handed to the transport per step in each stage
-(compcomm backends count them; for torch's hooks the benchmark counts what they pass to
-torch.distributed.all_reduce, and for plain DDP it is 2(n-1)/n of the fp32 gradients, all with the
-same ring accounting as compcomm's backends); the final loss (mean over ranks of the training loss
+bucket rebuild, left out). Every step starts on all ranks together (a barrier before the
+timed region), so the first step's one-time costs, which vary by rank, do not spill into the
+second through ranks waiting for the slowest one. Also reported: bytes this rank handed to the
+transport per step in each stage (compcomm backends count them; for torch's hooks the benchmark
+counts what they pass to torch.distributed.all_reduce, and for plain DDP it is 2(n-1)/n of the
+fp32 gradients, all with the same ring accounting as compcomm's backends); the final loss (mean over ranks of the training loss
 over the last tenth of the steps); the time to reach DDP + AdamW's final loss, where reached (the
 running mean over the same window, against the summed step times). For DDP + AdamW it also times
 the same step with no communication at all (each rank alone) and reports the fraction of DDP's
@@ -237,10 +239,10 @@ def train(builder: Builder, args: argparse.Namespace, text: torch.Tensor) -> dic
     run = builder(make_model(args), args)
     gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)
     times, losses, sent, comm = [], [], [], []
-    dist.barrier()
     with run.counting():
         for step in range(args.steps):
             seq = windows(text, torch.randint(0, len(text) - context - 1, (batch,), generator=gen), context)
+            dist.barrier()  # a common start: a rank's late end of the last step is not this step's time
             start = time.perf_counter()
             run.optimizer.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(run.model(seq[:, :-1]), seq[:, -1])
