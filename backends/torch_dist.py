@@ -10,6 +10,15 @@ import torch.distributed as dist
 
 from .base import Backend, Handle
 
+DIRECT_GATHER_BYTES = 128 * 1024
+"""On gloo, an all-gather of at most this many bytes per rank goes as an all-to-all of n copies
+of the message, each rank sending it straight to every other: the same bytes per rank, (n - 1)
+messages, but one latency instead of the n - 1 steps of gloo's ring. On 4 simulated hosts, a
+4-32 KiB all-gather took 3.0-3.9 ms this way against 0.7-0.9 ms as an all-to-all, at 1 and
+10 Gbit/s (it carries phase 2 of a compressed call of up to 4 MiB of fp32 on 4 ranks). From
+about 128 KiB the ring is as fast (at 819 KiB and 1 Gbit/s 21 ms against 25 ms), and the copies
+would cost memory. NCCL keeps its own all-gather (not measured here)."""
+
 
 class TorchDistBackend(Backend):
     """Collectives on a torch.distributed group (`group=None`: the default group)."""
@@ -70,6 +79,9 @@ class TorchDistBackend(Backend):
         return torch.device(self.device_type)
 
     def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
+        if self.pg_backend == "gloo" and send.numel() <= DIRECT_GATHER_BYTES:  # see DIRECT_GATHER_BYTES
+            copies = send.view(1, -1).expand(recv.shape[0], -1).contiguous()
+            return self.transport.alltoall_base(recv.view(-1), copies.view(-1), [], [])
         return self.transport._allgather_base(recv.view(-1), send)
 
     def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:

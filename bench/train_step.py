@@ -24,19 +24,19 @@ The first --warmup-steps steps are the warm-up stage of the staged methods (Powe
 start_powerSGD_iter, the hook's start_iter, the optimizers' freeze_step); the others use them to
 warm up too. Reported per method: median step time over the steps after the warm-up (the
 compression stage) and over the warm-up steps (the first step, with its allocations and DDP's
-bucket rebuild, left out). Every step starts on all ranks together (a barrier before the
-timed region), so the first step's one-time costs, which vary by rank, do not spill into the
-second through ranks waiting for the slowest one. Also reported: bytes this rank handed to the
-transport per step in each stage (compcomm backends count them; for torch's hooks the benchmark
-counts what they pass to torch.distributed.all_reduce, and for plain DDP it is 2(n-1)/n of the
-fp32 gradients, all with the same ring accounting as compcomm's backends); the final loss (mean over ranks of the training loss
-over the last tenth of the steps); the time to reach DDP + AdamW's final loss, where reached (the
-running mean over the same window, against the summed step times). For DDP + AdamW it also times
-the same step with no communication at all (each rank alone) and reports the fraction of DDP's
-step spent communicating: 1 - t(alone) / t(DDP). For compcomm's optimizers, the fraction of their
-collectives' time hidden behind backward (`last_comm_timing`: the time their collectives ran
-before backward ended over the whole time they ran, summed over the stage's steps and averaged
-over ranks), in each stage.
+bucket rebuild, left out). Every step starts on all ranks together (a barrier before the timed
+region), so the first step's one-time costs, which vary by rank, do not spill into the second
+through ranks waiting for the slowest one. Also reported: bytes this rank handed to the transport
+per step in each stage (compcomm backends count them; for torch's hooks the benchmark counts what
+they pass to torch.distributed.all_reduce, and for plain DDP it is 2(n-1)/n of the fp32 gradients,
+all with the same ring accounting as compcomm's backends); the final loss (mean over ranks of the
+training loss over the last tenth of the steps); the time to reach DDP + AdamW's final loss, where
+reached (the running mean over the same window, against the summed step times). For DDP + AdamW it
+also times the same step with no communication at all (each rank alone) and reports the fraction of
+DDP's step spent communicating: 1 - t(alone) / t(DDP). For compcomm's optimizers, the fraction of
+their collectives' time hidden behind backward (`last_comm_timing`: the time their collectives ran
+before backward ended over the whole time they ran, summed over the stage's steps and averaged over
+ranks), in each stage.
 
 Every Adam/LAMB method uses --eps (default 1e-4, not torch's 1e-8): a 5-step warm-up leaves some
 second moments near 1e-12, and 1-bit Adam/LAMB, whose compressed momentum has one magnitude per

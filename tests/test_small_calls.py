@@ -10,6 +10,7 @@ import torch
 
 import compcomm
 from compcomm.allreduce import FOLD_BYTES, HEADER, SERVER_SCALE_BYTES
+from compcomm.backends.torch_dist import DIRECT_GATHER_BYTES
 from compcomm.layout import chunk_size
 
 from rankpool import caught, group
@@ -173,3 +174,49 @@ def test_a_bad_pairing_on_one_rank_is_an_error_everywhere(pool):
     cls, message = results[0]["error"]
     assert cls == "ValueError" and "rank 2" in message and "one ErrorFeedback per tensor" in message
     assert all(r["after"] is None for r in results)
+
+
+
+class _Spy:
+    """A transport that counts the calls of its two gather primitives and forwards everything."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, {"alltoall_base": 0, "_allgather_base": 0}
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in self.calls:
+            return attr
+
+        def counted(*args):
+            self.calls[name] += 1
+            return attr(*args)
+        return counted
+
+
+def gathered(numel: int) -> dict:
+    """A gloo all_gather of `numel` bytes per rank: its rows, bytes counted, and which of
+    gloo's primitives moved it."""
+    be = _backend()
+    channel = be.channel
+    spy = channel.transport = _Spy(channel.transport)
+    try:
+        before = be.bytes_sent
+        everyone = torch.empty(WORLD, numel, dtype=torch.uint8)
+        be.all_gather(torch.full((numel,), be.rank + 1, dtype=torch.uint8), everyone)
+    finally:
+        channel.transport = spy.inner
+    rows = [sorted(set(row.tolist())) for row in everyone]
+    return {"rows": rows, "bytes": be.bytes_sent - before, **spy.calls}
+
+
+@pytest.mark.parametrize("numel", [1, 4096, DIRECT_GATHER_BYTES, DIRECT_GATHER_BYTES + 1, 1 << 20])
+def test_small_all_gather_goes_straight_to_every_rank(pool, numel):
+    """gloo's all-gather is a ring of n - 1 steps; up to DIRECT_GATHER_BYTES it goes as one
+    all-to-all of n copies instead (phase 2 of a call of up to 4 MiB of fp32 on 4 ranks), with
+    the same result and the same bytes counted."""
+    for rec in pool.run(gathered, numel):
+        assert rec["rows"] == [[r + 1] for r in range(WORLD)]
+        assert rec["bytes"] == (WORLD - 1) * numel
+        direct = numel <= DIRECT_GATHER_BYTES
+        assert (rec["alltoall_base"], rec["_allgather_base"]) == ((1, 0) if direct else (0, 1))
