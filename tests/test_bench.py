@@ -99,3 +99,15 @@ def test_nccl_tests_summary_codec_and_wire_bandwidth(sweep):
         assert averages[op] == pytest.approx(sum(r["busbw_GBps"] for r in rows) / len(rows), rel=1e-3, abs=1e-4)
     for r in records:
         assert math.isclose(r["wire_busbw_GBps"], r["wire_bytes"] / (r["time_us"] * 1e-6) / 1e9, rel_tol=1e-2)
+
+
+def test_gather_latency_times_both_primitives_at_every_size():
+    """bench/gather_latency.py (what sets the gloo backend's DIRECT_GATHER_BYTES) runs on its own
+    spawned ranks and prints one timed row per size."""
+    script = ROOT / "bench" / "gather_latency.py"
+    proc = subprocess.run([sys.executable, str(script), "--nprocs", "2", "--iters", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(rows) == 6
+    assert all(len(row) == 4 and all(float(v) > 0 for v in row) for row in rows)
