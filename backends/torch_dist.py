@@ -79,7 +79,7 @@ class TorchDistBackend(Backend):
         return torch.device(self.device_type)
 
     def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
-        if self.pg_backend == "gloo" and send.numel() <= DIRECT_GATHER_BYTES:  # see DIRECT_GATHER_BYTES
+        if self.pg_backend == "gloo" and send.numel() <= DIRECT_GATHER_BYTES:  # uint8: numel is bytes
             copies = send.view(1, -1).expand(recv.shape[0], -1).contiguous()
             return self.transport.alltoall_base(recv.view(-1), copies.view(-1), [], [])
         return self.transport._allgather_base(recv.view(-1), send)

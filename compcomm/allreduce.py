@@ -132,6 +132,7 @@ def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
     the call, and `error_feedback` is then left as it was: for a caller that keeps the old state
     until it knows that a larger step succeeded (an optimizer whose later bucket may fail), at
     the cost of no copy (the errors are written once, into its buffers, which it reuses).
+    Whatever `error_feedback_out` held before is replaced, its tag too.
     """
     be = resolve(backend, tensor)
     outs = None if error_feedback_out is None else [error_feedback_out]
@@ -149,8 +150,8 @@ def compressed_allreduce_coalesced(tensors: Sequence[torch.Tensor], error_feedba
     is and nothing changes (e.g. a NaN in the last bucket leaves the first bucket's error state
     untouched). Returns the list of tensors, or a handle with async_op=True.
     `error_feedbacks_out`: one per tensor, as `compressed_allreduce`'s `error_feedback_out`."""
-    tensors, efs = list(tensors), list(error_feedbacks)
-    outs = None if error_feedbacks_out is None else list(error_feedbacks_out)
+    tensors, efs = _as_list(tensors, "tensors"), _as_list(error_feedbacks, "error_feedbacks")
+    outs = None if error_feedbacks_out is None else _as_list(error_feedbacks_out, "error_feedbacks_out")
     be = resolve(backend, tensors[0] if tensors else None)  # a bad pairing is an agreed error, in phase 0
     return be.ordered(lambda: _run(tensors, efs, be, op, min_compress_bytes, outs), async_op=async_op)
 
@@ -176,8 +177,8 @@ def prepare_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence
                       exact: Sequence[bool] | None = None,
                       error_feedbacks_out: Sequence[ErrorFeedback] | None = None) -> list[PreparedCall]:
     """`prepare` of several tensors with one phase-0 agreement (as `compressed_allreduce_coalesced`)."""
-    tensors, efs = list(tensors), list(error_feedbacks)
-    outs = None if error_feedbacks_out is None else list(error_feedbacks_out)
+    tensors, efs = _as_list(tensors, "tensors"), _as_list(error_feedbacks, "error_feedbacks")
+    outs = None if error_feedbacks_out is None else _as_list(error_feedbacks_out, "error_feedbacks_out")
     flags = [False] * len(tensors) if exact is None else [bool(e) for e in exact]
     return backend.ordered(lambda: _prepare(tensors, efs, backend, op, lambda i, t: flags[i], dtypes, outs))
 
@@ -197,8 +198,9 @@ def agree(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedba
         flags.append(below(tensor, min_compress_bytes))
         return Scanned(tensor.dtype, flags[-1])
 
-    outs = None if error_feedbacks_out is None else list(error_feedbacks_out)
-    _phase0(list(tensors), list(error_feedbacks), backend, op, check, fold=False, outs=outs)
+    outs = None if error_feedbacks_out is None else _as_list(error_feedbacks_out, "error_feedbacks_out")
+    _phase0(_as_list(tensors, "tensors"), _as_list(error_feedbacks, "error_feedbacks"), backend, op, check,
+            fold=False, outs=outs)
     return flags
 
 
@@ -501,7 +503,27 @@ def _overlaps(tensor: torch.Tensor) -> bool:
     return False
 
 
+class _Unreadable(list):
+    """An empty list standing for an argument this rank could not read as a sequence: raising at
+    once would leave the other ranks waiting in phase 0, so `_check_pairs` raises `error` there,
+    where it reaches every rank."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+
+def _as_list(values: object, name: str) -> list:
+    """`list(values)`, or an `_Unreadable` when it is not a sequence (an agreed error in phase 0)."""
+    if isinstance(values, (str, bytes, torch.Tensor, ErrorFeedback)) or not hasattr(values, "__iter__"):
+        return _Unreadable(TypeError(f"{name} must be a sequence (list or tuple), got {type(values).__name__}"))
+    return list(values)
+
+
 def _check_pairs(tensors: list[torch.Tensor], efs: list[ErrorFeedback], outs: list[ErrorFeedback] | None) -> None:
+    for given in (tensors, efs, outs):
+        if isinstance(given, _Unreadable):
+            raise given.error
     if len(tensors) != len(efs) or not tensors:
         raise ValueError(f"need one ErrorFeedback per tensor and at least one tensor, got "
                          f"{len(tensors)} tensors and {len(efs)} ErrorFeedbacks")

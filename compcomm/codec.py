@@ -134,6 +134,8 @@ class Codec:
         `out` (default: error itself) is another buffer of error's size when the caller keeps
         the old errors: one pass writes the new ones, with no copy of the old first."""
         target = error if out is None else out
+        if target is not error and target.untyped_storage().data_ptr() == error.untyped_storage().data_ptr():
+            raise ValueError("error_update_: `out` must be the error tensor itself or share no storage with it")
         n = 0 if x is None else x.numel()
         if self._fused("cc_error_update", error.device, error.numel(), (x, error, target),
                        (_ptr(x), 0 if x is None else DTYPE_CODES[x.dtype], n, error.data_ptr(), target.data_ptr(),

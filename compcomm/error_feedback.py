@@ -85,16 +85,20 @@ class ErrorFeedback:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Take over the errors of a call that starts from `source`'s and leaves `source` as it
         is: (worker error to read, server error to update in place, worker error to write).
-        The call writes the worker error into this instance's buffer, reused when it fits, so
-        keeping the old state costs no copy of it; only the server error (C of the M
-        elements) is copied. With `source` itself, `buffers()`, in place."""
+        The call writes the worker error into this instance's buffer, reused when it fits (and
+        shares no memory with `source`'s, e.g. after `copy.copy`), so keeping the old state
+        costs no copy of it; only the server error (C of the M elements) is copied. Whatever
+        this instance held is replaced, its tag too (it takes `source`'s). With `source`
+        itself, `buffers()`, in place."""
         if source is self:
             worker, server = self.buffers(numel, world_size, device)
             return worker, server, worker
         old_worker, old_server = source.worker_error, source.server_error
         shapes = ((padded_size(numel, world_size),), (chunk_size(numel, world_size),))
         mine = (self.worker_error, self.server_error)
-        if not all(t is not None and t.shape == shape and t.device == device for t, shape in zip(mine, shapes)):
+        theirs = {t.untyped_storage().data_ptr() for t in (old_worker, old_server) if t is not None}
+        if not all(t is not None and t.shape == shape and t.device == device and t.dtype == torch.float32
+                   and t.untyped_storage().data_ptr() not in theirs for t, shape in zip(mine, shapes)):
             self.worker_error = torch.empty(shapes[0], dtype=torch.float32, device=device)
             self.server_error = torch.empty(shapes[1], dtype=torch.float32, device=device)
         assert self.worker_error is not None and self.server_error is not None

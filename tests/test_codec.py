@@ -102,6 +102,14 @@ def test_worker_scan_and_update(kind, numel, dtype):
     assert same_bits(o_args[0], error) and same_bits(u_args[0], error)
 
 
+def test_update_into_a_buffer_overlapping_the_errors_is_refused(kind):
+    """`out` is the errors themselves or separate memory: a shifted view of them would be read
+    after being written (the C kernel gave wrong values, the torch code raised)."""
+    base = torch.zeros(40, device=kind.device)
+    with pytest.raises(ValueError, match="share no storage"):
+        kind.codec.error_update_(base[:32], 0.5, 30, torch.ones(32, device=kind.device), base[1:33])
+
+
 @pytest.mark.parametrize("n, c, real", [(1, 8, 3), (3, 64, 64), (4, 4096, 4000), (5, 8192, 8013), (4, 4096, 0)])
 def test_server_scan_and_update(kind, n, c, real):
     g = torch.Generator().manual_seed(n + c)

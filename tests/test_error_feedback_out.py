@@ -3,6 +3,7 @@ ErrorFeedback, the input one left as it was. The result and the new errors are b
 the same call in place; a rejected call changes neither; bad outputs are an agreed error."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -96,6 +97,12 @@ def rejected(case: str) -> tuple[tuple[str, str] | None, bool]:
     elif case == "outputs counted wrong":
         err = caught(compcomm.compressed_allreduce_coalesced, [x], [kept], backend=be,
                      error_feedbacks_out=[spare, ErrorFeedback()] if be.rank == 1 else [spare])
+    elif case == "outputs not a sequence":  # one rank passes a bare ErrorFeedback: it must not raise alone
+        err = caught(compcomm.compressed_allreduce_coalesced, [x], [kept], backend=be,
+                     error_feedbacks_out=spare if be.rank == 1 else [spare])
+    elif case == "inputs not a sequence":
+        err = caught(compcomm.compressed_allreduce_coalesced, [x], kept if be.rank == 2 else [kept], backend=be,
+                     error_feedbacks_out=[spare])
     else:
         err = caught(compcomm.compressed_allreduce, x, kept, backend=be, error_feedback_out=out)
     return err, (snapshot(kept), snapshot(spare)) == before
@@ -103,9 +110,32 @@ def rejected(case: str) -> tuple[tuple[str, str] | None, bool]:
 
 @pytest.mark.parametrize("case, error", [("nan", "NonFiniteError"), ("not an ErrorFeedback", "TypeError"),
                                          ("output is another tensor's input", "ValueError"),
-                                         ("outputs counted wrong", "ValueError")])
+                                         ("outputs counted wrong", "ValueError"),
+                                         ("outputs not a sequence", "TypeError"),
+                                         ("inputs not a sequence", "TypeError")])
 def test_a_rejected_call_changes_neither_on_any_rank(pool, case, error):
     results = pool.run(rejected, case)
     assert all(err is not None and err[0] == error for err, _ in results), results
     assert len({err for err, _ in results}) == 1, "ranks raised different errors"
     assert all(unchanged for _, unchanged in results)
+
+
+def shallow_copied_spare() -> dict:
+    """A spare made with copy.copy(kept) holds kept's own tensors: the call must not write into them."""
+    be = gloo()
+    kept, twin = ErrorFeedback(tag="t"), ErrorFeedback(tag="t")
+    for step in range(2):  # errors to keep, in both
+        for ef in (kept, twin):
+            compcomm.compressed_allreduce(make_input(be.rank, step, 1000), ef, backend=be)
+    spare = copy.copy(kept)
+    before = snapshot(kept)
+    a, b = make_input(be.rank, 2, 1000), make_input(be.rank, 2, 1000)
+    compcomm.compressed_allreduce(a, kept, backend=be, error_feedback_out=spare)
+    compcomm.compressed_allreduce(b, twin, backend=be)
+    return {"kept": snapshot(kept) == before, "errors": snapshot(spare) == snapshot(twin),
+            "result": torch.equal(a, b)}
+
+
+def test_a_spare_sharing_the_inputs_tensors_gets_its_own(pool):
+    for r in pool.run(shallow_copied_spare):
+        assert r == {"kept": True, "errors": True, "result": True}, r

@@ -137,7 +137,6 @@ def test_zeroone_nan_on_a_masked_element_still_skips(pool, automatic):
         assert all(result), result
 
 
-
 @pytest.mark.parametrize("name", ["zeroone", "lamb"])
 def test_freeze_step_fills_buffers_allocated_at_the_first_step(name):
     """State that the freeze fills (0/1 Adam's weights of the last sync w_s, 1-bit LAMB's fresh
