@@ -13,15 +13,16 @@ other rank at once. Times are torch.distributed's own primitives (no compcomm), 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from convergence import run_ranks  # noqa: E402  (the benchmark beside this file: launch or spawn ranks)
 
 SIZES = (2 * 1024, 8 * 1024, 32 * 1024, 128 * 1024, 512 * 1024, 2 * 1024 * 1024)
 
@@ -55,23 +56,9 @@ def measure(iters: int) -> list[tuple[int, float, float]]:
     return rows
 
 
-def rank_main(args: argparse.Namespace, label: str) -> None:
+def rank_main(args: argparse.Namespace) -> list[tuple[int, float, float]]:
     torch.set_num_threads(1)
-    rows = measure(args.iters)
-    if dist.get_rank() == 0:
-        print(f"# gather_latency: {label}, world size {dist.get_world_size()}, median of {args.iters} calls")
-        print(f"# {'bytes/rank':>10} {'all_gather(ms)':>15} {'all_to_all(ms)':>15} {'ratio':>6}")
-        for size, ring, straight in rows:
-            print(f"  {size:>10} {ring:>15.2f} {straight:>15.2f} {ring / straight:>6.2f}", flush=True)
-
-
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=5))
-    try:
-        rank_main(args, f"{world} local ranks (self-spawned)")
-    finally:
-        dist.destroy_process_group()
+    return measure(args.iters)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,20 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=30, help="calls per size and primitive (default 30)")
     p.add_argument("--nprocs", type=int, default=4, help="local ranks to spawn when not launched (default 4)")
     args = p.parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, bench/netsim.py
-        dist.init_process_group("gloo")
-        rate = os.environ.get("NETSIM_RATE")
-        try:
-            rank_main(args, f"netsim {rate}" if rate else "torchrun")
-        finally:
-            dist.destroy_process_group()
+    rows, world = run_ranks(rank_main, args, args.nprocs)
+    if rows is None:  # not rank 0
         return 0
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.nprocs, port, args), nprocs=args.nprocs, join=True)
+    rate = os.environ.get("NETSIM_RATE")
+    label = f"netsim {rate}" if rate else ("torchrun" if "RANK" in os.environ else f"{world} local ranks")
+    print(f"# gather_latency: {label}, world size {world}, median of {args.iters} calls")
+    print(f"# {'bytes/rank':>10} {'all_gather(ms)':>15} {'all_to_all(ms)':>15} {'ratio':>6}")
+    for size, ring, straight in rows:
+        print(f"  {size:>10} {ring:>15.2f} {straight:>15.2f} {ring / straight:>6.2f}", flush=True)
     return 0
 
 
