@@ -132,7 +132,8 @@ class Codec:
                       out: torch.Tensor | None = None) -> None:
         """out <- v - scale * sign(v) with v = error (+ x on x's length) on [:real], 0 beyond.
         `out` (default: error itself) is another buffer of error's size when the caller keeps
-        the old errors: one pass writes the new ones, with no copy of the old first."""
+        the old errors: the fused kernels write the new ones in one pass, with no copy of the
+        old first (the torch code copies, then updates in place)."""
         target = error if out is None else out
         if target is not error and target.untyped_storage().data_ptr() == error.untyped_storage().data_ptr():
             raise ValueError("error_update_: `out` must be the error tensor itself or share no storage with it")
