@@ -126,14 +126,24 @@ class OnebitLamb(FrozenVarianceOptimizer):
 
     def _warmup_update(self, t: int, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any],
                        state: dict[str, Any]) -> None:
+        """u_pre = m_hat / d(v, t) computed as k q with q = m / (sqrt(v) + eps sqrt(b2(t))) and
+        k = sqrt(b2(t)) / b1(t): the same value in three passes fewer (the bias corrections
+        folded into scalars), and one temporary."""
         beta1, beta2 = group["betas"]
         update_moments(state, g, group["betas"])
-        denom = adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"], out=self._scratch_like(p, 0))
-        u_pre = torch.div(state["exp_avg"], 1 - beta1 ** t, out=self._scratch_like(p, 1)).div_(denom)
+        root_b2 = math.sqrt(1 - beta2 ** t)
+        k = root_b2 / (1 - beta1 ** t)
+        q = torch.sqrt(state["exp_avg_sq"], out=self._scratch_like(p)).add_(group["eps"] * root_b2)
+        q = torch.div(state["exp_avg"], q, out=q)
         w = master_weight(p, state)
-        u = self._weight_decayed(u_pre, w, group, out=denom)
-        c, state["coeff_avg"] = warmup_coefficient(trust_ratio(w, u), state.get("coeff_avg"), group)
-        w.add_(u, alpha=-group["lr"] * c)
+        if group["weight_decay"]:
+            u = q.mul_(k).add_(w, alpha=group["weight_decay"])
+            ratio, step = trust_ratio(w, u), group["lr"]
+        else:  # u = k q: ||w|| / ||u|| = (||w|| / ||q||) / k, and k goes into the step
+            u, ratio, step = q, trust_ratio(w, q), group["lr"] * k
+            ratio = None if ratio is None else ratio / k
+        c, state["coeff_avg"] = warmup_coefficient(ratio, state.get("coeff_avg"), group)
+        w.add_(u, alpha=-step * c)
         store_(p, w)
 
     @staticmethod
