@@ -1,0 +1,1 @@
+for rate in 1gbit 10gbit; do python bench/netsim.py --hosts 4 --rate $rate --subnet 10.77.41.0/24 -- python bench/train_step.py --methods ddp_adamw,onebit_adam,onebit_lamb,zeroone_adam --steps 16 --warmup-steps 16 --no-baseline --json bench/results/train_step_warmup_netsim_4h_$rate.json -q 2>/dev/null; done
