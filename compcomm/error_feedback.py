@@ -94,13 +94,7 @@ class ErrorFeedback:
             worker, server = self.buffers(numel, world_size, device)
             return worker, server, worker
         old_worker, old_server = source.worker_error, source.server_error
-        shapes = ((padded_size(numel, world_size),), (chunk_size(numel, world_size),))
-        mine = (self.worker_error, self.server_error)
-        theirs = {t.untyped_storage().data_ptr() for t in (old_worker, old_server) if t is not None}
-        if not all(t is not None and t.shape == shape and t.device == device and t.dtype == torch.float32
-                   and t.untyped_storage().data_ptr() not in theirs for t, shape in zip(mine, shapes)):
-            self.worker_error = torch.empty(shapes[0], dtype=torch.float32, device=device)
-            self.server_error = torch.empty(shapes[1], dtype=torch.float32, device=device)
+        self._own_buffers((padded_size(numel, world_size),), (chunk_size(numel, world_size),), device, source)
         assert self.worker_error is not None and self.server_error is not None
         if old_worker is None or old_server is None:  # source unused: the errors start at zero
             self.worker_error.zero_()
@@ -120,18 +114,29 @@ class ErrorFeedback:
         """Become an independent copy of `source` (as `source.clone()`), writing into this
         instance's own buffers where they fit: a step that works on a copy every call then
         allocates nothing (on a CPU, fresh memory costs a page fault per 4 KiB). Returns self."""
+        if source is self:
+            return self
         self.tag = source.tag
         if source.worker_error is None or source.server_error is None:
             self.reset()
             return self
-        mine, theirs = (self.worker_error, self.server_error), (source.worker_error, source.server_error)
-        if all(a is not None and a.shape == b.shape and a.device == b.device for a, b in zip(mine, theirs)):
-            for a, b in zip(mine, theirs):
-                a.copy_(b)  # type: ignore[union-attr]
-        else:
-            self.worker_error, self.server_error = theirs[0].clone(), theirs[1].clone()
+        self._own_buffers(source.worker_error.shape, source.server_error.shape, source.worker_error.device, source)
+        assert self.worker_error is not None and self.server_error is not None
+        self.worker_error.copy_(source.worker_error)
+        self.server_error.copy_(source.server_error)
         self.numel, self.world_size, self._server_max = source.numel, source.world_size, source._server_max
         return self
+
+    def _own_buffers(self, worker_shape: tuple[int, ...], server_shape: tuple[int, ...], device: torch.device,
+                     source: ErrorFeedback) -> None:
+        """fp32 error buffers of these shapes on `device` (contents unspecified): the present ones
+        where they fit and share no memory with `source`'s (e.g. after `copy.copy`), else new."""
+        theirs = {t.untyped_storage().data_ptr() for t in (source.worker_error, source.server_error) if t is not None}
+        wanted = zip((self.worker_error, self.server_error), (worker_shape, server_shape))
+        if not all(t is not None and t.shape == shape and t.device == device and t.dtype == torch.float32
+                   and t.untyped_storage().data_ptr() not in theirs for t, shape in wanted):
+            self.worker_error = torch.empty(worker_shape, dtype=torch.float32, device=device)
+            self.server_error = torch.empty(server_shape, dtype=torch.float32, device=device)
 
     def reset(self) -> None:
         """Forget the carried errors (the next call starts from zero)."""

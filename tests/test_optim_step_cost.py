@@ -4,6 +4,7 @@ gradient scan is skipped only where the collective itself finds non-finite value
 step reports how much of its communication ran behind backward."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -72,6 +73,16 @@ def test_error_feedback_copy_reuses_buffers_and_copies_state():
     assert (target.numel, target.world_size) == (source.numel, source.world_size)
     target.copy_(compcomm.ErrorFeedback(tag="empty"))
     assert not target.initialized
+
+
+def test_error_feedback_copy_of_a_shallow_copy_owns_its_buffers():
+    """copy.copy shares the source's tensors; copy_ must not keep writing into them."""
+    source = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(torch.randn(100), source, backend=compcomm.backends.get("local"))
+    twin = copy.copy(source).copy_(source)
+    assert twin.worker_error.data_ptr() != source.worker_error.data_ptr()
+    assert twin.server_error.data_ptr() != source.server_error.data_ptr()
+    assert torch.equal(twin.worker_error, source.worker_error)
 
 
 # ------------------------------------------------------------------ masks

@@ -304,10 +304,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
             # bucket's spare (no copy of the kept one first); the two swap roles if the whole
             # step completes, else the kept one is still the state before the step.
             work = self._spare_errors[b]
-            source = self._error_feedback[b]
-            if self._fresh_errors(rnd.t):
-                work.reset()
-                source = work
+            # errors restarted from zero: an unused source (the spare's buffers are zeroed, kept)
+            source = ErrorFeedback(tag=work.tag) if self._fresh_errors(rnd.t) else self._error_feedback[b]
             launch = _Launch(compressed_allreduce(bucket.flat, source, backend=be, op="mean", async_op=True,
                                                   error_feedback_out=work), work)
         assert launch.handle is not None
