@@ -135,6 +135,44 @@ def test_decode(kind, dtype, count):
     assert torch.equal(n_args[2], torch.from_numpy(expected.astype(np.float32)).to(dtype))
 
 
+NATIVE_BUILT = pytest.mark.skipif(_native.library_path() is None, reason="the C codec was not built")
+STREAMED = 4 << 20
+"""Bytes per call from which the C kernels write with non-temporal stores (STREAM_BYTES in codec.c)."""
+
+
+@NATIVE_BUILT
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_large_decode_gives_the_same_bits_streamed_or_not(dtype, offset):
+    """A decode of 4 MiB or more into 32-byte aligned memory (offset 0) takes the streaming
+    stores, into misaligned memory (offset 1) the plain ones: the same bits either way."""
+    count = STREAMED // dtype.itemsize + 13
+    bits = torch.randint(0, 256, (-(-count // 8),), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    out = torch.full((count + offset,), 7.0, dtype=dtype)[offset:]
+    Codec(_native.NativeKernels(str(_native.library_path()))).decode(bits, 0.1234567, out)
+    expected = torch.empty(count, dtype=dtype)
+    TORCH.decode(bits, 0.1234567, expected)
+    assert same_bits(out, expected)
+
+
+@NATIVE_BUILT
+@pytest.mark.parametrize("offset", [0, 1])
+def test_large_update_into_another_buffer_gives_the_same_bits_streamed_or_not(offset):
+    """An error update of 4 MiB or more into another buffer streams its stores when that buffer
+    is aligned (offset 0): the bits of the in-place update, and the old errors untouched."""
+    numel = STREAMED // 4 + 13
+    m = -(-numel // 32) * 32
+    x, error = data(numel, torch.float32, 4), torch.zeros(m)
+    error[:numel] = data(numel, torch.float32, 5) * 0.3
+    kept = error.clone()
+    out = torch.full((m + offset,), 7.0)[offset:]
+    native = Codec(_native.NativeKernels(str(_native.library_path())))
+    native.error_update_(error, 0.625, numel, x, out)
+    assert same_bits(error, kept)
+    TORCH.error_update_(kept, 0.625, numel, x)
+    assert same_bits(out, kept)
+
+
 def test_msb_first_bits_and_negative_zero():
     x = torch.tensor([1.0, -1.0, -0.0, 0.0, -2.0, 3.0, -4.0, -5.0])
     bits = torch.empty(1, dtype=torch.uint8)
