@@ -296,6 +296,19 @@ def run_ranks(rank_fn, args: argparse.Namespace, world: int) -> tuple[Any, int]:
     return launch.spawn(_spawned, world, rank_fn, args)[0], world
 
 
+
+
+def run_parsed(parser: argparse.ArgumentParser, rank_fn, argv: list[str] | None) -> tuple[Any, argparse.Namespace, str]:
+    """A small benchmark's command line: `parser` plus --nprocs, then `rank_fn(args)` on every
+    rank through `run_ranks`. Returns rank 0's result (None on other ranks), the arguments and
+    how the ranks were started, for the report's header."""
+    parser.add_argument("--nprocs", type=int, default=4, help="local ranks to spawn when not launched (default 4)")
+    args = parser.parse_args(argv)
+    result, world = run_ranks(rank_fn, args, args.nprocs)
+    rate = os.environ.get("NETSIM_RATE")
+    started = f"netsim {rate}" if rate else ("torchrun" if "RANK" in os.environ else f"{world} local ranks")
+    return result, args, f"{started}, world size {world}"
+
 # ------------------------------------------------------------------ report
 
 def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: int) -> dict[str, Any]:

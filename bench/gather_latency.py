@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from convergence import run_ranks  # noqa: E402  (the benchmark beside this file: launch or spawn ranks)
+from convergence import run_parsed  # noqa: E402  (the benchmark beside this file: launch or spawn ranks)
 
 SIZES = (2 * 1024, 8 * 1024, 32 * 1024, 128 * 1024, 512 * 1024, 2 * 1024 * 1024)
 
@@ -64,14 +64,10 @@ def rank_main(args: argparse.Namespace) -> list[tuple[int, float, float]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=30, help="calls per size and primitive (default 30)")
-    p.add_argument("--nprocs", type=int, default=4, help="local ranks to spawn when not launched (default 4)")
-    args = p.parse_args(argv)
-    rows, world = run_ranks(rank_main, args, args.nprocs)
+    rows, args, label = run_parsed(p, rank_main, argv)
     if rows is None:  # not rank 0
         return 0
-    rate = os.environ.get("NETSIM_RATE")
-    label = f"netsim {rate}" if rate else ("torchrun" if "RANK" in os.environ else f"{world} local ranks")
-    print(f"# gather_latency: {label}, world size {world}, median of {args.iters} calls")
+    print(f"# gather_latency: {label}, median of {args.iters} calls")
     print(f"# {'bytes/rank':>10} {'all_gather(ms)':>15} {'all_to_all(ms)':>15} {'ratio':>6}")
     for size, ring, straight in rows:
         print(f"  {size:>10} {ring:>15.2f} {straight:>15.2f} {ring / straight:>6.2f}", flush=True)

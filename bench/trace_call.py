@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allreduce_bw import parse_size  # noqa: E402  (the benchmarks beside this file)
-from convergence import run_ranks  # noqa: E402
+from convergence import run_parsed  # noqa: E402
 
 KERNELS = {"worker_scan": "scan", "error_update_": "update", "server_scan_": "server", "decode": "decode"}
 COLLECTIVES = {"all_to_all": "a2a", "all_gather": "gather"}
@@ -95,14 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=parse_size("25M"), help="fp32 bytes per rank (default 25M)")
     p.add_argument("--warmup", type=int, default=5, help="untraced calls first (default 5)")
-    p.add_argument("--nprocs", type=int, default=4, help="local ranks to spawn when not launched (default 4)")
-    args = p.parse_args(argv)
-    everyone, world = run_ranks(rank_main, args, args.nprocs)
+    everyone, args, label = run_parsed(p, rank_main, argv)
     if everyone is None:  # not rank 0
         return 0
-    rate = os.environ.get("NETSIM_RATE")
-    label = f"netsim {rate}" if rate else ("torchrun" if "RANK" in os.environ else f"{world} local ranks")
-    print(f"# trace_call: {label}, world size {world}, {args.size} bytes of fp32, ms from the barrier")
+    print(f"# trace_call: {label}, {args.size} bytes of fp32, ms from the barrier")
     for rank, (total, events) in enumerate(everyone):
         parts = ", ".join(f"{name} {begin:.1f}-{end:.1f}" for name, begin, end in events)
         print(f"rank {rank} call {total:.1f} | {parts}", flush=True)
