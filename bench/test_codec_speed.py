@@ -12,11 +12,12 @@ measured in the same run. Not part of the test suite (its testpaths is tests/).
     copy           dst.copy_(src), N fp32
     scan           codec.worker_scan: v = x + error, bits = sign(v), sum(v^2) (worker pass 1)
     update         codec.error_update_: error <- v - s sign(v) (worker pass 2)
+    update_out     the same into another buffer, error unchanged (the optimizers' error_feedback_out)
     compress       scan + update: the whole worker side, compress and error update
     server         codec.server_scan_ + error_update_: a served chunk of N elements, 4 ranks
     decode         codec.decode: N fp32 outputs from N/8 bytes and a scale
 
-On CPU the kernels are the fused C ones when built (see `codec.native_available()`), else
+On CPU the kernels are the fused C ones when built (see `codec.codec_info()`), else
 torch; on CUDA the fused cupy ones when cupy is installed, else torch; the copy runs on the
 same device, so on a GPU the fractions are of the device's measured memory bandwidth.
 """
@@ -42,7 +43,7 @@ def _parse_count(text: str) -> int:
 
 
 SIZES = [_parse_count(s) for s in os.environ.get("COMPCOMM_BENCH_SIZES", "1M,4M,16M,64M").split(",")]
-KERNELS = ["copy", "scan", "update", "compress", "server", "decode"]
+KERNELS = ["copy", "scan", "update", "update_out", "compress", "server", "decode"]
 DEVICES = os.environ.get("COMPCOMM_BENCH_DEVICES", "cpu,cuda" if torch.cuda.is_available() else "cpu").split(",")
 
 
@@ -65,22 +66,26 @@ def _kernel(kernel: str, n: int, device: torch.device):
     if kernel == "copy":
         dst = torch.empty_like(x)
         return lambda: dst.copy_(x)
+    coder = codec.codec_for(device)
     error = (torch.randn(n, generator=gen) * 0.1).to(device)
     bits = torch.empty(n // 8, dtype=torch.uint8, device=device)
     if kernel == "scan":
-        return lambda: codec.worker_scan(x, error, bits)
+        return lambda: coder.worker_scan(x, error, bits)
     if kernel == "update":
-        return lambda: codec.error_update_(error, 0.5, n, x)
+        return lambda: coder.error_update_(error, 0.5, n, x)
+    if kernel == "update_out":
+        spare = torch.empty_like(error)
+        return lambda: coder.error_update_(error, 0.5, n, x, spare)
     if kernel == "compress":
-        return lambda: (codec.worker_scan(x, error, bits), codec.error_update_(error, 0.5, n, x))
+        return lambda: (coder.worker_scan(x, error, bits), coder.error_update_(error, 0.5, n, x))
     if kernel == "decode":
         out = torch.empty(n, device=device)
-        return lambda: codec.decode(bits, 0.5, out)
+        return lambda: coder.decode(bits, 0.5, out)
     if kernel == "server":
         received = torch.randint(0, 256, (SERVER_RANKS, n // 8), dtype=torch.uint8, generator=gen).to(device)
         scales = (torch.rand(SERVER_RANKS, generator=gen) + 0.5).to(device)
-        return lambda: (codec.server_scan_(received, scales, SERVER_RANKS, error, n, bits),
-                        codec.error_update_(error, 0.5, n))
+        return lambda: (coder.server_scan_(received, scales, SERVER_RANKS, error, n, bits),
+                        coder.error_update_(error, 0.5, n))
     raise ValueError(kernel)
 
 

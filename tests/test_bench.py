@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,18 @@ def test_trace_call_stamps_every_kernel_and_collective_of_one_call_on_every_rank
         assert names.index("a2a") < names.index("server") < names.index("gather") < names.index("decode"), line
         spans = [tuple(map(float, span.split("-"))) for _, span in events]
         assert all(begin <= end for begin, end in spans), line
+
+
+def test_codec_micro_benchmarks_run_every_kernel():
+    """bench/test_codec_speed.py (not collected by the suite: its own pytest run) runs every
+    kernel through the codec chosen for the device; it had gone on calling module-level codec
+    functions that no longer exist."""
+    env = {**os.environ, "COMPCOMM_BENCH_SIZES": "64K", "COMPCOMM_BENCH_ROUNDS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable",
+                           str(ROOT / "bench" / "test_codec_speed.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "7 passed" in proc.stdout
 
 
 def test_gather_latency_times_both_primitives_at_every_size():
