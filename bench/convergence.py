@@ -297,7 +297,6 @@ def run_ranks(rank_fn, args: argparse.Namespace, world: int) -> tuple[Any, int]:
 
 
 
-
 def run_parsed(parser: argparse.ArgumentParser, rank_fn, argv: list[str] | None) -> tuple[Any, argparse.Namespace, str]:
     """A small benchmark's command line: `parser` plus --nprocs, then `rank_fn(args)` on every
     rank through `run_ranks`. Returns rank 0's result (None on other ranks), the arguments and

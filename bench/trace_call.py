@@ -8,7 +8,9 @@ the parts of one call line up across ranks, and how long ranks wait on each othe
 
 The codec's methods and the backend's collectives are wrapped to stamp their start and end
 (milliseconds from the barrier before the call); `a2a`/`gather` end when the collective was
-started, `a2a_wait`/`gather_wait` when the caller waited for one in flight. After --warmup calls,
+started, `a2a_wait`/`gather_wait` when the caller waited for one in flight. The first `a2a` is
+phase 0 (the headers and the first sign bytes, waited for at once: it ends when the slowest rank
+has sent), a second one phase 1 (none when phase 0 carried every row). After --warmup calls,
 the traced call runs from a barrier; rank 0 prints every rank's line.
 """
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Stamps:
             begin = time.perf_counter()
             result = fn(*args, **kwargs)
             self.events.append((label, 1e3 * (begin - self.origin), 1e3 * (time.perf_counter() - self.origin)))
-            if kwargs.get("async_op"):
+            if kwargs.get("async_op") is True or (len(args) > 2 and args[2] is True):  # (send, recv, async_op)
                 return _StampedHandle(result, self.timed(f"{label}_wait", result.wait))
             return result
         return stamped

@@ -157,12 +157,15 @@ def test_large_decode_gives_the_same_bits_streamed_or_not(dtype, offset):
 
 @NATIVE_BUILT
 @pytest.mark.parametrize("offset", [0, 1])
-def test_large_update_into_another_buffer_gives_the_same_bits_streamed_or_not(offset):
+@pytest.mark.parametrize("with_x", [None, 1001])
+def test_large_update_into_another_buffer_gives_the_same_bits_streamed_or_not(offset, with_x):
     """An error update of 4 MiB or more into another buffer streams its stores when that buffer
-    is aligned (offset 0): the bits of the in-place update, and the old errors untouched."""
+    is aligned (offset 0): the bits of the in-place update, and the old errors untouched. With
+    an x shorter than the errors (1001 elements: v = x + e there, e beyond) the rows after x
+    start unaligned; streaming them crashed the process."""
     numel = STREAMED // 4 + 13
     m = -(-numel // 32) * 32
-    x, error = data(numel, torch.float32, 4), torch.zeros(m)
+    x, error = data(with_x or numel, torch.float32, 4), torch.zeros(m)
     error[:numel] = data(numel, torch.float32, 5) * 0.3
     kept = error.clone()
     out = torch.full((m + offset,), 7.0)[offset:]

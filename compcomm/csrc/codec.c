@@ -208,7 +208,8 @@ static inline __m256 minus_signed8(__m256 v, __m256 plus, __m256 minus) {
     return _mm256_sub_ps(v, _mm256_blendv_ps(minus, plus, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)));
 }
 
-/* Eight floats to out (32-byte aligned when streaming; see STREAM_BYTES). */
+/* Eight floats to out (32-byte aligned when streaming: out itself is, and i is a multiple of 8;
+ * see STREAM_BYTES). */
 __attribute__((target("avx2,fma")))
 static inline void put8(float *out, __m256 v, int streaming) {
     if (streaming) _mm256_stream_ps(out, v);
@@ -225,6 +226,7 @@ static void update_f32_avx2(const float *x, int64_t with_x, const float *e, floa
         put8(out + i, minus_signed8(_mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i)), plus, minus),
              streaming);
     for (; i < with_x; i++) out[i] = minus_signed(x[i] + e[i], s);
+    for (; i < real && i % 8; i++) out[i] = minus_signed(e[i], s); /* back to whole rows of 8 (aligned) */
     for (; i + 8 <= real; i += 8) put8(out + i, minus_signed8(_mm256_loadu_ps(e + i), plus, minus), streaming);
     for (; i < real; i++) out[i] = minus_signed(e[i], s);
     if (streaming) _mm_sfence();
