@@ -296,7 +296,6 @@ def run_ranks(rank_fn, args: argparse.Namespace, world: int) -> tuple[Any, int]:
     return launch.spawn(_spawned, world, rank_fn, args)[0], world
 
 
-
 def run_parsed(parser: argparse.ArgumentParser, rank_fn, argv: list[str] | None) -> tuple[Any, argparse.Namespace, str]:
     """A small benchmark's command line: `parser` plus --nprocs, then `rank_fn(args)` on every
     rank through `run_ranks`. Returns rank 0's result (None on other ranks), the arguments and
@@ -307,6 +306,7 @@ def run_parsed(parser: argparse.ArgumentParser, rank_fn, argv: list[str] | None)
     rate = os.environ.get("NETSIM_RATE")
     started = f"netsim {rate}" if rate else ("torchrun" if "RANK" in os.environ else f"{world} local ranks")
     return result, args, f"{started}, world size {world}"
+
 
 # ------------------------------------------------------------------ report
 

@@ -314,7 +314,6 @@ void cc_server_scan(const unsigned char *bits, cc_index stride, int nranks, cons
     *partial = sum8(lanes);
 }
 
-
 #ifdef __SSE2__
 /* The whole bytes of a decode with non-temporal stores; out must be aligned to one byte's
  * output (32 bytes for 4-byte elements, 16 for 2-byte ones). */
