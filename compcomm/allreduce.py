@@ -151,7 +151,7 @@ def compressed_allreduce_coalesced(tensors: Sequence[torch.Tensor], error_feedba
     untouched). Returns the list of tensors, or a handle with async_op=True.
     `error_feedbacks_out`: one per tensor, as `compressed_allreduce`'s `error_feedback_out`."""
     tensors, efs = _as_list(tensors, "tensors"), _as_list(error_feedbacks, "error_feedbacks")
-    outs = None if error_feedbacks_out is None else _as_list(error_feedbacks_out, "error_feedbacks_out")
+    outs = _as_outs(error_feedbacks_out)
     be = resolve(backend, tensors[0] if tensors else None)  # a bad pairing is an agreed error, in phase 0
     return be.ordered(lambda: _run(tensors, efs, be, op, min_compress_bytes, outs), async_op=async_op)
 
@@ -178,7 +178,7 @@ def prepare_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence
                       error_feedbacks_out: Sequence[ErrorFeedback] | None = None) -> list[PreparedCall]:
     """`prepare` of several tensors with one phase-0 agreement (as `compressed_allreduce_coalesced`)."""
     tensors, efs = _as_list(tensors, "tensors"), _as_list(error_feedbacks, "error_feedbacks")
-    outs = None if error_feedbacks_out is None else _as_list(error_feedbacks_out, "error_feedbacks_out")
+    outs = _as_outs(error_feedbacks_out)
     flags = [False] * len(tensors) if exact is None else [bool(e) for e in exact]
     return backend.ordered(lambda: _prepare(tensors, efs, backend, op, lambda i, t: flags[i], dtypes, outs))
 
@@ -198,7 +198,7 @@ def agree(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedba
         flags.append(below(tensor, min_compress_bytes))
         return Scanned(tensor.dtype, flags[-1])
 
-    outs = None if error_feedbacks_out is None else _as_list(error_feedbacks_out, "error_feedbacks_out")
+    outs = _as_outs(error_feedbacks_out)
     _phase0(_as_list(tensors, "tensors"), _as_list(error_feedbacks, "error_feedbacks"), backend, op, check,
             fold=False, outs=outs)
     return flags
@@ -518,6 +518,11 @@ def _as_list(values: object, name: str) -> list:
     if isinstance(values, (str, bytes, torch.Tensor, ErrorFeedback)) or not hasattr(values, "__iter__"):
         return _Unreadable(TypeError(f"{name} must be a sequence (list or tuple), got {type(values).__name__}"))
     return list(values)
+
+
+def _as_outs(error_feedbacks_out: object) -> list | None:
+    """The output ErrorFeedbacks of a call: None (the inputs take the errors) or `_as_list`'s."""
+    return None if error_feedbacks_out is None else _as_list(error_feedbacks_out, "error_feedbacks_out")
 
 
 def _check_pairs(tensors: list[torch.Tensor], efs: list[ErrorFeedback], outs: list[ErrorFeedback] | None) -> None:
