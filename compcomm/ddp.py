@@ -37,6 +37,14 @@ on every rank with the same `compcomm.NonFiniteError` (or ValueError/TypeError) 
 `loss.backward()` raises on every rank alike and no rank hangs; the failed bucket's error
 feedback is unchanged. In the uncompressed iterations the hook checks the averaged bucket, which
 is identical on every rank, so the same holds there.
+
+Mixed precision: `torch.amp.GradScaler` expects an overflowing iteration's gradients to come back
+non-finite, so that `scaler.step` skips it and lowers the scale. With `nonfinite="propagate"` a
+bucket that fails with `NonFiniteError` (a NaN/Inf on some rank, or an average that would
+overflow) is returned filled with NaN on every rank instead of raising, its error feedback again
+unchanged; every rank then skips the step alike. Other errors still raise. The carried errors are
+in the units of the scaled gradients, so a change of scale (rare: a back-off, or growth every
+`growth_interval` steps) applies to the new gradients and not to what is carried.
 """
 from typing import Any
 
@@ -53,6 +61,7 @@ from .errors import NonFiniteError, all_finite
 __all__ = ["OnebitHookState", "onebit_hook"]
 
 _FORMAT = "compcomm.ddp.OnebitHookState/1"
+_NONFINITE = ("raise", "propagate")
 Key = tuple[int, ...]
 
 
@@ -64,19 +73,24 @@ class OnebitHookState:
     group). `start_iter`: iterations averaged uncompressed before the 1-bit stage begins.
     `backend`: the compcomm transport (a name such as "gloo", "nccl", "mpi", or a Backend, e.g.
     one over a sub-group); None builds gloo (CPU gradients) or nccl (CUDA) over `process_group`.
+    `nonfinite`: "raise" (backward raises NonFiniteError on every rank) or "propagate" (the
+    bucket comes back as NaN on every rank, for GradScaler; see the module docstring).
 
     Checkpoints: `state_dict()` holds this rank's errors (save one file per rank);
     `gathered_state_dict()` (a collective) holds every rank's, for one file loaded by all ranks.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 10,
-                 backend: Backend | str | None = None) -> None:
+                 backend: Backend | str | None = None, nonfinite: str = "raise") -> None:
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"nonfinite must be one of {', '.join(map(repr, _NONFINITE))}, got {nonfinite!r}")
         if backend is not None and not isinstance(backend, (str, Backend)):
             raise TypeError(f"backend must be a name, a compcomm Backend or None, got {type(backend).__name__}")
         self.process_group = process_group
         self.start_iter = start_iter
+        self.nonfinite = nonfinite
         self.iter = 0
         self._backend_arg = backend
         self._backends: dict[str, Backend] = {}
@@ -241,17 +255,24 @@ class OnebitHookState:
         def finish(done: torch.futures.Future) -> torch.Tensor:
             failures = [outcome.value() for outcome in done.value()]
             for failed, flat, spans in zip(failures[len(failures) - len(futures):], flats, slices):
-                if flat is not buffer and failed is None:
+                if failed is not None and self._propagates(failed):
+                    for a, b in spans:
+                        buffer[a:b].fill_(float("nan"))
+                elif flat is not buffer and failed is None:
                     offset = 0
                     for a, b in spans:
                         buffer[a:b].copy_(flat[offset:offset + b - a])
                         offset += b - a
-            first = next((f for f in failures if f is not None), None)
+            first = next((f for f in failures if f is not None and not self._propagates(f)), None)
             if last and first is not None:
                 raise first  # the same error on every rank
             return buffer
 
         return torch.futures.collect_all(waited).then(finish)
+
+    def _propagates(self, failure: Exception) -> bool:
+        """Whether `failure` comes back as a NaN bucket (nonfinite="propagate") instead of raising."""
+        return self.nonfinite == "propagate" and isinstance(failure, NonFiniteError)
 
 
 def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

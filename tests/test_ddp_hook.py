@@ -58,9 +58,10 @@ def grads(model: torch.nn.Module) -> bytes:
 
 
 def hooked(process_group=None, start_iter: int = 2, backend=None,
-           model: Net | None = None) -> tuple[DDP, OnebitHookState]:
+           model: Net | None = None, nonfinite: str = "raise") -> tuple[DDP, OnebitHookState]:
     ddp = DDP(model or make_net(), process_group=process_group, bucket_cap_mb=BUCKET_MB)
-    state = OnebitHookState(process_group=process_group, start_iter=start_iter, backend=backend)
+    state = OnebitHookState(process_group=process_group, start_iter=start_iter, backend=backend,
+                            nonfinite=nonfinite)
     ddp.register_comm_hook(state, onebit_hook)
     return ddp, state
 
@@ -279,6 +280,45 @@ def test_nan_gradient_on_one_rank_fails_every_rank_alike(pool, start_iter):
     assert len({tuple(r[2]) for r in results}) == 1, "ranks differ after recovering"
 
 
+def overflow_under_grad_scaler(start_iter: int) -> tuple:
+    """Mixed-precision training's routine overflow: GradScaler's scaled loss gives NaN gradients
+    on rank 1 at step 3; with nonfinite="propagate" every rank must skip that step alike."""
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=start_iter, nonfinite="propagate")
+    opt, scaler = sgd(ddp), torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+
+    def step(s: int, poison: bool = False) -> None:
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss_of(ddp, rank, s, poison)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    for s in range(3):
+        step(s)
+    before, scale = raw(ddp.module), scaler.get_scale()
+    errors = {key: {k: v.clone() if torch.is_tensor(v) else v for k, v in ef.state_dict().items()}
+              for key, ef in state.error_feedback.items()}
+    step(3, poison=rank == 1)
+    skipped = raw(ddp.module) == before
+    kept = all(torch.equal(errors[key][k], v) if torch.is_tensor(v) else errors[key][k] == v
+               for key, ef in state.error_feedback.items() for k, v in ef.state_dict().items())
+    after_skip = scaler.get_scale()
+    for s in range(4, 6):
+        step(s)
+    compressed = any(ef.initialized for ef in state.error_feedback.values())
+    return skipped, kept, scale, after_skip, raw(ddp.module), compressed
+
+
+@pytest.mark.parametrize("start_iter", [1, 10])
+def test_grad_scaler_overflow_skips_the_step_on_every_rank(pool, start_iter):
+    results = pool.run(overflow_under_grad_scaler, start_iter)
+    assert all(r[0] for r in results), "a rank took the overflowing step"
+    assert all(r[1] for r in results), "the overflowing step changed some bucket's error feedback"
+    assert all(r[3] == r[2] / 2 for r in results), "the scaler did not back off on every rank"
+    assert len({r[4] for r in results}) == 1, "ranks differ after the skipped step"
+    assert all(r[5] == (start_iter == 1) for r in results)
+
+
 # ------------------------------------------------------------------ the mpi backend (mpirun)
 
 def test_hook_over_mpi_matches_gloo_bitwise(tmp_path):
@@ -295,6 +335,8 @@ def test_hook_over_mpi_matches_gloo_bitwise(tmp_path):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="start_iter"):
         OnebitHookState(start_iter=-1)
+    with pytest.raises(ValueError, match="nonfinite"):
+        OnebitHookState(nonfinite="skip")
     with pytest.raises(ValueError, match="start_iter"):
         OnebitHookState(start_iter=2.5)
     with pytest.raises(TypeError, match="backend"):
