@@ -1,0 +1,1 @@
+python bench/convergence.py --seed 1 --tag seed1

@@ -1,0 +1,1 @@
+python bench/convergence.py --seed 2 --tag seed2

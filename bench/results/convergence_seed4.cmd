@@ -1,0 +1,1 @@
+python bench/convergence.py --seed 4 --tag seed4
