@@ -41,10 +41,14 @@ is identical on every rank, so the same holds there.
 Mixed precision: `torch.amp.GradScaler` expects an overflowing iteration's gradients to come back
 non-finite, so that `scaler.step` skips it and lowers the scale. With `nonfinite="propagate"` a
 bucket that fails with `NonFiniteError` (a NaN/Inf on some rank, or an average that would
-overflow) is returned filled with NaN on every rank instead of raising, its error feedback again
-unchanged; every rank then skips the step alike. Other errors still raise. The carried errors are
-in the units of the scaled gradients, so a change of scale (rare: a back-off, or growth every
-`growth_interval` steps) applies to the new gradients and not to what is carried.
+overflow) is returned filled with NaN on every rank instead of raising; every rank then skips the
+step alike. Other errors still raise. A skipped step must leave no trace, also in the buckets that
+were reduced before another one overflowed (an overflow often appears only in the earlier layers):
+so in this mode each bucket's new errors go into a second ErrorFeedback (`error_feedback_out`),
+which replaces the bucket's only once every bucket of the iteration succeeded. That holds a second
+copy of the error state (the model's size in fp32, plus 1/n). The carried errors are in the units of
+the scaled gradients, so a change of scale (rare: a back-off, or growth every `growth_interval`
+steps) applies to the new gradients and not to what is carried.
 """
 from typing import Any
 
@@ -97,6 +101,8 @@ class OnebitHookState:
         self._numbers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its number
         self._params: list[tuple[tuple[int, ...], str]] = []         # number -> (shape, dtype)
         self._buckets: dict[Key, ErrorFeedback] = {}
+        self._spares: dict[Key, ErrorFeedback] = {}                  # key -> where its next errors go
+        self._pending: list[Key] = []                                # this iteration's errors in spares
         self._owner: dict[int, Key] = {}                             # number -> its bucket's key
         self._in_flight: list[torch.futures.Future] = []             # this iteration's collectives
 
@@ -143,6 +149,7 @@ class OnebitHookState:
             return key, owners
         for old in owners:
             del self._buckets[old]
+            self._spares.pop(old, None)
             for number in old:
                 del self._owner[number]
         self._buckets[key] = ErrorFeedback()
@@ -151,7 +158,9 @@ class OnebitHookState:
 
     @property
     def error_feedback(self) -> dict[Key, ErrorFeedback]:
-        """The error feedback of every known bucket, keyed by its parameters' numbers."""
+        """The error feedback of every known bucket, keyed by its parameters' numbers (with
+        nonfinite="propagate" a bucket's ErrorFeedback object alternates between two, so look
+        it up again after each iteration)."""
         return dict(self._buckets)
 
     # ----------------------------------------------------------------- checkpoints
@@ -191,7 +200,7 @@ class OnebitHookState:
             raise ValueError(f"cannot load the hook state: rank {bad[0]}: {verdicts[bad[0]]}")
         iteration, start_iter, params, buckets = mine
         self.iter, self.start_iter, self._params = iteration, start_iter, params
-        self._buckets = buckets
+        self._buckets, self._spares, self._pending = buckets, {}, []
         self._owner = {number: key for key in buckets for number in key}
 
     def _check(self, state: dict[str, Any], be: Backend) -> tuple[int, int, list, dict[Key, ErrorFeedback]]:
@@ -240,17 +249,21 @@ class OnebitHookState:
         slices = _slices(params, parts, self._numbers)
         flats = [buffer if parts == [key] else torch.cat([buffer[a:b] for a, b in spans]) for spans in slices]
         if compress:
-            futures = [compressed_allreduce(flat, self._buckets[part], backend=be, async_op=True).get_future()
-                       for flat, part in zip(flats, parts)]
+            outs = [self._spare(part) for part in parts]
+            futures = [compressed_allreduce(flat, self._buckets[part], backend=be, async_op=True,
+                                            error_feedback_out=out).get_future()
+                       for flat, part, out in zip(flats, parts, outs)]
+            self._pending.extend(part for part, out in zip(parts, outs) if out is not None)
         else:
             futures = [be.ordered(_uncompressed_mean, flat, be, async_op=True).get_future() for flat in flats]
         # Futures of each collective's error (or None): they never fail, so collect_all (which
         # would complete at the first failure) waits for all of them.
         outcomes = [future.then(_failure) for future in futures]
         self._in_flight.extend(outcomes)
-        waited = outcomes
+        waited, pending = outcomes, []
         if last:
             waited, self._in_flight = self._in_flight, []
+            pending, self._pending = self._pending, []
 
         def finish(done: torch.futures.Future) -> torch.Tensor:
             failures = [outcome.value() for outcome in done.value()]
@@ -263,12 +276,27 @@ class OnebitHookState:
                     for a, b in spans:
                         buffer[a:b].copy_(flat[offset:offset + b - a])
                         offset += b - a
+            if last and all(f is None for f in failures):
+                self._keep(pending)
             first = next((f for f in failures if f is not None and not self._propagates(f)), None)
             if last and first is not None:
                 raise first  # the same error on every rank
             return buffer
 
         return torch.futures.collect_all(waited).then(finish)
+
+    def _spare(self, key: Key) -> ErrorFeedback | None:
+        """Where bucket `key`'s errors after this iteration go: a spare held until the iteration
+        succeeds (nonfinite="propagate"), or None (the bucket's own ErrorFeedback, in place)."""
+        if self.nonfinite != "propagate":
+            return None
+        return self._spares.setdefault(key, ErrorFeedback())
+
+    def _keep(self, keys: list[Key]) -> None:
+        """The iteration succeeded everywhere: each bucket's spare becomes its error feedback."""
+        for key in dict.fromkeys(keys):
+            if key in self._buckets and key in self._spares:
+                self._buckets[key], self._spares[key] = self._spares[key], self._buckets[key]
 
     def _propagates(self, failure: Exception) -> bool:
         """Whether `failure` comes back as a NaN bucket (nonfinite="propagate") instead of raising."""

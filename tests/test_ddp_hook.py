@@ -280,16 +280,22 @@ def test_nan_gradient_on_one_rank_fails_every_rank_alike(pool, start_iter):
     assert len({tuple(r[2]) for r in results}) == 1, "ranks differ after recovering"
 
 
-def overflow_under_grad_scaler(start_iter: int) -> tuple:
+def overflow_under_grad_scaler(start_iter: int, only_first_layer: bool = False) -> tuple:
     """Mixed-precision training's routine overflow: GradScaler's scaled loss gives NaN gradients
-    on rank 1 at step 3; with nonfinite="propagate" every rank must skip that step alike."""
+    on rank 1 at step 3, in every bucket or (`only_first_layer`) only in the bucket reduced last,
+    after the others succeeded; with nonfinite="propagate" every rank must skip that step alike
+    and leave no trace of it."""
     rank = dist.get_rank()
     ddp, state = hooked(start_iter=start_iter, nonfinite="propagate")
     opt, scaler = sgd(ddp), torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    poisoned = [False]
+    for p in ddp.module.inp.parameters():
+        p.register_hook(lambda g: g * float("nan") if poisoned[0] else g)
 
     def step(s: int, poison: bool = False) -> None:
         opt.zero_grad(set_to_none=True)
-        scaler.scale(loss_of(ddp, rank, s, poison)).backward()
+        poisoned[0] = poison and only_first_layer
+        scaler.scale(loss_of(ddp, rank, s, poison and not only_first_layer)).backward()
         scaler.step(opt)
         scaler.update()
 
@@ -310,13 +316,16 @@ def overflow_under_grad_scaler(start_iter: int) -> tuple:
 
 
 @pytest.mark.parametrize("start_iter", [1, 10])
-def test_grad_scaler_overflow_skips_the_step_on_every_rank(pool, start_iter):
-    results = pool.run(overflow_under_grad_scaler, start_iter)
+@pytest.mark.parametrize("only_first_layer", [False, True])
+def test_grad_scaler_overflow_skips_the_step_on_every_rank(pool, start_iter, only_first_layer):
+    results = pool.run(overflow_under_grad_scaler, start_iter, only_first_layer)
     assert all(r[0] for r in results), "a rank took the overflowing step"
     assert all(r[1] for r in results), "the overflowing step changed some bucket's error feedback"
     assert all(r[3] == r[2] / 2 for r in results), "the scaler did not back off on every rank"
     assert len({r[4] for r in results}) == 1, "ranks differ after the skipped step"
     assert all(r[5] == (start_iter == 1) for r in results)
+    if only_first_layer:  # no trace of the skipped step: the run goes on as if every bucket had failed
+        assert results[0][4] == pool.run(overflow_under_grad_scaler, start_iter, False)[0][4]
 
 
 # ------------------------------------------------------------------ the mpi backend (mpirun)
