@@ -290,7 +290,9 @@ class OnebitHookState:
         succeeds (nonfinite="propagate"), or None (the bucket's own ErrorFeedback, in place)."""
         if self.nonfinite != "propagate":
             return None
-        return self._spares.setdefault(key, ErrorFeedback())
+        if key not in self._spares:
+            self._spares[key] = ErrorFeedback()
+        return self._spares[key]
 
     def _keep(self, keys: list[Key]) -> None:
         """The iteration succeeded everywhere: each bucket's spare becomes its error feedback."""
