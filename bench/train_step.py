@@ -16,6 +16,8 @@ its own), one after the other in the same processes (METHODS below; `--methods` 
                          In ONE DDP bucket: with 2+ buckets the PowerSGD hook deadlocks on gloo.
     ddp_sgd              DDP + SGD with momentum (the uncompressed baseline of the 1-bit hook)
     ddp_sgd_onebit       DDP + SGD with momentum + compcomm.ddp.onebit_hook
+    ddp_sgd_onebit_propagate  the same hook with nonfinite="propagate" (for GradScaler: each
+                         iteration's errors go into spare buffers, kept once every bucket succeeded)
     onebit_adam          compcomm.optim.OnebitAdam (no DDP: the optimizer communicates)
     onebit_lamb          compcomm.optim.OnebitLamb
     zeroone_adam         compcomm.optim.ZeroOneAdam, when this build of compcomm has it (else skipped)
@@ -134,8 +136,9 @@ def bf16_hook(process_group, bucket):  # no annotations: DDP rejects this module
     return bf16_compress_hook(process_group, bucket)
 
 
-def ddp_method(optimizer: Callable, hook: str | None = None) -> Builder:
-    """DDP with `optimizer` and no hook, or hook "bf16", "powersgd" or "onebit"."""
+def ddp_method(optimizer: Callable, hook: str | None = None, nonfinite: str = "raise") -> Builder:
+    """DDP with `optimizer` and no hook, or hook "bf16", "powersgd" or "onebit" (with the
+    hook state's `nonfinite` mode)."""
 
     def build(model: torch.nn.Module, args: argparse.Namespace) -> Run:
         # PowerSGD runs in one bucket: with 2+ DDP buckets its hook deadlocks on gloo.
@@ -146,7 +149,7 @@ def ddp_method(optimizer: Callable, hook: str | None = None) -> Builder:
             return Run(ddp, opt, fixed_bytes=ring_bytes(numel, 4, dist.get_world_size()))
         if hook == "onebit":
             import compcomm.ddp
-            state = compcomm.ddp.OnebitHookState(start_iter=args.warmup_steps)
+            state = compcomm.ddp.OnebitHookState(start_iter=args.warmup_steps, nonfinite=nonfinite)
             ddp.register_comm_hook(state, compcomm.ddp.onebit_hook)
             return Run(ddp, opt, lambda: float(state.backend().bytes_sent))
         counter = AllReduceCounter()
@@ -197,6 +200,7 @@ METHODS: dict[str, Builder] = {
     "ddp_adamw_powersgd": ddp_method(adamw, "powersgd"),
     "ddp_sgd": ddp_method(sgd),
     "ddp_sgd_onebit": ddp_method(sgd, "onebit"),
+    "ddp_sgd_onebit_propagate": ddp_method(sgd, "onebit", nonfinite="propagate"),
     "onebit_adam": compcomm_optimizer("OnebitAdam", "freeze_step"),
     "onebit_lamb": compcomm_optimizer("OnebitLamb", "freeze_step", "lr_lamb"),
     "zeroone_adam": compcomm_optimizer("ZeroOneAdam", "var_freeze_step"),
@@ -358,7 +362,7 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
         base["comm_fraction"] = max(0.0, 1.0 - compute / base["step_time_ms"])
     print(f"# compcomm train_step: {label}, world size {world}, gloo, CharMLP {params / 1e6:.1f}M trained params "
           f"({args.setting}), batch {batch}/rank, {args.steps} steps ({args.warmup_steps} warm-up)")
-    print(f"# {'method':<20} {'step(ms)':>9} {'warmup(ms)':>10} {'bytes/step':>12} {'warmup B/step':>13} "
+    print(f"# {'method':<24} {'step(ms)':>9} {'warmup(ms)':>10} {'bytes/step':>12} {'warmup B/step':>13} "
           f"{'final_loss':>10} {'to_target(s)':>12} {'hidden%':>7} {'warmup hidden%':>14}")
 
     def percent(x: float | None) -> str:
@@ -367,7 +371,7 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
     for r in records:
         ttt = r.get("time_to_target_s")
         warm = r["warmup_step_time_ms"]
-        print(f"  {r['method']:<20} {r['step_time_ms']:>9.1f} {'-' if warm is None else f'{warm:.1f}':>10} "
+        print(f"  {r['method']:<24} {r['step_time_ms']:>9.1f} {'-' if warm is None else f'{warm:.1f}':>10} "
               f"{r['bytes_per_step']:>12.0f} {r['warmup_bytes_per_step'] or 0:>13.0f} {r['final_loss']:>10.4f} "
               f"{'-' if ttt is None else f'{ttt:.2f}':>12} {percent(r['comm_hidden_fraction']):>7} "
               f"{percent(r['warmup_comm_hidden_fraction']):>14}")

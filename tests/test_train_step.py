@@ -17,7 +17,8 @@ SCRIPT = ROOT / "bench" / "train_step.py"
 SPEC_KEYS = {"method", "world_size", "step_time_ms", "bytes_per_step", "final_loss", "steps"}
 TINY = ["--context", "4", "--embed", "4", "--hidden", "32", "--batch", "4", "--steps", "4",
         "--warmup-steps", "2", "--text-bytes", "20000", "-q"]
-DDP_METHODS = {"ddp_adamw", "ddp_adamw_bf16", "ddp_adamw_powersgd", "ddp_sgd", "ddp_sgd_onebit"}
+DDP_METHODS = {"ddp_adamw", "ddp_adamw_bf16", "ddp_adamw_powersgd", "ddp_sgd", "ddp_sgd_onebit",
+               "ddp_sgd_onebit_propagate"}
 
 
 def check_records(records: list[dict], world: int) -> None:

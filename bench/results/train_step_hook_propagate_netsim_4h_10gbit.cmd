@@ -1,0 +1,1 @@
+python bench/netsim.py --hosts 4 --rate 10gbit --subnet 10.77.51.0/24 -- python bench/train_step.py --methods ddp_sgd,ddp_sgd_onebit,ddp_sgd_onebit_propagate --json bench/results/train_step_hook_propagate_netsim_4h_10gbit.json
