@@ -4,6 +4,7 @@ Without the C codec compcomm still works, through torch code that gives the same
 20x slower on CPU. So a build that cannot compile it stops with a message saying so, unless
 COMPCOMM_ALLOW_NO_NATIVE=1 asks for the slow install (which then warns at every first use).
 """
+
 import os
 import sys
 
@@ -18,10 +19,12 @@ class BuildCodec(build_ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001 - whatever the compiler toolchain raises
-            message = (f"compcomm: the C codec could not be compiled ({type(exc).__name__}: {exc}). "
-                       "Without it compcomm runs its torch kernels, the same bits about 20x slower on CPU. "
-                       "Install a C compiler (gcc or clang) and retry, or set "
-                       f"{OPT_OUT}=1 to install without it.")
+            message = (
+                f"compcomm: the C codec could not be compiled ({type(exc).__name__}: {exc}). "
+                "Without it compcomm runs its torch kernels, the same bits about 20x slower on CPU. "
+                "Install a C compiler (gcc or clang) and retry, or set "
+                f"{OPT_OUT}=1 to install without it."
+            )
             if os.environ.get(OPT_OUT) != "1":
                 raise RuntimeError(message) from exc
             ext.optional = True  # nothing to copy or package
@@ -30,8 +33,13 @@ class BuildCodec(build_ext):
 
 
 setup(
-    ext_modules=[Extension(
-        "compcomm._codec_native", sources=["compcomm/csrc/codec.c"], depends=["compcomm/csrc/codec_abi.h"],
-        extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"])],
+    ext_modules=[
+        Extension(
+            "compcomm._codec_native",
+            sources=["compcomm/csrc/codec.c"],
+            depends=["compcomm/csrc/codec_abi.h"],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
+        )
+    ],
     cmdclass={"build_ext": BuildCodec},
 )

@@ -3,6 +3,7 @@
 Each backend lives in its own module and is imported only when asked for, so that optional
 dependencies (mpi4py, cupy) are never needed by `import compcomm`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -68,5 +69,6 @@ def _auto_name(tensor: torch.Tensor | None) -> str:
             f"this process was launched as one of WORLD_SIZE={world} ranks (torchrun or similar), but "
             "torch.distributed is not initialized: call torch.distributed.init_process_group() before "
             "compcomm picks a backend (otherwise every rank would silently run as a world of one), or "
-            "pass backend='local' to reduce within this process on purpose")
+            "pass backend='local' to reduce within this process on purpose"
+        )
     return "local"

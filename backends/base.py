@@ -1,4 +1,5 @@
 """The transport interface: a backend moves bytes and counts them, it never decides numerics."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -110,8 +111,9 @@ class Backend(ABC):
         """recv[r] <- rank r's send[self.rank], for `send` and `recv` of shape (n, L) (async as all_gather)."""
         self._check_bytes(send, recv)
         if send.dim() != 2 or send.shape != recv.shape or send.shape[0] != self.world_size:
-            raise ValueError(f"all_to_all: send {tuple(send.shape)} / recv {tuple(recv.shape)} "
-                             f"must both be ({self.world_size}, L)")
+            raise ValueError(
+                f"all_to_all: send {tuple(send.shape)} / recv {tuple(recv.shape)} must both be ({self.world_size}, L)"
+            )
         self.bytes_sent += (self.world_size - 1) * send.shape[1]
         return self._in_turn(self._all_to_all, send, recv, async_op)
 
@@ -139,8 +141,9 @@ class Backend(ABC):
         if self.world_size > 1:
             self.ordered(self._barrier)
 
-    def _in_turn(self, start: Callable[..., Handle | None], send: torch.Tensor, recv: torch.Tensor,
-                 async_op: bool) -> Handle:
+    def _in_turn(
+        self, start: Callable[..., Handle | None], send: torch.Tensor, recv: torch.Tensor, async_op: bool
+    ) -> Handle:
         """Run a byte collective in its turn. Inside a running compcomm call (which holds the
         channel) an async collective starts on the wire at once and returns its own handle."""
         if all(ordering.holds(ch) for ch in self.channels):

@@ -1,4 +1,5 @@
 """gloo: torch.distributed on CPU tensors (TCP between hosts)."""
+
 from __future__ import annotations
 
 from .torch_dist import TorchDistBackend

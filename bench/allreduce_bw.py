@@ -25,6 +25,7 @@ backend's uncompressed `all_reduce` ("allreduce"), both with op="mean" (and with
 
 Inputs are independent N(0, 1) per rank. Each size uses its own ErrorFeedback per rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,12 +44,30 @@ from netsim import parse_rate
 from peak_memory import PeakMemory, mmap_threshold_env
 from peak_memory import supported as memory_measurable
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
 OPS = ("compressed", "allreduce", "exact")
-DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 def parse_size(text: str) -> int:
@@ -82,9 +101,11 @@ def sweep_sizes(lo: int, hi: int, factor: float, elem: int) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("-b", "--min-bytes", type=parse_size, default=parse_size("1M"), help="smallest size (default 1M)")
     p.add_argument("-e", "--max-bytes", type=parse_size, default=parse_size("64M"), help="largest size (default 64M)")
     p.add_argument("-f", "--factor", type=float, default=2.0, help="size multiplier between rows (default 2)")
@@ -92,19 +113,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
     p.add_argument("-d", "--dtype", default="float32", choices=sorted(DTYPES), help="element type (default float32)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "mpi", "nccl"), help="transport (default gloo)")
-    p.add_argument("--nprocs", type=int, default=4,
-                   help="ranks to spawn locally when not launched by torchrun/mpirun (default 4)")
-    p.add_argument("--ops", default="compressed,allreduce",
-                   help="comma-separated ops to run: compressed, allreduce, exact (compcomm's "
-                        "uncompressed path, as below min_compress_bytes) (default compressed,allreduce)")
-    p.add_argument("--hierarchical", action="store_true",
-                   help="also run the compressed op on compcomm.backends.get('hierarchical'): exact within "
-                        "each node of LOCAL_WORLD_SIZE ranks, 1-bit across nodes (torchrun/netsim launches)")
+    p.add_argument(
+        "--nprocs", type=int, default=4, help="ranks to spawn locally when not launched by torchrun/mpirun (default 4)"
+    )
+    p.add_argument(
+        "--ops",
+        default="compressed,allreduce",
+        help="comma-separated ops to run: compressed, allreduce, exact (compcomm's "
+        "uncompressed path, as below min_compress_bytes) (default compressed,allreduce)",
+    )
+    p.add_argument(
+        "--hierarchical",
+        action="store_true",
+        help="also run the compressed op on compcomm.backends.get('hierarchical'): exact within "
+        "each node of LOCAL_WORLD_SIZE ranks, 1-bit across nodes (torchrun/netsim launches)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the result records (SPEC 7 keys) as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of busbw vs size, compressed vs allreduce")
     p.add_argument("--title", default=None, help="plot title suffix (e.g. the simulated link)")
-    p.add_argument("--link-rate", default=None,
-                   help="per-host link rate drawn on the plot, tc syntax (e.g. 1gbit; default: bench/netsim.py's)")
+    p.add_argument(
+        "--link-rate",
+        default=None,
+        help="per-host link rate drawn on the plot, tc syntax (e.g. 1gbit; default: bench/netsim.py's)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     return p
@@ -112,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------------------------
 # one rank
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -168,25 +200,33 @@ def print_header(args, n: int, label: str) -> None:
     import compcomm
 
     codecs = ", ".join(f"{device}: {what}" for device, what in compcomm.codec_info().items())
-    print(f"# compcomm allreduce_bw: {label}, world size {n}, backend {args.backend}, dtype {args.dtype}, "
-          f"iters {args.iters}, warmup {args.warmup}, op mean")
+    print(
+        f"# compcomm allreduce_bw: {label}, world size {n}, backend {args.backend}, dtype {args.dtype}, "
+        f"iters {args.iters}, warmup {args.warmup}, op mean"
+    )
     print(f"# codec: {codecs}")
     if not memory_measurable(torch.device("cpu")):
         print(f"# peak(x): not measured on CPU here (start the ranks with {mmap_threshold_env()} to measure it)")
     print("#" + " " * 78 + "|  time across iterations (us)")
-    print(f"# {'size(B)':>11} {'count':>10} {'type':>8} {'op':>10} | {'time(us)':>11} {'algbw(GB/s)':>11} "
-          f"{'busbw(GB/s)':>11} {'wirebw(GB/s)':>12} {'wire(B)/rank':>13} {'peak(x)':>7} {'rel_err':>9} | "
-          f"{'min':>11} {'max':>11}", flush=True)
+    print(
+        f"# {'size(B)':>11} {'count':>10} {'type':>8} {'op':>10} | {'time(us)':>11} {'algbw(GB/s)':>11} "
+        f"{'busbw(GB/s)':>11} {'wirebw(GB/s)':>12} {'wire(B)/rank':>13} {'peak(x)':>7} {'rel_err':>9} | "
+        f"{'min':>11} {'max':>11}",
+        flush=True,
+    )
 
 
 def print_row(rec: dict) -> None:
     peak = rec["peak_transient_bytes"]
     ratio = f"{peak / (4 * rec['count']):>7.3f}" if peak is not None else f"{'n/a':>7}"
     shown = "hier" if rec["backend"] == "hierarchical" else rec["op"]
-    print(f"  {rec['size_bytes']:>11d} {rec['count']:>10d} {rec['dtype']:>8} {shown:>10} | "
-          f"{rec['time_us']:>11.1f} {rec['algbw_GBps']:>11.4f} {rec['busbw_GBps']:>11.4f} "
-          f"{rec['wire_busbw_GBps']:>12.4f} {rec['wire_bytes']:>13d} {ratio} {rec['rel_error']:>9.2e} | "
-          f"{rec['time_min_us']:>11.1f} {rec['time_max_us']:>11.1f}", flush=True)
+    print(
+        f"  {rec['size_bytes']:>11d} {rec['count']:>10d} {rec['dtype']:>8} {shown:>10} | "
+        f"{rec['time_us']:>11.1f} {rec['algbw_GBps']:>11.4f} {rec['busbw_GBps']:>11.4f} "
+        f"{rec['wire_busbw_GBps']:>12.4f} {rec['wire_bytes']:>13d} {ratio} {rec['rel_error']:>9.2e} | "
+        f"{rec['time_min_us']:>11.1f} {rec['time_max_us']:>11.1f}",
+        flush=True,
+    )
 
 
 def operation(op: str, be, x: torch.Tensor, exact: torch.Tensor, warmup: int):
@@ -196,6 +236,7 @@ def operation(op: str, be, x: torch.Tensor, exact: torch.Tensor, warmup: int):
 
     buf = x.clone()
     if op == "allreduce":
+
         def call() -> None:
             be.all_reduce(buf, "mean")
     else:
@@ -205,6 +246,7 @@ def operation(op: str, be, x: torch.Tensor, exact: torch.Tensor, warmup: int):
 
         def call() -> None:
             compcomm.compressed_allreduce(buf, ef, backend=be, op="mean", min_compress_bytes=threshold)
+
     call()
     err = _rel_error(buf, exact)
     for _ in range(warmup - 1):
@@ -224,13 +266,25 @@ def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int, 
     peak = float(_gather_floats(be, probe.bytes).max()) if memory_measurable(be.device) else math.nan
     t = float(times.mean())
     algbw = size / t / 1e9
-    return {"op": op, "size_bytes": size, "count": x.numel(), "dtype": args.dtype, "world_size": n,
-            "backend": name or args.backend, "time_us": t * 1e6, "algbw_GBps": algbw,
-            "busbw_GBps": algbw * 2 * (n - 1) / n, "wire_bytes": int(round(wire)), "rel_error": err,
-            "wire_busbw_GBps": wire / t / 1e9,
-            "time_min_us": float(times.min()) * 1e6, "time_max_us": float(times.max()) * 1e6,
-            "iters": args.iters, "warmup": args.warmup,
-            "peak_transient_bytes": None if math.isnan(peak) else int(peak)}
+    return {
+        "op": op,
+        "size_bytes": size,
+        "count": x.numel(),
+        "dtype": args.dtype,
+        "world_size": n,
+        "backend": name or args.backend,
+        "time_us": t * 1e6,
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * 2 * (n - 1) / n,
+        "wire_bytes": int(round(wire)),
+        "rel_error": err,
+        "wire_busbw_GBps": wire / t / 1e9,
+        "time_min_us": float(times.min()) * 1e6,
+        "time_max_us": float(times.max()) * 1e6,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "peak_transient_bytes": None if math.isnan(peak) else int(peak),
+    }
 
 
 def run_rank(args, be, label: str, hier=None) -> list[dict] | None:
@@ -260,8 +314,12 @@ def run_rank(args, be, label: str, hier=None) -> list[dict] | None:
             for rec in rows:
                 print_row(rec)
             if not args.quiet:
-                print(f"[allreduce_bw] {index + 1}/{len(sizes)} sizes done ({human(size)}), "
-                      f"{time.perf_counter() - t_start:.1f}s elapsed", file=sys.stderr, flush=True)
+                print(
+                    f"[allreduce_bw] {index + 1}/{len(sizes)} sizes done ({human(size)}), "
+                    f"{time.perf_counter() - t_start:.1f}s elapsed",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if not lead:
         return None
     _summary(records)
@@ -278,18 +336,24 @@ def _summary(records: list[dict]) -> None:
         if rows:  # as nccl-tests ends its table
             print(f"# Avg bus bandwidth    : {sum(r['busbw_GBps'] for r in rows) / len(rows):.4f} ({op})")
     by = {(r["op"], r["size_bytes"]): r for r in records if r["backend"] != "hierarchical"}
-    pairs = [(by[("compressed", s)], by[("allreduce", s)]) for (op, s) in by if op == "compressed"
-             and ("allreduce", s) in by]
+    pairs = [
+        (by[("compressed", s)], by[("allreduce", s)]) for (op, s) in by if op == "compressed" and ("allreduce", s) in by
+    ]
     if pairs:
         print("# speedup (allreduce time / compressed time) and wire-byte ratio per size:")
     for c, a in pairs:
         ratio = a["wire_bytes"] / c["wire_bytes"] if c["wire_bytes"] else float("inf")
         exact = by.get(("exact", c["size_bytes"]))
         versus = f", exact path {a['time_us'] / exact['time_us']:6.2f}x" if exact else ""
-        print(f"#   {human(c['size_bytes']):>10}: speedup {a['time_us'] / c['time_us']:6.2f}x, "
-              f"wire {ratio:5.1f}x less{versus}")
-    flat = [(h, by[("compressed", h["size_bytes"])]) for h in records
-            if h["backend"] == "hierarchical" and ("compressed", h["size_bytes"]) in by]
+        print(
+            f"#   {human(c['size_bytes']):>10}: speedup {a['time_us'] / c['time_us']:6.2f}x, "
+            f"wire {ratio:5.1f}x less{versus}"
+        )
+    flat = [
+        (h, by[("compressed", h["size_bytes"])])
+        for h in records
+        if h["backend"] == "hierarchical" and ("compressed", h["size_bytes"]) in by
+    ]
     if flat:
         print("# hierarchical speedup (flat compressed time / hierarchical time) per size:")
     for h, c in flat:
@@ -315,25 +379,33 @@ def write_plot(records: list[dict], path: str, title: str, rate_GBps: float | No
     allreduce cannot pass and the 1-bit ideal (the link carrying only sign bits)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit(f"--plot needs matplotlib ({exc}); install it with: pip install matplotlib "
-                         "(or compcomm[plot]), or drop --plot") from None
+        raise SystemExit(
+            f"--plot needs matplotlib ({exc}); install it with: pip install matplotlib "
+            "(or compcomm[plot]), or drop --plot"
+        ) from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for op, style in (("compressed", "o-"), ("allreduce", "s--"), ("exact", "^:")):
         rows = sorted((r for r in records if r["op"] == op), key=lambda r: r["size_bytes"])
         if rows:
-            ax.plot([r["size_bytes"] / 2**20 for r in rows], [r["busbw_GBps"] for r in rows], style,
-                    label=f"{op} (mean)")
+            ax.plot(
+                [r["size_bytes"] / 2**20 for r in rows], [r["busbw_GBps"] for r in rows], style, label=f"{op} (mean)"
+            )
     if records:
         r0 = records[0]
         title = f"{title}: {r0['world_size']} ranks, {r0['backend']}, {r0['dtype']}"
         if rate_GBps is not None:
             bits_per_element = 8 * r0["size_bytes"] // r0["count"]
             ax.axhline(rate_GBps, color="grey", linestyle=":", label=f"link rate ({rate_GBps:g} GB/s)")
-            ax.axhline(rate_GBps * bits_per_element, color="grey", linestyle="-.",
-                       label=f"1-bit ideal ({bits_per_element}x link rate)")
+            ax.axhline(
+                rate_GBps * bits_per_element,
+                color="grey",
+                linestyle="-.",
+                label=f"1-bit ideal ({bits_per_element}x link rate)",
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("size (MiB)")
@@ -349,6 +421,7 @@ def write_plot(records: list[dict], path: str, title: str, rate_GBps: float | No
 
 # ---------------------------------------------------------------------------------------------
 # launch modes (compcomm.launch: torchrun / netsim environment, mpirun, or self-spawned ranks)
+
 
 def _set_threads() -> None:
     threads = os.environ.get("OMP_NUM_THREADS")
@@ -397,12 +470,16 @@ def main(argv: list[str] | None = None) -> int:
 
     how = launch.launcher()
     if args.hierarchical and (args.backend == "mpi" or how != "torchrun"):
-        raise SystemExit("--hierarchical runs under torchrun or bench/netsim.py --ranks-per-host, which set "
-                         "LOCAL_WORLD_SIZE (ranks per node), with --backend gloo or nccl")
+        raise SystemExit(
+            "--hierarchical runs under torchrun or bench/netsim.py --ranks-per-host, which set "
+            "LOCAL_WORLD_SIZE (ranks per node), with --backend gloo or nccl"
+        )
     if args.backend == "mpi":
         if how != "mpirun":
-            raise SystemExit("--backend mpi runs under an MPI launcher, e.g.: "
-                             f"mpirun -n {args.nprocs} {sys.executable} {' '.join(sys.argv)}")
+            raise SystemExit(
+                "--backend mpi runs under an MPI launcher, e.g.: "
+                f"mpirun -n {args.nprocs} {sys.executable} {' '.join(sys.argv)}"
+            )
         _set_threads()
         run_rank(args, backends.get("mpi"), "mpirun")
     elif how == "torchrun":

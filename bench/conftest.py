@@ -1,4 +1,5 @@
 """pytest hooks for the bench/ micro-benchmarks: a GB/s summary relative to memcpy."""
+
 from __future__ import annotations
 
 import os

@@ -27,6 +27,7 @@ handed to the transport (backend.bytes_sent), and writes `convergence[_TASK].jso
     python bench/convergence.py --task transformer
     torchrun --nproc-per-node 4 bench/convergence.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,10 @@ import torch.distributed as dist
 from compcomm import launch
 
 RUNS = {  # name: (optimizer, compressed, uncompressed baseline)
-    "adam": ("adam", False, None), "onebit_adam": ("adam", True, "adam"),
-    "lamb": ("lamb", False, None), "onebit_lamb": ("lamb", True, "lamb"),
+    "adam": ("adam", False, None),
+    "onebit_adam": ("adam", True, "adam"),
+    "lamb": ("lamb", False, None),
+    "onebit_lamb": ("lamb", True, "lamb"),
     "zeroone": ("zeroone", True, "adam"),
 }
 TASKS = ("char-mlp", "transformer")
@@ -65,15 +68,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr-adam", type=float, default=3e-3)
     ap.add_argument("--lr-lamb", type=float, default=1e-2)
-    ap.add_argument("--var-update-scaler", type=int, default=16,
-                    help="ZeroOneAdam's var_update_scaler (default: DeepSpeed's default, 16)")
-    ap.add_argument("--local-step-scaler", type=int, default=None,
-                    help="ZeroOneAdam's local_step_scaler (default: from the learning-rate schedule, "
-                         "see lr_policy_scaler)")
-    ap.add_argument("--local-step-clipper", type=int, default=16,
-                    help="ZeroOneAdam's local_step_clipper (default: DeepSpeed's default, 16)")
-    ap.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
-                    help="learning rate: cosine decay to 10%% over the run, or constant")
+    ap.add_argument(
+        "--var-update-scaler",
+        type=int,
+        default=16,
+        help="ZeroOneAdam's var_update_scaler (default: DeepSpeed's default, 16)",
+    )
+    ap.add_argument(
+        "--local-step-scaler",
+        type=int,
+        default=None,
+        help="ZeroOneAdam's local_step_scaler (default: from the learning-rate schedule, see lr_policy_scaler)",
+    )
+    ap.add_argument(
+        "--local-step-clipper",
+        type=int,
+        default=16,
+        help="ZeroOneAdam's local_step_clipper (default: DeepSpeed's default, 16)",
+    )
+    ap.add_argument(
+        "--schedule",
+        choices=["cosine", "constant"],
+        default="cosine",
+        help="learning rate: cosine decay to 10%% over the run, or constant",
+    )
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--text-bytes", type=int, default=1_000_000, help="characters of text to use")
     ap.add_argument("--val-windows", type=int, default=4096)
@@ -117,6 +135,7 @@ def lr_policy_scaler(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ data and model
 
+
 def stdlib_sources(limit: int) -> bytes:
     """The standard library's .py sources (sorted, deterministic)."""
     root = os.path.dirname(os.__file__)
@@ -134,6 +153,7 @@ def stdlib_sources(limit: int) -> bytes:
 def help_topics(limit: int) -> bytes:
     """The English text of Python's help topics (pydoc_data.topics), in sorted topic order."""
     from pydoc_data.topics import topics
+
     return "".join(topics[k] for k in sorted(topics)).encode("ascii", "replace")[:limit]
 
 
@@ -163,9 +183,12 @@ class CharMLP(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, embed)
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(context * embed, hidden), torch.nn.GELU(),
-            torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
-            torch.nn.Linear(hidden, VOCAB))
+            torch.nn.Linear(context * embed, hidden),
+            torch.nn.GELU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.GELU(),
+            torch.nn.Linear(hidden, VOCAB),
+        )
 
     def loss(self, seq: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of the last character given the others."""
@@ -180,8 +203,9 @@ class CharTransformer(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, width)
         self.position = torch.nn.Parameter(torch.randn(context, width) * 0.02)
-        block = torch.nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True,
-                                                 norm_first=True)
+        block = torch.nn.TransformerEncoderLayer(
+            width, heads, 2 * width, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.head = torch.nn.Linear(width, VOCAB)
         self.register_buffer("causal", torch.nn.Transformer.generate_square_subsequent_mask(context))
@@ -201,25 +225,35 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
 
 # ------------------------------------------------------------------ one rank
 
+
 def make_optimizer(name: str, model: torch.nn.Module, args: argparse.Namespace, backend) -> torch.optim.Optimizer:
     from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 
     kind, compressed, _ = RUNS[name]
     freeze = freeze_step(args) if compressed else args.steps
     if kind == "adam":
-        return OnebitAdam(model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay,
-                          freeze_step=freeze, backend=backend)
+        return OnebitAdam(
+            model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay, freeze_step=freeze, backend=backend
+        )
     if kind == "lamb":
-        return OnebitLamb(model.parameters(), lr=args.lr_lamb, weight_decay=args.weight_decay,
-                          freeze_step=freeze, backend=backend)
-    return ZeroOneAdam(model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay,
-                       var_freeze_step=freeze, var_update_scaler=args.var_update_scaler,
-                       local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper,
-                       backend=backend)
+        return OnebitLamb(
+            model.parameters(), lr=args.lr_lamb, weight_decay=args.weight_decay, freeze_step=freeze, backend=backend
+        )
+    return ZeroOneAdam(
+        model.parameters(),
+        lr=args.lr_adam,
+        weight_decay=args.weight_decay,
+        var_freeze_step=freeze,
+        var_update_scaler=args.var_update_scaler,
+        local_step_scaler=args.local_step_scaler,
+        local_step_clipper=args.local_step_clipper,
+        backend=backend,
+    )
 
 
-def run_one(name: str, args: argparse.Namespace, text: torch.Tensor, split: int,
-            val: torch.Tensor, rank: int) -> dict[str, Any]:
+def run_one(
+    name: str, args: argparse.Namespace, text: torch.Tensor, split: int, val: torch.Tensor, rank: int
+) -> dict[str, Any]:
     import compcomm
 
     torch.manual_seed(args.seed)  # the same initial model on every rank and in every run
@@ -239,14 +273,27 @@ def run_one(name: str, args: argparse.Namespace, text: torch.Tensor, split: int,
         if args.schedule == "cosine":
             sched.step()
         if step % args.eval_every == 0 or step == args.steps:
-            curve.append({"step": step, "train_loss": loss.item(), "val_loss": evaluate(model, val),
-                          "bytes_sent": backend.bytes_sent})
-    return {"name": name, "optimizer": type(opt).__name__,
-            "freeze_step": getattr(opt, "freeze_step", getattr(opt, "var_freeze_step", None)),
-            "lr": opt.defaults["lr"], "final_val_loss": curve[-1]["val_loss"],
-            "bytes_sent": backend.bytes_sent, "seconds": time.perf_counter() - t0, "curve": curve,
-            "skipped_steps": opt.skipped_steps,
-            "params": sum(p.numel() for p in model.parameters()), "buckets": len(opt._layout())}
+            curve.append(
+                {
+                    "step": step,
+                    "train_loss": loss.item(),
+                    "val_loss": evaluate(model, val),
+                    "bytes_sent": backend.bytes_sent,
+                }
+            )
+    return {
+        "name": name,
+        "optimizer": type(opt).__name__,
+        "freeze_step": getattr(opt, "freeze_step", getattr(opt, "var_freeze_step", None)),
+        "lr": opt.defaults["lr"],
+        "final_val_loss": curve[-1]["val_loss"],
+        "bytes_sent": backend.bytes_sent,
+        "seconds": time.perf_counter() - t0,
+        "curve": curve,
+        "skipped_steps": opt.skipped_steps,
+        "params": sum(p.numel() for p in model.parameters()),
+        "buckets": len(opt._layout()),
+    }
 
 
 @torch.no_grad()
@@ -266,8 +313,11 @@ def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
     for name in args.runs.split(","):
         res = run_one(name, args, text, split, val, rank)
         if rank == 0:
-            print(f"  {name:12s} final val loss {res['final_val_loss']:.4f}  bytes/rank {res['bytes_sent']:>12,d}"
-                  f"  {res['seconds']:.1f}s", flush=True)
+            print(
+                f"  {name:12s} final val loss {res['final_val_loss']:.4f}  bytes/rank {res['bytes_sent']:>12,d}"
+                f"  {res['seconds']:.1f}s",
+                flush=True,
+            )
         results.append(res)
     return results
 
@@ -310,6 +360,7 @@ def run_parsed(parser: argparse.ArgumentParser, rank_fn, argv: list[str] | None)
 
 # ------------------------------------------------------------------ report
 
+
 def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: int) -> dict[str, Any]:
     by = {r["name"]: r for r in results}
     summary: dict[str, Any] = {}
@@ -324,12 +375,20 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: in
         summary["onebit_adam_bytes_over_zeroone_bytes"] = by["onebit_adam"]["bytes_sent"] / by["zeroone"]["bytes_sent"]
     warm = args.warmup
     summary["expected_onebit_reduction_at_warmup"] = 1.0 / (warm + (1 - warm) / 32)
-    task = {"char-mlp": "char-level LM (MLP) on Python stdlib sources",
-            "transformer": "char-level causal transformer on Python's help topics (pydoc_data)"}[args.task]
-    return {"task": task, "world_size": world, "backend": "gloo",
-            "args": {k: v for k, v in vars(args).items() if k != "out"}, "host": platform.node(),
-            "torch": torch.__version__,
-            "summary": summary, "runs": results}
+    task = {
+        "char-mlp": "char-level LM (MLP) on Python stdlib sources",
+        "transformer": "char-level causal transformer on Python's help topics (pydoc_data)",
+    }[args.task]
+    return {
+        "task": task,
+        "world_size": world,
+        "backend": "gloo",
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "summary": summary,
+        "runs": results,
+    }
 
 
 def write_outputs(report: dict[str, Any], out: str) -> None:
@@ -341,6 +400,7 @@ def write_outputs(report: dict[str, Any], out: str) -> None:
     print(f"wrote {os.path.join(out, stem + '.json')}")
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -375,8 +435,10 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"{'run':12s} {'final val':>10s} {'bytes/rank':>14s} {'vs fp32 Adam':>13s}")
     for r in report["runs"]:
         red = r.get("bytes_reduction_vs_fp32_adam")
-        print(f"{r['name']:12s} {r['final_val_loss']:10.4f} {r['bytes_sent']:14,d} "
-              f"{'' if red is None else f'{red:12.2f}x'}")
+        print(
+            f"{r['name']:12s} {r['final_val_loss']:10.4f} {r['bytes_sent']:14,d} "
+            f"{'' if red is None else f'{red:12.2f}x'}"
+        )
     for k, v in report["summary"].items():
         print(f"{k}: {v:.3f}")
 

@@ -20,6 +20,7 @@ convergence_transformer.json), and writes --json.
     python bench/convergence_ablations.py --task transformer --hidden 64 --context 32 --batch 16 \\
         --lr-adam 6e-3 --lr-lamb 2e-2 --json bench/results/convergence_transformer_ablations.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ def exact_average(tensor: torch.Tensor, errors: Any, backend: Any, op: str, asyn
 class LiveCoefficientLamb(optim.OnebitLamb):
     """The compression stage with LAMB's own trust ratio on the frozen-variance update."""
 
-    def _compressed_update(self, t: int, p: torch.Tensor, m: torch.Tensor, group: dict[str, Any],
-                           state: dict[str, Any]) -> None:
+    def _compressed_update(
+        self, t: int, p: torch.Tensor, m: torch.Tensor, group: dict[str, Any], state: dict[str, Any]
+    ) -> None:
         denom, masked = self._frozen_denominator(p, group)
         state["exp_avg"].copy_(mask_(m, group, denom, masked))
         u = state["exp_avg"].div(1 - group["betas"][0] ** t).div_(denom)
@@ -71,9 +73,11 @@ def apply_variant(variant: str) -> None:
     """Change, in this rank's process, what convergence.py's onebit_lamb run builds."""
     if variant in ("exact-momentum", "live-coefficient"):
         base.compressed_allreduce = exact_average  # type: ignore[assignment]
-    classes: dict[str, Callable[..., Any]] = {"live-coefficient": LiveCoefficientLamb,
-                                              "live-coefficient-1bit": LiveCoefficientLamb,
-                                              "factor-one": FactorOneLamb}
+    classes: dict[str, Callable[..., Any]] = {
+        "live-coefficient": LiveCoefficientLamb,
+        "live-coefficient-1bit": LiveCoefficientLamb,
+        "factor-one": FactorOneLamb,
+    }
     if variant in classes:
         optim.OnebitLamb = classes[variant]  # type: ignore[misc]
 
@@ -93,13 +97,16 @@ def rank_variants(args: Any) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="every other option is bench/convergence.py's")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="every other option is bench/convergence.py's"
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--baseline", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                       "convergence_transformer.json"),
-                    help="a convergence.py JSON whose `lamb` run is the baseline")
+    ap.add_argument(
+        "--baseline",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "convergence_transformer.json"),
+        help="a convergence.py JSON whose `lamb` run is the baseline",
+    )
     own, rest = ap.parse_known_args(argv)
     unknown = set(own.variants.split(",")) - set(VARIANTS)
     if unknown:
@@ -113,11 +120,17 @@ def main(argv: list[str]) -> None:
         baseline = next(r["final_val_loss"] for r in json.load(f)["runs"] if r["name"] == "lamb")
     for r in results:
         r["gap_vs_lamb_pct"] = 100.0 * (r["final_val_loss"] - baseline) / baseline
-        print(f"{r['variant']:18s} final val loss {r['final_val_loss']:.4f}  vs lamb {baseline:.4f}: "
-              f"{r['gap_vs_lamb_pct']:+.2f}%")
+        print(
+            f"{r['variant']:18s} final val loss {r['final_val_loss']:.4f}  vs lamb {baseline:.4f}: "
+            f"{r['gap_vs_lamb_pct']:+.2f}%"
+        )
     if own.json:
-        report = {"world_size": world, "lamb_baseline": baseline,
-                  "args": {k: v for k, v in vars(args).items() if k != "out"}, "variants": results}
+        report = {
+            "world_size": world,
+            "lamb_baseline": baseline,
+            "args": {k: v for k, v in vars(args).items() if k != "out"},
+            "variants": results,
+        }
         with open(own.json, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {own.json}")

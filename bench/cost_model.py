@@ -18,6 +18,7 @@ several ranks per host, the loopback bandwidth B_lo (rs); every other file is th
 and printed next to its measurements. `--extrapolate` prints the model at 64-1024 ranks for a
 data-centre network (parameters in EXTRAPOLATION, stated in docs/cost_model.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,17 +38,26 @@ def flat_bytes(numel: int, n: int) -> dict[str, float]:
     """Bytes per rank of every part of the flat call over n ranks (comm: sent; codec: moved)."""
     c = chunk(numel, n)
     m, room = c * n, min(FOLD_BYTES // n, c // 8)
-    return {"header": (n - 1) * (16.0 + room), "a2a": (n - 1) * (c / 8 - room), "gather": (n - 1) * (4 + c / 8),
-            "scan": 8.0 * numel + m / 8, "werr": 12.0 * numel, "server": n * c / 8 + 8.0 * c + c / 8,
-            "serr": 8.0 * c, "decode": 4.0 * m + m / 8, "allreduce": 2 * (n - 1) / n * 4 * numel}
+    return {
+        "header": (n - 1) * (16.0 + room),
+        "a2a": (n - 1) * (c / 8 - room),
+        "gather": (n - 1) * (4 + c / 8),
+        "scan": 8.0 * numel + m / 8,
+        "werr": 12.0 * numel,
+        "server": n * c / 8 + 8.0 * c + c / 8,
+        "serr": 8.0 * c,
+        "decode": 4.0 * m + m / 8,
+        "allreduce": 2 * (n - 1) / n * 4 * numel,
+    }
 
 
 def comm_time(p: dict, bytes_: float, steps: int, share: float, bandwidth: float) -> float:
     return p["alpha"] * steps * share + max(0.0, bytes_ - p["burst"]) / bandwidth
 
 
-def flat_parts(p: dict, numel: int, n: int, share: float, k: int = 1,
-               sharing_link: int | None = None) -> dict[str, float]:
+def flat_parts(
+    p: dict, numel: int, n: int, share: float, k: int = 1, sharing_link: int | None = None
+) -> dict[str, float]:
     """Predicted seconds of every part of the flat call over n ranks, k per host: the ranks
     share the host's link (B/k each, or B/sharing_link) for the (n-k)/(n-1) of their blocks that
     leave the host; the ring all-reduce, in rank order, sends one stream per host link."""
@@ -59,8 +69,9 @@ def flat_parts(p: dict, numel: int, n: int, share: float, k: int = 1,
     t["a2a"] = comm_time(p, b["a2a"] * crossing, n - 1, share, link) if b["a2a"] else 0.0
     t["gather"] = comm_time(p, b["gather"] * crossing, n - 1, share, link)
     t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, p["B"])
-    t["call"] = (t["scan"] + t["header"] + max(t["a2a"], t["werr"]) + t["server"]
-                 + max(t["gather"], t["serr"]) + t["decode"])
+    t["call"] = (
+        t["scan"] + t["header"] + max(t["a2a"], t["werr"]) + t["server"] + max(t["gather"], t["serr"]) + t["decode"]
+    )
     return t
 
 
@@ -72,10 +83,12 @@ def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float) -> dict[st
     part = chunk(numel, k)
     inner = flat_parts(p, part, hosts, share, 1, sharing_link=k)
     local = ((k + 1) * 4.0 + 8.0) * part / p["gamma"]["werr"] * share
-    t = {"rs": comm_time(p, (k - 1) * 4.0 * part, k - 1, share, p["B_lo"]),
-         "share": comm_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k - 1, share, p["B_lo"]),
-         "agree": comm_time(p, 0.0, 2 * (k - 1) + (hosts - 1), share, p["B_lo"]),
-         "decode_all": flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share}
+    t = {
+        "rs": comm_time(p, (k - 1) * 4.0 * part, k - 1, share, p["B_lo"]),
+        "share": comm_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k - 1, share, p["B_lo"]),
+        "agree": comm_time(p, 0.0, 2 * (k - 1) + (hosts - 1), share, p["B_lo"]),
+        "decode_all": flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share,
+    }
     t["hier"] = t["agree"] + t["rs"] + local + inner["call"] + t["share"] + t["decode_all"]
     return t
 
@@ -86,8 +99,11 @@ def calibrate(record: dict, cores: int, loopback: dict | None = None) -> dict:
     n, numel = record["world_size"], record["numel"]
     share = max(1.0, n * record.get("threads", 1) / cores)
     b = flat_bytes(numel, n)
-    p = {"burst": BURST, "alpha": record["header_s"] / ((n - 1) * share),
-         "gamma": {part: b[part] * share / record[part + "_s"] for part in CODEC}}
+    p = {
+        "burst": BURST,
+        "alpha": record["header_s"] / ((n - 1) * share),
+        "gamma": {part: b[part] * share / record[part + "_s"] for part in CODEC},
+    }
     sent = b["a2a"] + b["gather"] + b["allreduce"] - 3 * BURST
     p["B"] = sent / (record["a2a_s"] + record["gather_s"] + record["allreduce_s"] - 4 * p["alpha"] * (n - 1) * share)
     if loopback is not None:
@@ -101,26 +117,40 @@ EXTRAPOLATION = {
     # A data-centre cluster of GPUs: per-rank NIC at the line rate below (80% achieved), 8 GPUs per
     # node on NVLink, fused GPU codec passes at 1 TB/s of effective memory bandwidth, 10 us per
     # message of a collective step (NCCL over RoCE/IB is a few us, TCP/gloo tens of us).
-    "alpha": 10e-6, "burst": 0.0, "efficiency": 0.8, "gamma_codec": 1e12, "nvlink": 150e9, "k": 8,
+    "alpha": 10e-6,
+    "burst": 0.0,
+    "efficiency": 0.8,
+    "gamma_codec": 1e12,
+    "nvlink": 150e9,
+    "k": 8,
 }
 
 
 def extrapolate(numel: int) -> list[str]:
     x = EXTRAPOLATION
-    rows = ["| ranks | link | fp32 ring allreduce | flat 1-bit | of which latency | hierarchical (8/node) "
-            "| flat speedup | hier speedup |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| ranks | link | fp32 ring allreduce | flat 1-bit | of which latency | hierarchical (8/node) "
+        "| flat speedup | hier speedup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for gbit in (25, 100):
         bandwidth = gbit / 8 * 1e9 * x["efficiency"]
-        p = {"alpha": x["alpha"], "burst": 0.0, "B": bandwidth * x["k"], "B_lo": x["nvlink"],
-             "gamma": {part: x["gamma_codec"] for part in CODEC}}
+        p = {
+            "alpha": x["alpha"],
+            "burst": 0.0,
+            "B": bandwidth * x["k"],
+            "B_lo": x["nvlink"],
+            "gamma": {part: x["gamma_codec"] for part in CODEC},
+        }
         for n in (64, 128, 256, 512, 1024):
             flat = flat_parts(p, numel, n, 1.0, x["k"])
             latency = x["alpha"] * (n - 1) * 3
             hier = hier_parts(p, numel, n // x["k"], x["k"], 1.0)["hier"]
-            rows.append(f"| {n} | {gbit} Gbit/s | {flat['allreduce'] * 1e3:.1f} ms | {flat['call'] * 1e3:.1f} ms | "
-                        f"{latency * 1e3:.1f} ms | {hier * 1e3:.1f} ms | {flat['allreduce'] / flat['call']:.1f}x | "
-                        f"{flat['allreduce'] / hier:.1f}x |")
+            rows.append(
+                f"| {n} | {gbit} Gbit/s | {flat['allreduce'] * 1e3:.1f} ms | {flat['call'] * 1e3:.1f} ms | "
+                f"{latency * 1e3:.1f} ms | {hier * 1e3:.1f} ms | {flat['allreduce'] / flat['call']:.1f}x | "
+                f"{flat['allreduce'] / hier:.1f}x |"
+            )
     return rows
 
 
@@ -134,8 +164,10 @@ def compare(record: dict, p: dict, cores: int) -> list[str]:
     for part in ("header", *CODEC, "a2a", "gather", "call", "allreduce", "rs", "share", "hier"):
         if part + "_s" in record and part in pred:
             got, want = record[part + "_s"], pred[part]
-            rows.append(f"| {n // k}x{k} | {record['size_bytes'] >> 20} MiB | {part} | {got * 1e3:.2f} | "
-                        f"{want * 1e3:.2f} | {(want - got) / got:+.0%} |")
+            rows.append(
+                f"| {n // k}x{k} | {record['size_bytes'] >> 20} MiB | {part} | {got * 1e3:.2f} | "
+                f"{want * 1e3:.2f} | {(want - got) / got:+.0%} |"
+            )
     return rows
 
 
@@ -154,10 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.loopback) as f:
             loopback = max(json.load(f), key=lambda r: r["numel"])
     p = calibrate(base, args.cores, loopback)
-    print(f"# calibrated on {args.calibrate} ({base['world_size']} ranks, {base['size_bytes']} bytes): "
-          f"alpha {p['alpha'] * 1e6:.0f} us/step, B {p['B'] / 1e6:.1f} MB/s"
-          + (f", B_lo {p['B_lo'] / 1e6:.0f} MB/s" if "B_lo" in p else "") + ", gamma (GB/s) "
-          + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in p["gamma"].items()))
+    print(
+        f"# calibrated on {args.calibrate} ({base['world_size']} ranks, {base['size_bytes']} bytes): "
+        f"alpha {p['alpha'] * 1e6:.0f} us/step, B {p['B'] / 1e6:.1f} MB/s"
+        + (f", B_lo {p['B_lo'] / 1e6:.0f} MB/s" if "B_lo" in p else "")
+        + ", gamma (GB/s) "
+        + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in p["gamma"].items())
+    )
     print("| hosts x ranks | size | part | measured (ms) | model (ms) | model error |")
     print("|---|---|---|---|---|---|")
     for path in [args.calibrate, *args.files]:
@@ -165,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             for record in json.load(f):
                 print("\n".join(compare(record, p, args.cores)))
     if args.extrapolate:
-        print("\n".join(extrapolate(100 * 2 ** 20 // 4)))
+        print("\n".join(extrapolate(100 * 2**20 // 4)))
     return 0
 
 

@@ -10,6 +10,7 @@ a ring, n - 1 steps of one latency each; the all-to-all sends the rank's message
 other rank at once. Times are torch.distributed's own primitives (no compcomm), the median over
 --iters calls, each started from a barrier; rank 0 prints one line per size.
 """
+
 from __future__ import annotations
 
 import argparse

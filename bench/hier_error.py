@@ -10,6 +10,7 @@ each with its own ErrorFeedback carried across the calls. Printed per method: th
 calls of ||out - exact|| / ||exact||, and the same ratio for the sums over all calls (which error
 feedback drives towards zero). `--json` writes both.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,17 +56,25 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     if rank:
         return 0
-    result = {"world_size": world, "ranks_per_node": int(os.environ["LOCAL_WORLD_SIZE"]),
-              "size_bytes": 4 * numel, "calls": args.calls}
+    result = {
+        "world_size": world,
+        "ranks_per_node": int(os.environ["LOCAL_WORLD_SIZE"]),
+        "size_bytes": 4 * numel,
+        "calls": args.calls,
+    }
     for name in methods:
         result[f"{name}_mean_rel_error"] = sum(errors[name]) / len(errors[name])
         result[f"{name}_rel_error_of_sum"] = _rel_error(sums[name], sums["exact"])
     result["ratio_hierarchical_to_flat"] = result["hierarchical_mean_rel_error"] / result["flat_mean_rel_error"]
-    print(f"# {result['world_size']} ranks, {result['ranks_per_node']} per node, {args.calls} calls of "
-          f"{4 * numel} bytes with error feedback")
+    print(
+        f"# {result['world_size']} ranks, {result['ranks_per_node']} per node, {args.calls} calls of "
+        f"{4 * numel} bytes with error feedback"
+    )
     for name in methods:
-        print(f"{name:>13}: mean relative error per call {result[f'{name}_mean_rel_error']:.4f}, "
-              f"of the sum over calls {result[f'{name}_rel_error_of_sum']:.4f}")
+        print(
+            f"{name:>13}: mean relative error per call {result[f'{name}_mean_rel_error']:.4f}, "
+            f"of the sum over calls {result[f'{name}_rel_error_of_sum']:.4f}"
+        )
     print(f"hierarchical / flat mean relative error: {result['ratio_hierarchical_to_flat']:.3f}")
     if args.json:
         write_json([result], args.json)

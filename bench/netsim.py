@@ -21,6 +21,7 @@ Needs root and iproute2 (`ip`, `tc`). Traffic stays inside the namespaces this p
 on a private /24 of its own (`--subnet`, default 10.77.0.0/24; the bridge has no address, so the
 host's own network is never involved).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,18 @@ import time
 
 DEFAULT_SUBNET = "10.77.0.0/24"
 NS_IFNAME = "eth0"  # the interface's name inside every namespace
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+_RATE_UNITS = {
+    "bit": 1,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "bps": 8,
+    "kbps": 8e3,
+    "mbps": 8e6,
+    "gbps": 8e9,
+    "tbps": 8e12,
+}
 
 
 class NetsimError(RuntimeError):
@@ -70,9 +81,16 @@ def tbf_burst_bytes(rate_bps: float) -> int:
 class Cluster:
     """N namespaces on a bridge. Use as a context manager: exiting always tears it all down."""
 
-    def __init__(self, hosts: int, rate: str | None, delay: str | None = None,
-                 subnet: str = DEFAULT_SUBNET, tag: str | None = None, verbose: bool = False,
-                 ranks_per_host: int = 1) -> None:
+    def __init__(
+        self,
+        hosts: int,
+        rate: str | None,
+        delay: str | None = None,
+        subnet: str = DEFAULT_SUBNET,
+        tag: str | None = None,
+        verbose: bool = False,
+        ranks_per_host: int = 1,
+    ) -> None:
         if hosts < 1:
             raise NetsimError(f"--hosts must be at least 1, got {hosts}")
         if ranks_per_host < 1:
@@ -153,12 +171,40 @@ class Cluster:
         parent = ["root"]
         if self.rate is not None:
             burst = tbf_burst_bytes(parse_rate(self.rate))
-            self._tc("qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", self.rate,
-                     "burst", str(burst), "latency", "100ms", ns=ns)
+            self._tc(
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "handle",
+                "1:",
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                str(burst),
+                "latency",
+                "100ms",
+                ns=ns,
+            )
             parent = ["parent", "1:1"]
         if self.delay is not None:
-            self._tc("qdisc", "add", "dev", dev, *parent, "handle", "10:", "netem", "delay", self.delay,
-                     "limit", "100000", ns=ns)
+            self._tc(
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                *parent,
+                "handle",
+                "10:",
+                "netem",
+                "delay",
+                self.delay,
+                "limit",
+                "100000",
+                ns=ns,
+            )
 
     def _check_loopback(self, ns: str) -> None:
         out = self._ip("-o", "link", "show", "lo", ns=ns).stdout
@@ -202,17 +248,30 @@ class Cluster:
         """torchrun's variables for global `rank` (host rank // K, local index rank % K)."""
         k, world = self.ranks_per_host, self.world_size
         env = dict(os.environ)
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % k), LOCAL_WORLD_SIZE=str(k),
-                   GROUP_RANK=str(rank // k), GROUP_WORLD_SIZE=str(self.hosts),
-                   ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world),
-                   MASTER_ADDR=self.addresses[0], MASTER_PORT=str(port),
-                   GLOO_SOCKET_IFNAME=NS_IFNAME, NCCL_SOCKET_IFNAME=NS_IFNAME,
-                   OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   NETSIM_RATE=self.rate or "", NETSIM_DELAY=self.delay or "", PYTHONUNBUFFERED="1")
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank % k),
+            LOCAL_WORLD_SIZE=str(k),
+            GROUP_RANK=str(rank // k),
+            GROUP_WORLD_SIZE=str(self.hosts),
+            ROLE_RANK=str(rank),
+            ROLE_WORLD_SIZE=str(world),
+            MASTER_ADDR=self.addresses[0],
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME=NS_IFNAME,
+            NCCL_SOCKET_IFNAME=NS_IFNAME,
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+            NETSIM_RATE=self.rate or "",
+            NETSIM_DELAY=self.delay or "",
+            PYTHONUNBUFFERED="1",
+        )
         return env
 
-    def run(self, command: list[str], port: int, threads: int, timeout: float | None = None,
-            grace: float = 30.0) -> int:
+    def run(
+        self, command: list[str], port: int, threads: int, timeout: float | None = None, grace: float = 30.0
+    ) -> int:
         """Start `command` K times on every host, wait for all; the worst exit code (0 if all succeeded).
 
         When one rank fails the others get `grace` seconds to finish before they are killed,
@@ -222,9 +281,13 @@ class Cluster:
         try:
             for rank in range(self.world_size):
                 ns = self.namespaces[rank // self.ranks_per_host]
-                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *command],
-                                              env=self.environment(rank, port, threads),
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", ns, *command],
+                        env=self.environment(rank, port, threads),
+                        start_new_session=True,
+                    )
+                )
             start, failed_at = time.monotonic(), None
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
@@ -275,33 +338,42 @@ def preflight() -> None:
     if sys.platform != "linux":
         raise NetsimError("netsim needs Linux network namespaces")
     if os.geteuid() != 0:
-        raise NetsimError("netsim must run as root (it creates network namespaces, veths and a bridge); "
-                          "try: sudo -E python bench/netsim.py ...")
+        raise NetsimError(
+            "netsim must run as root (it creates network namespaces, veths and a bridge); "
+            "try: sudo -E python bench/netsim.py ..."
+        )
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise NetsimError(f"netsim needs iproute2; missing: {', '.join(missing)} "
-                          "(e.g. apt-get install iproute2)")
+        raise NetsimError(f"netsim needs iproute2; missing: {', '.join(missing)} (e.g. apt-get install iproute2)")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" in argv:
         split = argv.index("--")
-        argv, command = argv[:split], argv[split + 1:]
+        argv, command = argv[:split], argv[split + 1 :]
     else:
         command = []
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                usage="%(prog)s [options] -- command [args...]")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="%(prog)s [options] -- command [args...]")
     p.add_argument("--hosts", type=int, default=4, help="simulated hosts (default 4)")
-    p.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
-                   help="ranks per host, joined by the host's unshaped loopback (default 1)")
-    p.add_argument("--rate", default="1gbit", help="link rate in tc syntax, e.g. 1gbit, 10gbit, 100mbit; "
-                   "'none' for unshaped (default 1gbit)")
+    p.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        metavar="K",
+        help="ranks per host, joined by the host's unshaped loopback (default 1)",
+    )
+    p.add_argument(
+        "--rate",
+        default="1gbit",
+        help="link rate in tc syntax, e.g. 1gbit, 10gbit, 100mbit; 'none' for unshaped (default 1gbit)",
+    )
     p.add_argument("--delay", default=None, help="one-way netem delay per link end, e.g. 0.1ms (default none)")
     p.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"private /24 for the hosts (default {DEFAULT_SUBNET})")
     p.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="OMP_NUM_THREADS per rank (default: CPU cores / hosts, at least 1)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default: CPU cores / hosts, at least 1)"
+    )
     p.add_argument("--timeout", type=float, default=None, help="kill all ranks after this many seconds")
     p.add_argument("--tag", default=None, help="name prefix of the namespaces/links (default cs<pid>)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every ip/tc command")
@@ -322,12 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         preflight()
-        with Cluster(args.hosts, rate, args.delay, args.subnet, args.tag, args.verbose,
-                     args.ranks_per_host) as cluster:
-            print(f"[netsim] {args.hosts} hosts x {args.ranks_per_host} rank(s) on {args.subnet} "
-                  f"({', '.join(cluster.addresses)}), "
-                  f"link {rate or 'unshaped'}{', delay ' + args.delay if args.delay else ''}, "
-                  f"{threads} thread(s) per rank", file=sys.stderr)
+        with Cluster(args.hosts, rate, args.delay, args.subnet, args.tag, args.verbose, args.ranks_per_host) as cluster:
+            print(
+                f"[netsim] {args.hosts} hosts x {args.ranks_per_host} rank(s) on {args.subnet} "
+                f"({', '.join(cluster.addresses)}), "
+                f"link {rate or 'unshaped'}{', delay ' + args.delay if args.delay else ''}, "
+                f"{threads} thread(s) per rank",
+                file=sys.stderr,
+            )
             return cluster.run(command, args.port, threads, args.timeout)
     except NetsimError as exc:
         print(f"netsim: error: {exc}", file=sys.stderr)

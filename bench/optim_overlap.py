@@ -13,6 +13,7 @@ before backward ended over the time they ran, summed over the stage's steps, mea
     python bench/optim_overlap.py                              # 4 local gloo ranks
     python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/optim_overlap.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make(args: argparse.Namespace, overlap: bool, freeze: int):
     from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
+
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(args.layers):
@@ -57,7 +59,7 @@ def make(args: argparse.Namespace, overlap: bool, freeze: int):
         opt = OnebitLamb(model.parameters(), lr=1e-4, freeze_step=freeze)
     else:
         opt = ZeroOneAdam(model.parameters(), lr=1e-4, var_freeze_step=freeze, var_update_scaler=1)
-    opt.bucket_bytes = int(args.bucket_mb * 2 ** 20)
+    opt.bucket_bytes = int(args.bucket_mb * 2**20)
     opt.overlap = overlap
     return model, opt
 
@@ -89,8 +91,10 @@ def timed_steps(args: argparse.Namespace, overlap: bool) -> tuple[dict[str, floa
     raw = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
     sums = torch.tensor([v for stage in ("warmup", "compressed") for v in comm[stage]], dtype=torch.float64)
     dist.all_reduce(sums)  # over ranks: the fraction of the summed times
-    hidden = {stage: float(sums[2 * i + 1] / sums[2 * i]) if sums[2 * i] > 0 else 0.0
-              for i, stage in enumerate(("warmup", "compressed"))}
+    hidden = {
+        stage: float(sums[2 * i + 1] / sums[2 * i]) if sums[2 * i] > 0 else 0.0
+        for i, stage in enumerate(("warmup", "compressed"))
+    }
     medians = {k: statistics.median(v) for k, v in times.items()}
     return medians, hidden, raw, opt.backend.bytes_sent - sent
 
@@ -104,14 +108,23 @@ def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
     flags = torch.tensor([0.0 if raw_plain == raw_overlap else 1.0])
     dist.all_reduce(flags)
     world = dist.get_world_size()
-    return [{"stage": stage, "optimizer": args.optimizer, "world_size": world,
-             "params": args.layers * (args.width + 1) * args.width,
-             "step_ms_no_overlap": plain[stage], "step_ms_overlap": overlapped[stage],
-             "speedup": plain[stage] / overlapped[stage], "bitwise_equal_all_ranks": float(flags) == 0.0,
-             "bytes_sent_no_overlap": bytes_plain, "bytes_sent_overlap": bytes_overlap,
-             "comm_hidden_fraction_no_overlap": hidden_plain[stage],
-             "comm_hidden_fraction_overlap": hidden_overlap[stage]}
-            for stage in ("warmup", "compressed")]
+    return [
+        {
+            "stage": stage,
+            "optimizer": args.optimizer,
+            "world_size": world,
+            "params": args.layers * (args.width + 1) * args.width,
+            "step_ms_no_overlap": plain[stage],
+            "step_ms_overlap": overlapped[stage],
+            "speedup": plain[stage] / overlapped[stage],
+            "bitwise_equal_all_ranks": float(flags) == 0.0,
+            "bytes_sent_no_overlap": bytes_plain,
+            "bytes_sent_overlap": bytes_overlap,
+            "comm_hidden_fraction_no_overlap": hidden_plain[stage],
+            "comm_hidden_fraction_overlap": hidden_overlap[stage],
+        }
+        for stage in ("warmup", "compressed")
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,15 +132,23 @@ def main(argv: list[str] | None = None) -> None:
     records, world = run_ranks(rank_main, args, args.world_size)
     if records is None:
         return
-    print(f"# {args.optimizer}, {world} ranks, {args.layers}x{args.width}^2 MLP, batch {args.batch}, "
-          f"buckets of {args.bucket_mb} MiB, median of {args.steps} steps")
-    print(f"{'stage':>10s} | {'no overlap(ms)':>14s} {'overlap(ms)':>12s} {'speedup':>8s} | "
-          f"{'comm hidden behind backward':>27s} | bitwise equal")
+    print(
+        f"# {args.optimizer}, {world} ranks, {args.layers}x{args.width}^2 MLP, batch {args.batch}, "
+        f"buckets of {args.bucket_mb} MiB, median of {args.steps} steps"
+    )
+    print(
+        f"{'stage':>10s} | {'no overlap(ms)':>14s} {'overlap(ms)':>12s} {'speedup':>8s} | "
+        f"{'comm hidden behind backward':>27s} | bitwise equal"
+    )
     for r in records:
-        hidden = (f"{100 * r['comm_hidden_fraction_overlap']:.0f}% "
-                  f"(no overlap: {100 * r['comm_hidden_fraction_no_overlap']:.0f}%)")
-        print(f"{r['stage']:>10s} | {r['step_ms_no_overlap']:14.1f} {r['step_ms_overlap']:12.1f} "
-              f"{r['speedup']:7.2f}x | {hidden:>27s} | {r['bitwise_equal_all_ranks']}")
+        hidden = (
+            f"{100 * r['comm_hidden_fraction_overlap']:.0f}% "
+            f"(no overlap: {100 * r['comm_hidden_fraction_no_overlap']:.0f}%)"
+        )
+        print(
+            f"{r['stage']:>10s} | {r['step_ms_no_overlap']:14.1f} {r['step_ms_overlap']:12.1f} "
+            f"{r['speedup']:7.2f}x | {hidden:>27s} | {r['bitwise_equal_all_ranks']}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

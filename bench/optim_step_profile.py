@@ -14,6 +14,7 @@ and the verdict; `update`: the update rule), the collectives' busy and hidden ti
 The collectives' own codec work runs on the channel's worker thread in native code, which the
 profiler does not see as operators: it shows as `wait`, and as the busy time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,8 +90,10 @@ def rank_main(args: argparse.Namespace) -> list[tuple[str, dict[str, float]]] | 
 
 
 def report(results: list[tuple[str, dict[str, float]]], args: argparse.Namespace, world: int) -> None:
-    print(f"# optim_step_profile: {world} ranks, rank 0, mean of the last {args.profiled} of {args.steps} steps "
-          f"({args.warmup_steps} warm-up), ms per step (CPU time for regions and operators)")
+    print(
+        f"# optim_step_profile: {world} ranks, rank 0, mean of the last {args.profiled} of {args.steps} steps "
+        f"({args.warmup_steps} warm-up), ms per step (CPU time for regions and operators)"
+    )
     for name, rec in results:
         print(f"== {name}")
         for key, value in rec.items():

@@ -5,6 +5,7 @@ before the call through /proc/self/clear_refs (Linux). glibc keeps freed heap me
 would hide reuse, so large allocations must bypass the heap: `mmap_threshold_env()` gives
 the environment (MALLOC_MMAP_THRESHOLD_) to start measured processes with.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,11 @@ def mmap_threshold_env() -> dict[str, str]:
 def supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and os.path.exists("/proc/self/clear_refs") and \
-        os.environ.get("MALLOC_MMAP_THRESHOLD_") == str(MMAP_THRESHOLD)
+    return (
+        device.type == "cpu"
+        and os.path.exists("/proc/self/clear_refs")
+        and os.environ.get("MALLOC_MMAP_THRESHOLD_") == str(MMAP_THRESHOLD)
+    )
 
 
 def _status_kib(field: str) -> int:

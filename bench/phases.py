@@ -30,6 +30,7 @@ a first untimed round over the smallest size opens the connections.
 The records (`--json`) feed bench/cost_model.py, which fits latency, link bandwidth and codec
 memory bandwidth to the parts and predicts the whole call and the baseline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,7 +83,7 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
 
     def decode() -> None:
         for j in range(n):
-            coder.decode(everyone[j, 4:], 1.0, out[j * c:(j + 1) * c])
+            coder.decode(everyone[j, 4:], 1.0, out[j * c : (j + 1) * c])
 
     calls = {
         "header": lambda: be.all_to_all(header, headers),
@@ -101,16 +102,27 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
         size = chunk_size(numel, k)
         fp32_parts = torch.zeros(k, 4 * size, dtype=torch.uint8)
         fp32_received = torch.empty_like(fp32_parts)
-        result = torch.zeros(hier.inter.world_size * (4 + chunk_size(size, hier.inter.world_size) // 8),
-                             dtype=torch.uint8)
+        result = torch.zeros(
+            hier.inter.world_size * (4 + chunk_size(size, hier.inter.world_size) // 8), dtype=torch.uint8
+        )
         results = torch.empty(k, result.numel(), dtype=torch.uint8)
         ef_hier = compcomm.ErrorFeedback()
-        calls.update({"rs": lambda: hier.intra.all_to_all(fp32_parts, fp32_received),
-                      "share": lambda: hier.intra.all_gather(result, results),
-                      "hier": lambda: compcomm.compressed_allreduce(buf, ef_hier, backend=hier)})
-    record = {"world_size": n, "numel": numel, "size_bytes": 4 * numel, "chunk": c,
-              "ranks_per_host": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-              "rate": os.environ.get("NETSIM_RATE", ""), "threads": torch.get_num_threads()}
+        calls.update(
+            {
+                "rs": lambda: hier.intra.all_to_all(fp32_parts, fp32_received),
+                "share": lambda: hier.intra.all_gather(result, results),
+                "hier": lambda: compcomm.compressed_allreduce(buf, ef_hier, backend=hier),
+            }
+        )
+    record = {
+        "world_size": n,
+        "numel": numel,
+        "size_bytes": 4 * numel,
+        "chunk": c,
+        "ranks_per_host": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        "rate": os.environ.get("NETSIM_RATE", ""),
+        "threads": torch.get_num_threads(),
+    }
     for part in parts:
         buf.copy_(x)
         calls[part]()  # warm-up (and the first call sizes the error buffers)
@@ -130,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     args = p.parse_args(argv)
     if "RANK" not in os.environ:
-        raise SystemExit("run under torchrun or bench/netsim.py, e.g.: python bench/netsim.py --hosts 4 -- "
-                         "python bench/phases.py")
+        raise SystemExit(
+            "run under torchrun or bench/netsim.py, e.g.: python bench/netsim.py --hosts 4 -- python bench/phases.py"
+        )
     parts = [part for part in args.parts.split(",") if part]
     unknown = set(parts) - set(PARTS) - set(NODE_PARTS)
     if unknown:

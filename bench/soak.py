@@ -12,6 +12,7 @@ threads every `--every` calls. Exits non-zero if a check fails, RSS grows by mor
 `--max-rss-growth-mib` after the first checkpoint, or the thread count changes after it.
 Runs plainly (self-spawned local gloo ranks) or under torchrun.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,9 +70,15 @@ def soak(args: argparse.Namespace) -> list[dict]:
             dist.all_gather_object(digests, digest)
             if len(set(digests)) != 1:
                 raise SystemExit(f"rank {rank}: call {call}: results differ between ranks")
-            records.append({"calls": call, "rank": rank, "rss_mib": round(rss_mib(), 1),
-                            "threads": threading.active_count(),
-                            "seconds": round(time.perf_counter() - started, 2)})
+            records.append(
+                {
+                    "calls": call,
+                    "rank": rank,
+                    "rss_mib": round(rss_mib(), 1),
+                    "threads": threading.active_count(),
+                    "seconds": round(time.perf_counter() - started, 2),
+                }
+            )
     return records
 
 
@@ -80,11 +87,14 @@ def check(records: list[dict], args: argparse.Namespace) -> list[str]:
     problems = []
     for rec in records[1:]:
         if rec["rss_mib"] - base["rss_mib"] > args.max_rss_growth_mib:
-            problems.append(f"rank {rec['rank']}: RSS grew {rec['rss_mib'] - base['rss_mib']:.1f} MiB by call "
-                            f"{rec['calls']}")
+            problems.append(
+                f"rank {rec['rank']}: RSS grew {rec['rss_mib'] - base['rss_mib']:.1f} MiB by call {rec['calls']}"
+            )
         if rec["threads"] != base["threads"]:
-            problems.append(f"rank {rec['rank']}: {rec['threads']} threads at call {rec['calls']}, "
-                            f"{base['threads']} at {base['calls']}")
+            problems.append(
+                f"rank {rec['rank']}: {rec['threads']} threads at call {rec['calls']}, "
+                f"{base['threads']} at {base['calls']}"
+            )
     return problems
 
 
@@ -95,18 +105,31 @@ def run_rank(args: argparse.Namespace) -> int:
     dist.all_gather_object(everyone, records)
     problems = [p for recs in everyone for p in check(recs, args)]
     if dist.get_rank() == 0:
-        print(f"# soak: {args.calls} async compressed calls of {args.numel} fp32 elements on "
-              f"{dist.get_world_size()} gloo ranks, each overlapped with the caller's own all_reduce")
+        print(
+            f"# soak: {args.calls} async compressed calls of {args.numel} fp32 elements on "
+            f"{dist.get_world_size()} gloo ranks, each overlapped with the caller's own all_reduce"
+        )
         print(f"# {'calls':>7} {'rank':>4} {'rss(MiB)':>9} {'threads':>7} {'time(s)':>8}")
         for recs in everyone:
             for rec in recs:
-                print(f"  {rec['calls']:>7} {rec['rank']:>4} {rec['rss_mib']:>9.1f} {rec['threads']:>7} "
-                      f"{rec['seconds']:>8.2f}")
+                print(
+                    f"  {rec['calls']:>7} {rec['rank']:>4} {rec['rss_mib']:>9.1f} {rec['threads']:>7} "
+                    f"{rec['seconds']:>8.2f}"
+                )
         print("# result: " + ("clean" if not problems else "; ".join(problems)))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"calls": args.calls, "numel": args.numel, "world_size": dist.get_world_size(),
-                           "records": [r for recs in everyone for r in recs], "problems": problems}, f, indent=1)
+                json.dump(
+                    {
+                        "calls": args.calls,
+                        "numel": args.numel,
+                        "world_size": dist.get_world_size(),
+                        "records": [r for recs in everyone for r in recs],
+                        "problems": problems,
+                    },
+                    f,
+                    indent=1,
+                )
     return 1 if problems else 0
 
 

@@ -21,6 +21,7 @@ On CPU the kernels are the fused C ones when built (see `codec.codec_info()`), e
 torch; on CUDA the fused cupy ones when cupy is installed, else torch; the copy runs on the
 same device, so on a GPU the fractions are of the device's measured memory bandwidth.
 """
+
 from __future__ import annotations
 
 import os
@@ -84,8 +85,10 @@ def _kernel(kernel: str, n: int, device: torch.device):
     if kernel == "server":
         received = torch.randint(0, 256, (SERVER_RANKS, n // 8), dtype=torch.uint8, generator=gen).to(device)
         scales = (torch.rand(SERVER_RANKS, generator=gen) + 0.5).to(device)
-        return lambda: (coder.server_scan_(received, scales, SERVER_RANKS, error, n, bits),
-                        coder.error_update_(error, 0.5, n))
+        return lambda: (
+            coder.server_scan_(received, scales, SERVER_RANKS, error, n, bits),
+            coder.error_update_(error, 0.5, n),
+        )
     raise ValueError(kernel)
 
 

@@ -13,6 +13,7 @@ phase 0 (the headers and the first sign bytes, waited for at once: it ends when 
 has sent), a second one phase 1 (none when phase 0 carried every row). After --warmup calls,
 the traced call runs from a barrier; rank 0 prints every rank's line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,6 +53,7 @@ class Stamps:
             if kwargs.get("async_op") is True or (len(args) > 2 and args[2] is True):  # (send, recv, async_op)
                 return _StampedHandle(result, self.timed(f"{label}_wait", result.wait))
             return result
+
         return stamped
 
 

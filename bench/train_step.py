@@ -48,6 +48,7 @@ is meant for warm-ups of thousands of steps). The same eps for AdamW keeps the r
 The default model (a ~11M-parameter character MLP with small batches) is in the communication-
 bound regime of the 1-bit papers; --compute-heavy uses a ~9x smaller model with 128x the batch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,12 +79,14 @@ SETTINGS = {  # name: (context, embed, hidden, batch per rank)
 # ---------------------------------------------------------------------------------------------
 # methods: one entry each
 
+
 @dataclass
 class Run:
     """What one method trains with. `bytes_sent()` is this rank's running count of bytes handed
     to the transport; `fixed_bytes` is added per step where nothing counts them (plain DDP);
     `counting` wraps the steps (for the counter of torch's hooks); `comm_timing()` is the last
     step's (busy, hidden) collective seconds, where the method measures them."""
+
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     bytes_sent: Callable[[], float] = lambda: 0.0
@@ -133,6 +136,7 @@ def sgd(params, args: argparse.Namespace) -> torch.optim.Optimizer:
 def bf16_hook(process_group, bucket):  # no annotations: DDP rejects this module's string ones
     """torch's bf16_compress_hook under another name: DDP refuses that name on CPU-only torch."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
     return bf16_compress_hook(process_group, bucket)
 
 
@@ -149,6 +153,7 @@ def ddp_method(optimizer: Callable, hook: str | None = None, nonfinite: str = "r
             return Run(ddp, opt, fixed_bytes=ring_bytes(numel, 4, dist.get_world_size()))
         if hook == "onebit":
             import compcomm.ddp
+
             state = compcomm.ddp.OnebitHookState(start_iter=args.warmup_steps, nonfinite=nonfinite)
             ddp.register_comm_hook(state, compcomm.ddp.onebit_hook)
             return Run(ddp, opt, lambda: float(state.backend().bytes_sent))
@@ -157,9 +162,14 @@ def ddp_method(optimizer: Callable, hook: str | None = None, nonfinite: str = "r
             ddp.register_comm_hook(None, bf16_hook)
         else:
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                           start_powerSGD_iter=max(2, args.warmup_steps),
-                                           use_error_feedback=True, warm_start=True)
+
+            state = powersgd.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=4,
+                start_powerSGD_iter=max(2, args.warmup_steps),
+                use_error_feedback=True,
+                warm_start=True,
+            )
             ddp.register_comm_hook(state, powersgd.powerSGD_hook)
         return Run(ddp, opt, lambda: counter.bytes, counting=counter.active)
 
@@ -176,8 +186,9 @@ def compcomm_optimizer(name: str, stage_arg: str, lr_arg: str = "lr_adam") -> Bu
 
         backend = compcomm.backends.get("gloo")
         trained = [p for p in model.parameters() if p.requires_grad]
-        opt = getattr(compcomm.optim, name)(trained, lr=getattr(args, lr_arg), eps=args.eps,
-                                            backend=backend, **{stage_arg: args.warmup_steps})
+        opt = getattr(compcomm.optim, name)(
+            trained, lr=getattr(args, lr_arg), eps=args.eps, backend=backend, **{stage_arg: args.warmup_steps}
+        )
 
         def timing() -> tuple[float, float] | None:
             last = getattr(opt, "last_comm_timing", None)  # absent from older builds
@@ -210,11 +221,13 @@ METHODS: dict[str, Builder] = {
 def available(name: str) -> bool:
     """Whether this build of compcomm has what the method needs (ZeroOneAdam may be missing)."""
     import compcomm.optim
+
     return hasattr(compcomm.optim, getattr(METHODS[name], "requires", "__name__"))
 
 
 # ---------------------------------------------------------------------------------------------
 # one rank
+
 
 class Net(CharMLP):
     """bench/convergence.py's character MLP with a forward() (logits), which DDP calls."""
@@ -269,8 +282,7 @@ def rank_main(args: argparse.Namespace, label: str) -> None:
         if not available(name):
             results[name] = None
             if rank == 0:
-                print(f"# {name}: skipped (compcomm.optim.{METHODS[name].requires} is not in this build)",
-                      flush=True)
+                print(f"# {name}: skipped (compcomm.optim.{METHODS[name].requires} is not in this build)", flush=True)
             continue
         mine = train(METHODS[name], args, text)
         everyone: list[Any] = [None] * world
@@ -290,11 +302,15 @@ def rank_main(args: argparse.Namespace, label: str) -> None:
 def merge(per_rank: list[dict[str, list]]) -> dict[str, list]:
     """Per step: the slowest rank's time, the mean loss over ranks, rank 0's bytes, the mean
     (busy, hidden) collective time over ranks (None where not measured)."""
-    comm = [None if None in c else tuple(statistics.fmean(x) for x in zip(*c))
-            for c in zip(*(r["comm"] for r in per_rank))]
-    return {"times": [max(t) for t in zip(*(r["times"] for r in per_rank))],
-            "losses": [statistics.fmean(v) for v in zip(*(r["losses"] for r in per_rank))],
-            "sent": per_rank[0]["sent"], "comm": comm}
+    comm = [
+        None if None in c else tuple(statistics.fmean(x) for x in zip(*c)) for c in zip(*(r["comm"] for r in per_rank))
+    ]
+    return {
+        "times": [max(t) for t in zip(*(r["times"] for r in per_rank))],
+        "losses": [statistics.fmean(v) for v in zip(*(r["losses"] for r in per_rank))],
+        "sent": per_rank[0]["sent"],
+        "comm": comm,
+    }
 
 
 def hidden_fraction(comm: list[tuple[float, float] | None], steps: range) -> float | None:
@@ -306,6 +322,7 @@ def hidden_fraction(comm: list[tuple[float, float] | None], steps: range) -> flo
 
 # ---------------------------------------------------------------------------------------------
 # report
+
 
 def running_mean(values: list[float], window: int) -> list[float]:
     out, total = [], 0.0
@@ -323,7 +340,10 @@ def summarize(name: str, res: dict[str, list], args: argparse.Namespace, world: 
     compressed = range(w, steps) if w < steps else range(steps)
     warm = range(1, w) if w > 1 else range(0)
     return {
-        "method": name, "world_size": world, "steps": steps, "warmup_steps": w,
+        "method": name,
+        "world_size": world,
+        "steps": steps,
+        "warmup_steps": w,
         "step_time_ms": 1e3 * statistics.median(times[i] for i in compressed),
         "warmup_step_time_ms": 1e3 * statistics.median(times[i] for i in warm) if warm else None,
         "bytes_per_step": statistics.fmean(per_step[i] for i in compressed),
@@ -331,7 +351,9 @@ def summarize(name: str, res: dict[str, list], args: argparse.Namespace, world: 
         "final_loss": statistics.fmean(res["losses"][-window:]),
         "comm_hidden_fraction": hidden_fraction(res["comm"], compressed),
         "warmup_comm_hidden_fraction": hidden_fraction(res["comm"], warm) if warm else None,
-        "loss_curve": res["losses"], "step_times_ms": [1e3 * t for t in times], "bytes_sent": sent,
+        "loss_curve": res["losses"],
+        "step_times_ms": [1e3 * t for t in times],
+        "bytes_sent": sent,
     }
 
 
@@ -360,10 +382,14 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
         compute = summarize("alone", results["alone"], args, world)["step_time_ms"]
         base["compute_step_time_ms"] = compute
         base["comm_fraction"] = max(0.0, 1.0 - compute / base["step_time_ms"])
-    print(f"# compcomm train_step: {label}, world size {world}, gloo, CharMLP {params / 1e6:.1f}M trained params "
-          f"({args.setting}), batch {batch}/rank, {args.steps} steps ({args.warmup_steps} warm-up)")
-    print(f"# {'method':<24} {'step(ms)':>9} {'warmup(ms)':>10} {'bytes/step':>12} {'warmup B/step':>13} "
-          f"{'final_loss':>10} {'to_target(s)':>12} {'hidden%':>7} {'warmup hidden%':>14}")
+    print(
+        f"# compcomm train_step: {label}, world size {world}, gloo, CharMLP {params / 1e6:.1f}M trained params "
+        f"({args.setting}), batch {batch}/rank, {args.steps} steps ({args.warmup_steps} warm-up)"
+    )
+    print(
+        f"# {'method':<24} {'step(ms)':>9} {'warmup(ms)':>10} {'bytes/step':>12} {'warmup B/step':>13} "
+        f"{'final_loss':>10} {'to_target(s)':>12} {'hidden%':>7} {'warmup hidden%':>14}"
+    )
 
     def percent(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.0f}"
@@ -371,10 +397,12 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
     for r in records:
         ttt = r.get("time_to_target_s")
         warm = r["warmup_step_time_ms"]
-        print(f"  {r['method']:<24} {r['step_time_ms']:>9.1f} {'-' if warm is None else f'{warm:.1f}':>10} "
-              f"{r['bytes_per_step']:>12.0f} {r['warmup_bytes_per_step'] or 0:>13.0f} {r['final_loss']:>10.4f} "
-              f"{'-' if ttt is None else f'{ttt:.2f}':>12} {percent(r['comm_hidden_fraction']):>7} "
-              f"{percent(r['warmup_comm_hidden_fraction']):>14}")
+        print(
+            f"  {r['method']:<24} {r['step_time_ms']:>9.1f} {'-' if warm is None else f'{warm:.1f}':>10} "
+            f"{r['bytes_per_step']:>12.0f} {r['warmup_bytes_per_step'] or 0:>13.0f} {r['final_loss']:>10.4f} "
+            f"{'-' if ttt is None else f'{ttt:.2f}':>12} {percent(r['comm_hidden_fraction']):>7} "
+            f"{percent(r['warmup_comm_hidden_fraction']):>14}"
+        )
     for line in ratios(by):
         print("# " + line)
     if args.json:
@@ -391,20 +419,31 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     base = by.get("ddp_adamw")
     if base is not None and "comm_fraction" in base:
-        lines.append(f"ddp_adamw spends {100 * base['comm_fraction']:.0f}% of its step communicating "
-                     f"(alone, the step takes {base['compute_step_time_ms']:.1f} ms)")
-    for fast, slow in (("onebit_adam", "ddp_adamw"), ("onebit_adam", "ddp_adamw_bf16"),
-                       ("onebit_lamb", "ddp_adamw"), ("zeroone_adam", "ddp_adamw"),
-                       ("ddp_sgd_onebit", "ddp_sgd"), ("ddp_sgd_onebit", "ddp_adamw_powersgd"),
-                       ("ddp_adamw_powersgd", "ddp_adamw"), ("ddp_adamw_bf16", "ddp_adamw")):
+        lines.append(
+            f"ddp_adamw spends {100 * base['comm_fraction']:.0f}% of its step communicating "
+            f"(alone, the step takes {base['compute_step_time_ms']:.1f} ms)"
+        )
+    for fast, slow in (
+        ("onebit_adam", "ddp_adamw"),
+        ("onebit_adam", "ddp_adamw_bf16"),
+        ("onebit_lamb", "ddp_adamw"),
+        ("zeroone_adam", "ddp_adamw"),
+        ("ddp_sgd_onebit", "ddp_sgd"),
+        ("ddp_sgd_onebit", "ddp_adamw_powersgd"),
+        ("ddp_adamw_powersgd", "ddp_adamw"),
+        ("ddp_adamw_bf16", "ddp_adamw"),
+    ):
         if fast in by and slow in by:
-            lines.append(f"speedup of {fast} over {slow}: {by[slow]['step_time_ms'] / by[fast]['step_time_ms']:.2f}x "
-                         "(ratio of compression-stage step times)")
+            lines.append(
+                f"speedup of {fast} over {slow}: {by[slow]['step_time_ms'] / by[fast]['step_time_ms']:.2f}x "
+                "(ratio of compression-stage step times)"
+            )
     for name in ("onebit_adam", "onebit_lamb", "zeroone_adam"):
         r = by.get(name)
         if r is not None and base is not None and r["warmup_step_time_ms"]:
-            lines.append(f"{name} warm-up step: {r['warmup_step_time_ms'] / base['step_time_ms']:.2f}x "
-                         "ddp_adamw's step")
+            lines.append(
+                f"{name} warm-up step: {r['warmup_step_time_ms'] / base['step_time_ms']:.2f}x ddp_adamw's step"
+            )
     if "ddp_sgd" in by and "ddp_sgd_onebit" in by:
         a, b = by["ddp_sgd"]["final_loss"], by["ddp_sgd_onebit"]["final_loss"]
         lines.append(f"onebit hook final loss {b:.4f} vs uncompressed DDP + SGD {a:.4f} ({100 * (b - a) / a:+.2f}%)")
@@ -413,6 +452,7 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
 
 def plot(records: list[dict[str, Any]], path: str, label: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -440,15 +480,24 @@ def plot(records: list[dict[str, Any]], path: str, label: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # launch
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     p.add_argument("--steps", type=int, default=20, help="steps per method (default 20)")
     p.add_argument("--warmup-steps", type=int, default=5, help="warm-up stage length (default 5)")
-    p.add_argument("--compute-heavy", dest="setting", action="store_const", const="compute-heavy",
-                   default="comm-bound", help="a ~9x smaller model with 128x the batch: the compute-bound end")
+    p.add_argument(
+        "--compute-heavy",
+        dest="setting",
+        action="store_const",
+        const="compute-heavy",
+        default="comm-bound",
+        help="a ~9x smaller model with 128x the batch: the compute-bound end",
+    )
     p.add_argument("--context", type=int, help="characters of context (overrides the setting)")
     p.add_argument("--embed", type=int, help="embedding width (overrides the setting)")
     p.add_argument("--hidden", type=int, help="hidden width (overrides the setting)")
@@ -457,8 +506,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-lamb", type=float, default=1e-2, help="1-bit LAMB (default 1e-2)")
     p.add_argument("--eps", type=float, default=1e-4, help="eps of every Adam/LAMB method (default 1e-4: see above)")
     p.add_argument("--lr-sgd", type=float, default=0.1, help="SGD with momentum 0.9 (default 0.1)")
-    p.add_argument("--bucket-mb", type=float, default=None,
-                   help="DDP's bucket_cap_mb (default DDP's 25; PowerSGD always runs in one bucket)")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="DDP's bucket_cap_mb (default DDP's 25; PowerSGD always runs in one bucket)",
+    )
     p.add_argument("--text-bytes", type=int, default=1_000_000, help="characters of stdlib source to train on")
     p.add_argument("--nprocs", type=int, default=4, help="local ranks to spawn when not launched (default 4)")
     p.add_argument("--no-baseline", action="store_true", help="skip the no-communication timing of DDP + AdamW")
@@ -473,8 +526,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1 or not 0 <= args.warmup_steps:
         p.error("--steps must be >= 1 and --warmup-steps >= 0")
     defaults = SETTINGS[args.setting]
-    args.shape = tuple(v if v is not None else d for v, d in
-                       zip((args.context, args.embed, args.hidden, args.batch), defaults))
+    args.shape = tuple(
+        v if v is not None else d for v, d in zip((args.context, args.embed, args.hidden, args.batch), defaults)
+    )
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -485,14 +539,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _set_threads(world: int) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
-                          else max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(
+        int(threads) if threads.isdigit() and int(threads) > 0 else max(1, (os.cpu_count() or 1) // world)
+    )
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     _set_threads(world)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(minutes=10),
+    )
     try:
         rank_main(args, f"{world} local ranks (self-spawned)")
     finally:

@@ -20,12 +20,22 @@ Bucketing helpers: `compcomm.layout`. Which codec kernels run here: `compcomm.co
 Any rank's bad input raises the same error on every rank with nothing changed: TypeError,
 ValueError, or `NonFiniteError` for NaN/Inf.
 """
+
 from . import backends, ddp, layout, optim
 from .allreduce import compressed_allreduce, compressed_allreduce_coalesced
 from .codec import codec_info
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
 
-__all__ = ["compressed_allreduce", "compressed_allreduce_coalesced", "ErrorFeedback", "NonFiniteError",
-           "backends", "codec_info", "ddp", "layout", "optim"]
+__all__ = [
+    "compressed_allreduce",
+    "compressed_allreduce_coalesced",
+    "ErrorFeedback",
+    "NonFiniteError",
+    "backends",
+    "codec_info",
+    "ddp",
+    "layout",
+    "optim",
+]
 __version__ = "0.1.0"

@@ -4,6 +4,7 @@ A kernel name means the same parameters in C and CUDA, so one table serves every
 (the C library through ctypes, the CUDA kernels through cupy, the tests' CPU emulation of the
 CUDA ones). tests/test_codec.py checks this table against the header.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

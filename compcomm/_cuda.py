@@ -4,6 +4,7 @@ cupy is imported, and the source compiled by NVRTC, when the codec of a CUDA dev
 chosen (compcomm.codec.codec_for), so `import compcomm` never needs either. Kernels run on
 torch's current stream of the tensor's device, so they order with the surrounding torch work.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
@@ -39,8 +40,7 @@ class CudaKernels:
 
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         with cupy.cuda.Device(self.index):
-            module = cupy.RawModule(code=(SOURCE_DIR / "codec.cu").read_text(),
-                                    options=(f"-I{SOURCE_DIR}",))
+            module = cupy.RawModule(code=(SOURCE_DIR / "codec.cu").read_text(), options=(f"-I{SOURCE_DIR}",))
             self.functions: dict[str, Any] = {name: module.get_function(name) for name in SIGNATURES}
 
     def accepts(self, tensors: Iterable[torch.Tensor | None]) -> bool:

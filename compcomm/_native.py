@@ -3,6 +3,7 @@
 The library is an ordinary shared object that setuptools builds next to this file; ctypes
 releases the GIL for each call, so the codec runs while collectives are in flight.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -14,8 +15,7 @@ import torch
 
 from ._abi import F32, I32, I64, PTR, SIGNATURES, U32, Arg
 
-CTYPES = {PTR: ctypes.c_void_p, I32: ctypes.c_int, I64: ctypes.c_longlong, F32: ctypes.c_float,
-          U32: ctypes.c_uint}
+CTYPES = {PTR: ctypes.c_void_p, I32: ctypes.c_int, I64: ctypes.c_longlong, F32: ctypes.c_float, U32: ctypes.c_uint}
 LIBRARY = "_codec_native"
 
 
@@ -23,7 +23,7 @@ def bind(lib: ctypes.CDLL, prefix: tuple[type, ...] = (), rename: str = "cc_") -
     """Set the ctypes signature of every kernel of `lib` from the ABI table (named `rename`
     + the kernel's name without `cc_`, with `prefix` parameters first)."""
     for name, params in SIGNATURES.items():
-        fn = getattr(lib, rename + name[len("cc_"):])
+        fn = getattr(lib, rename + name[len("cc_") :])
         fn.restype, fn.argtypes = None, [*prefix, *(CTYPES[p] for p in params)]
 
 

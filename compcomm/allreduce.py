@@ -31,6 +31,7 @@ phases and checks: phase 0/1 carry fp32 chunk j of x to server j, which sums the
 (then divides by n for "mean"), and phase 2 all-gathers the sums, so the result is again bitwise
 the same on every rank and backend. Its error feedback is neither used nor changed.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,24 +54,28 @@ from .ordering import Pending
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OPS = ("mean", "sum")
 
-CALL = np.dtype([
-    ("count", "<i8"),       # tensors in the call (coalesced calls carry several)
-    ("seq", "<i8"),         # the call's ticket on the group: equal on every rank unless out of step
-    ("numel", "<i8"),
-    ("tag", "<u4"),         # ErrorFeedback.fingerprint
-    ("op", "u1"),           # index in OPS
-    ("dtype", "u1"),        # index in FLOAT_DTYPES
-    ("exact", "u1"),        # 1 when reduced exactly (below min_compress_bytes)
-    ("reserved", "V1"),
-])
+CALL = np.dtype(
+    [
+        ("count", "<i8"),  # tensors in the call (coalesced calls carry several)
+        ("seq", "<i8"),  # the call's ticket on the group: equal on every rank unless out of step
+        ("numel", "<i8"),
+        ("tag", "<u4"),  # ErrorFeedback.fingerprint
+        ("op", "u1"),  # index in OPS
+        ("dtype", "u1"),  # index in FLOAT_DTYPES
+        ("exact", "u1"),  # 1 when reduced exactly (below min_compress_bytes)
+        ("reserved", "V1"),
+    ]
+)
 """What every rank must agree on, per tensor. Only its digest travels, unless the digests differ."""
 
-HEADER = np.dtype([
-    ("scale", "<f4"),       # s_r, the worker's RMS scale (inf/NaN when x' is not finite)
-    ("server_max", "<f4"),  # max |e_s| of this rank's server error (bounds the server sums)
-    ("digest", "<u4"),      # crc32 of the tensor's CALL record
-    ("code", "<i4"),        # 0, or 1 + index in ERRORS of the error this rank's own checks raised
-])
+HEADER = np.dtype(
+    [
+        ("scale", "<f4"),  # s_r, the worker's RMS scale (inf/NaN when x' is not finite)
+        ("server_max", "<f4"),  # max |e_s| of this rank's server error (bounds the server sums)
+        ("digest", "<u4"),  # crc32 of the tensor's CALL record
+        ("code", "<i4"),  # 0, or 1 + index in ERRORS of the error this rank's own checks raised
+    ]
+)
 """Phase 0's per-tensor wire format (16 bytes per tensor and rank)."""
 
 FOLD_BYTES = 128 * 1024
@@ -90,30 +95,47 @@ ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, NonFiniteError, Ru
 schedule's verdicts between its groups (others travel as RuntimeError)."""
 
 _MESSAGE_BYTES = 1024
-_HEADROOM = 1.0 - 2.0 ** -10  # fp32 rounding of the partial sums stays well inside this
-_LARGEST = {torch.float32: float(torch.finfo(torch.float32).max),
-            torch.float16: float(torch.finfo(torch.float16).max),
-            torch.bfloat16: float(torch.finfo(torch.bfloat16).max)}
+_HEADROOM = 1.0 - 2.0**-10  # fp32 rounding of the partial sums stays well inside this
+_LARGEST = {
+    torch.float32: float(torch.finfo(torch.float32).max),
+    torch.float16: float(torch.finfo(torch.float16).max),
+    torch.bfloat16: float(torch.finfo(torch.bfloat16).max),
+}
 
 
 @overload
-def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
-                         backend: Backend | str | None = ..., op: str = ...,
-                         async_op: Literal[False] = ..., min_compress_bytes: int | None = ...,
-                         error_feedback_out: ErrorFeedback | None = ...) -> torch.Tensor: ...
+def compressed_allreduce(
+    tensor: torch.Tensor,
+    error_feedback: ErrorFeedback,
+    backend: Backend | str | None = ...,
+    op: str = ...,
+    async_op: Literal[False] = ...,
+    min_compress_bytes: int | None = ...,
+    error_feedback_out: ErrorFeedback | None = ...,
+) -> torch.Tensor: ...
 
 
 @overload
-def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
-                         backend: Backend | str | None = ..., op: str = ...,
-                         async_op: Literal[True] = ..., min_compress_bytes: int | None = ...,
-                         error_feedback_out: ErrorFeedback | None = ...) -> Pending: ...
+def compressed_allreduce(
+    tensor: torch.Tensor,
+    error_feedback: ErrorFeedback,
+    backend: Backend | str | None = ...,
+    op: str = ...,
+    async_op: Literal[True] = ...,
+    min_compress_bytes: int | None = ...,
+    error_feedback_out: ErrorFeedback | None = ...,
+) -> Pending: ...
 
 
-def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
-                         backend: Backend | str | None = None, op: str = "mean",
-                         async_op: bool = False, min_compress_bytes: int | None = None,
-                         error_feedback_out: ErrorFeedback | None = None) -> torch.Tensor | Pending:
+def compressed_allreduce(
+    tensor: torch.Tensor,
+    error_feedback: ErrorFeedback,
+    backend: Backend | str | None = None,
+    op: str = "mean",
+    async_op: bool = False,
+    min_compress_bytes: int | None = None,
+    error_feedback_out: ErrorFeedback | None = None,
+) -> torch.Tensor | Pending:
     """Average (op="mean") or sum (op="sum") `tensor` over all ranks in place, with 1-bit
     compression and error feedback carried in `error_feedback`; returns `tensor`.
 
@@ -136,15 +158,18 @@ def compressed_allreduce(tensor: torch.Tensor, error_feedback: ErrorFeedback,
     """
     be = resolve(backend, tensor)
     outs = None if error_feedback_out is None else [error_feedback_out]
-    return be.ordered(lambda: _run([tensor], [error_feedback], be, op, min_compress_bytes, outs)[0],
-                      async_op=async_op)
+    return be.ordered(lambda: _run([tensor], [error_feedback], be, op, min_compress_bytes, outs)[0], async_op=async_op)
 
 
-def compressed_allreduce_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback],
-                                   backend: Backend | str | None = None, op: str = "mean",
-                                   async_op: bool = False, min_compress_bytes: int | None = None,
-                                   error_feedbacks_out: Sequence[ErrorFeedback] | None = None
-                                   ) -> list[torch.Tensor] | Pending:
+def compressed_allreduce_coalesced(
+    tensors: Sequence[torch.Tensor],
+    error_feedbacks: Sequence[ErrorFeedback],
+    backend: Backend | str | None = None,
+    op: str = "mean",
+    async_op: bool = False,
+    min_compress_bytes: int | None = None,
+    error_feedbacks_out: Sequence[ErrorFeedback] | None = None,
+) -> list[torch.Tensor] | Pending:
     """`compressed_allreduce` of several tensors (one ErrorFeedback each) as one call: one
     phase-0 agreement for all of them, so either every tensor is reduced on every rank or none
     is and nothing changes (e.g. a NaN in the last bucket leaves the first bucket's error state
@@ -156,9 +181,15 @@ def compressed_allreduce_coalesced(tensors: Sequence[torch.Tensor], error_feedba
     return be.ordered(lambda: _run(tensors, efs, be, op, min_compress_bytes, outs), async_op=async_op)
 
 
-def prepare(tensor: torch.Tensor, error_feedback: ErrorFeedback, backend: Backend,
-            op: str = "mean", dtype: torch.dtype | None = None, exact: bool = False,
-            error_feedback_out: ErrorFeedback | None = None) -> PreparedCall:
+def prepare(
+    tensor: torch.Tensor,
+    error_feedback: ErrorFeedback,
+    backend: Backend,
+    op: str = "mean",
+    dtype: torch.dtype | None = None,
+    exact: bool = False,
+    error_feedback_out: ErrorFeedback | None = None,
+) -> PreparedCall:
     """The first half of a call: local checks and the phase-0 agreement over `backend`.
 
     Raises the agreed error on every rank of `backend`, modifying nothing, or returns the call
@@ -168,14 +199,26 @@ def prepare(tensor: torch.Tensor, error_feedback: ErrorFeedback, backend: Backen
     part of a half-precision tensor), for the overflow verdict; `exact` reduces it uncompressed;
     `error_feedback_out` as in `compressed_allreduce`.
     """
-    return prepare_coalesced([tensor], [error_feedback], backend, op, None if dtype is None else [dtype],
-                             [exact], None if error_feedback_out is None else [error_feedback_out])[0]
+    return prepare_coalesced(
+        [tensor],
+        [error_feedback],
+        backend,
+        op,
+        None if dtype is None else [dtype],
+        [exact],
+        None if error_feedback_out is None else [error_feedback_out],
+    )[0]
 
 
-def prepare_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback],
-                      backend: Backend, op: str = "mean", dtypes: Sequence[torch.dtype] | None = None,
-                      exact: Sequence[bool] | None = None,
-                      error_feedbacks_out: Sequence[ErrorFeedback] | None = None) -> list[PreparedCall]:
+def prepare_coalesced(
+    tensors: Sequence[torch.Tensor],
+    error_feedbacks: Sequence[ErrorFeedback],
+    backend: Backend,
+    op: str = "mean",
+    dtypes: Sequence[torch.dtype] | None = None,
+    exact: Sequence[bool] | None = None,
+    error_feedbacks_out: Sequence[ErrorFeedback] | None = None,
+) -> list[PreparedCall]:
     """`prepare` of several tensors with one phase-0 agreement (as `compressed_allreduce_coalesced`)."""
     tensors, efs = _as_list(tensors, "tensors"), _as_list(error_feedbacks, "error_feedbacks")
     outs = _as_outs(error_feedbacks_out)
@@ -183,9 +226,15 @@ def prepare_coalesced(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence
     return backend.ordered(lambda: _prepare(tensors, efs, backend, op, lambda i, t: flags[i], dtypes, outs))
 
 
-def agree(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedback], backend: Backend,
-          op: str, part: Callable[[int], tuple[int, int]], min_compress_bytes: int | None = None,
-          error_feedbacks_out: Sequence[ErrorFeedback] | None = None) -> list[bool]:
+def agree(
+    tensors: Sequence[torch.Tensor],
+    error_feedbacks: Sequence[ErrorFeedback],
+    backend: Backend,
+    op: str,
+    part: Callable[[int], tuple[int, int]],
+    min_compress_bytes: int | None = None,
+    error_feedbacks_out: Sequence[ErrorFeedback] | None = None,
+) -> list[bool]:
     """Phase 0 of a composite call, without the worker scan: this rank's checks of its
     arguments, each ErrorFeedback serving the (numel, world_size) `part(tensor.numel())` of the
     work, then agreement over `backend` on count, sequence, numel, op, dtype, tag and which
@@ -199,8 +248,15 @@ def agree(tensors: Sequence[torch.Tensor], error_feedbacks: Sequence[ErrorFeedba
         return Scanned(tensor.dtype, flags[-1])
 
     outs = _as_outs(error_feedbacks_out)
-    _phase0(_as_list(tensors, "tensors"), _as_list(error_feedbacks, "error_feedbacks"), backend, op, check,
-            fold=False, outs=outs)
+    _phase0(
+        _as_list(tensors, "tensors"),
+        _as_list(error_feedbacks, "error_feedbacks"),
+        backend,
+        op,
+        check,
+        fold=False,
+        outs=outs,
+    )
     return flags
 
 
@@ -208,14 +264,23 @@ def below(tensor: torch.Tensor, min_compress_bytes: int | None) -> bool:
     """Whether `tensor` goes uncompressed: fewer bytes than `min_compress_bytes` (None: never)."""
     if min_compress_bytes is None:
         return False
-    if (isinstance(min_compress_bytes, bool) or not isinstance(min_compress_bytes, numbers.Integral)
-            or min_compress_bytes < 0):
+    if (
+        isinstance(min_compress_bytes, bool)
+        or not isinstance(min_compress_bytes, numbers.Integral)
+        or min_compress_bytes < 0
+    ):
         raise ValueError(f"min_compress_bytes must be None or a number of bytes >= 0, got {min_compress_bytes!r}")
     return tensor.numel() * tensor.element_size() < min_compress_bytes
 
 
-def _run(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
-         min_compress_bytes: int | None, outs: list[ErrorFeedback] | None = None) -> list[torch.Tensor]:
+def _run(
+    tensors: list[torch.Tensor],
+    efs: list[ErrorFeedback],
+    be: Backend,
+    op: str,
+    min_compress_bytes: int | None,
+    outs: list[ErrorFeedback] | None = None,
+) -> list[torch.Tensor]:
     schedule = getattr(be, "compressed_schedule", None)  # a composite backend's own schedule
     with torch.no_grad():
         if schedule is not None:
@@ -228,8 +293,8 @@ def _run(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op:
 class Scanned(NamedTuple):
     """What phase 0 needs of one tensor after this rank's checks."""
 
-    dtype: torch.dtype                # the dtype the result ends in (for the overflow verdict)
-    exact: bool                       # reduced uncompressed
+    dtype: torch.dtype  # the dtype the result ends in (for the overflow verdict)
+    exact: bool  # reduced uncompressed
     rows: torch.Tensor | None = None  # (n, W) bytes of phase 1, row j for server j
 
 
@@ -237,17 +302,17 @@ class Scanned(NamedTuple):
 class PreparedCall:
     """One tensor's call accepted by phase 0 on every rank: all that phases 1 and 2 need."""
 
-    tensor: torch.Tensor   # the caller's tensor (detached), written at the end
-    flat: torch.Tensor     # its flat fp view or contiguous copy
-    ef: ErrorFeedback      # the errors the call starts from
-    into: ErrorFeedback    # where the errors after the call go: `ef` itself, or one that takes them
+    tensor: torch.Tensor  # the caller's tensor (detached), written at the end
+    flat: torch.Tensor  # its flat fp view or contiguous copy
+    ef: ErrorFeedback  # the errors the call starts from
+    into: ErrorFeedback  # where the errors after the call go: `ef` itself, or one that takes them
     be: Backend
     op: str
-    rows: torch.Tensor     # (n, W) bytes of phase 1, row j for server j: packed signs, or fp32 if exact
+    rows: torch.Tensor  # (n, W) bytes of phase 1, row j for server j: packed signs, or fp32 if exact
     early: torch.Tensor | None  # (n, e) the first e bytes of what each rank sent this one, from phase 0
-    scales: np.ndarray     # every rank's s_r (fp32); max |x_r| if exact
-    scale: float           # this rank's s_r
-    exact: bool            # reduced uncompressed (below min_compress_bytes)
+    scales: np.ndarray  # every rank's s_r (fp32); max |x_r| if exact
+    scale: float  # this rank's s_r
+    exact: bool  # reduced uncompressed (below min_compress_bytes)
     result: torch.Tensor | None = None  # after commit: phase 2's bytes, see `decode_result`
 
     def commit(self) -> torch.Tensor:
@@ -277,8 +342,9 @@ class PreparedCall:
         served = real_count(be.rank, numel, n)
         mine = torch.empty(SERVER_SCALE_BYTES + received.shape[1], dtype=torch.uint8, device=device)
         divisor = n if self.op == "mean" else 1
-        sum_sq = coder.server_scan_(received, torch.from_numpy(self.scales).to(device), divisor,
-                                    server, served, mine[SERVER_SCALE_BYTES:])
+        sum_sq = coder.server_scan_(
+            received, torch.from_numpy(self.scales).to(device), divisor, server, served, mine[SERVER_SCALE_BYTES:]
+        )
         server_scale = codec.rms_scale(sum_sq, served)
         mine[:SERVER_SCALE_BYTES].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
 
@@ -337,7 +403,7 @@ def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False
     for j in range(n):
         start, k = j * c, real_count(j, numel, n)
         if k:
-            coder.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start:start + k])
+            coder.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start : start + k])
 
 
 def _as_fp32(rows: torch.Tensor) -> torch.Tensor:
@@ -345,10 +411,15 @@ def _as_fp32(rows: torch.Tensor) -> torch.Tensor:
     return rows.reshape(-1).view(torch.float32).view(rows.shape[0], rows.shape[1] // 4)
 
 
-def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
-             exact: Callable[[int, torch.Tensor], bool],
-             dtypes: Sequence[torch.dtype] | None = None,
-             outs: list[ErrorFeedback] | None = None) -> list[PreparedCall]:
+def _prepare(
+    tensors: list[torch.Tensor],
+    efs: list[ErrorFeedback],
+    be: Backend,
+    op: str,
+    exact: Callable[[int, torch.Tensor], bool],
+    dtypes: Sequence[torch.dtype] | None = None,
+    outs: list[ErrorFeedback] | None = None,
+) -> list[PreparedCall]:
     """This rank's checks and worker scans, then phase 0; raises the agreed error everywhere."""
     scanned: list[tuple[torch.Tensor, torch.Tensor, float, bool]] = []
 
@@ -363,15 +434,35 @@ def _prepare(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend,
 
     everyone, early = _phase0(tensors, efs, be, op, scan, fold=True, outs=outs)
     scales = everyone["scale"].astype(np.float32)
-    return [PreparedCall(tensor.detach(), flat, ef, into, be, op, rows, early if i == 0 else None,
-                         scales[:, i].copy(), scale, uncompressed)
-            for i, (tensor, ef, into, (flat, rows, scale, uncompressed))
-            in enumerate(zip(tensors, efs, outs or efs, scanned))]
+    return [
+        PreparedCall(
+            tensor.detach(),
+            flat,
+            ef,
+            into,
+            be,
+            op,
+            rows,
+            early if i == 0 else None,
+            scales[:, i].copy(),
+            scale,
+            uncompressed,
+        )
+        for i, (tensor, ef, into, (flat, rows, scale, uncompressed)) in enumerate(
+            zip(tensors, efs, outs or efs, scanned)
+        )
+    ]
 
 
-def _phase0(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, op: str,
-            local: Callable[[int, torch.Tensor, ErrorFeedback, np.ndarray], Scanned],
-            fold: bool, outs: list[ErrorFeedback] | None = None) -> tuple[np.ndarray, torch.Tensor | None]:
+def _phase0(
+    tensors: list[torch.Tensor],
+    efs: list[ErrorFeedback],
+    be: Backend,
+    op: str,
+    local: Callable[[int, torch.Tensor, ErrorFeedback, np.ndarray], Scanned],
+    fold: bool,
+    outs: list[ErrorFeedback] | None = None,
+) -> tuple[np.ndarray, torch.Tensor | None]:
     """Phase 0: `local(i, tensor, ef, headers)` runs this rank's checks of tensor i (filling what
     it measured into headers[i]), then every rank's headers are gathered and judged alike, with
     the first tensor's rows folded in (`fold`). Returns them, (n, count), and what the other ranks
@@ -400,10 +491,16 @@ def _phase0(tensors: list[torch.Tensor], efs: list[ErrorFeedback], be: Backend, 
     return everyone, early
 
 
-def _describe_call(calls: np.ndarray, i: int, tensor: torch.Tensor, ef: ErrorFeedback, op: str,
-                   scanned: Scanned) -> None:
-    for field, value in (("numel", tensor.numel()), ("tag", ef.fingerprint), ("op", OPS.index(op)),
-                         ("dtype", FLOAT_DTYPES.index(scanned.dtype)), ("exact", scanned.exact)):
+def _describe_call(
+    calls: np.ndarray, i: int, tensor: torch.Tensor, ef: ErrorFeedback, op: str, scanned: Scanned
+) -> None:
+    for field, value in (
+        ("numel", tensor.numel()),
+        ("tag", ef.fingerprint),
+        ("op", OPS.index(op)),
+        ("dtype", FLOAT_DTYPES.index(scanned.dtype)),
+        ("exact", scanned.exact),
+    ):
         calls[field][i] = value
 
 
@@ -412,8 +509,9 @@ def error_code(exc: Exception) -> int:
     return 1 + next((i for i, cls in enumerate(ERRORS) if type(exc) is cls), len(ERRORS) - 1)
 
 
-def _exchange(headers: np.ndarray, be: Backend, rows: torch.Tensor | None,
-              fold: bool) -> tuple[np.ndarray, torch.Tensor | None]:
+def _exchange(
+    headers: np.ndarray, be: Backend, rows: torch.Tensor | None, fold: bool
+) -> tuple[np.ndarray, torch.Tensor | None]:
     """Exchange the headers: (n, count) records, and the first tensor's early rows. The first
     record goes alone (in the folded all-to-all, or an all-gather of its own), so that ranks
     disagreeing on the count (part of the digest) are caught before sizes differ."""
@@ -432,11 +530,11 @@ def _folded(record: np.ndarray, rows: torch.Tensor | None, be: Backend) -> tuple
     send[:, :head] = torch.from_numpy(record.view(np.uint8).copy()).to(be.device)
     carried = 0 if rows is None else min(room, rows.shape[1])
     if carried:
-        send[:, head:head + carried].copy_(rows[:, :carried])  # type: ignore[index]
+        send[:, head : head + carried].copy_(rows[:, :carried])  # type: ignore[index]
     recv = torch.empty_like(send)
     be.all_to_all(send, recv)
     records = recv[:, :head].cpu().numpy().view(HEADER).reshape(n, 1)
-    return records, recv[:, head:head + carried] if carried else None
+    return records, recv[:, head : head + carried] if carried else None
 
 
 def _all_gather_records(records: np.ndarray, be: Backend) -> np.ndarray:
@@ -467,8 +565,9 @@ def _exact_rows(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend) -> tuple[t
     return flat, rows.view(torch.uint8), largest_magnitude(flat)
 
 
-def check_arguments(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str,
-                    part: Callable[[int], tuple[int, int]] | None = None) -> None:
+def check_arguments(
+    tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, part: Callable[[int], tuple[int, int]] | None = None
+) -> None:
     """This rank's own checks of a call (TypeError/ValueError); `ef` serves the (numel,
     world_size) `part(tensor.numel())`, by default (tensor.numel(), be.world_size)."""
     if not isinstance(tensor, torch.Tensor):
@@ -480,12 +579,16 @@ def check_arguments(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: st
     if op not in OPS:
         raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
     if not be.serves(tensor.device):
-        raise ValueError(f"the {be.name} backend cannot reduce tensors on {tensor.device} "
-                         f"(it serves {be.device.type}); move the tensor or pick another backend")
+        raise ValueError(
+            f"the {be.name} backend cannot reduce tensors on {tensor.device} "
+            f"(it serves {be.device.type}); move the tensor or pick another backend"
+        )
     if _overlaps(tensor):
-        raise ValueError(f"the tensor's elements overlap in memory (shape {tuple(tensor.shape)}, strides "
-                         f"{tensor.stride()}, e.g. from expand()); the result cannot be written back: "
-                         "pass a tensor that owns its elements (.clone())")
+        raise ValueError(
+            f"the tensor's elements overlap in memory (shape {tuple(tensor.shape)}, strides "
+            f"{tensor.stride()}, e.g. from expand()); the result cannot be written back: "
+            "pass a tensor that owns its elements (.clone())"
+        )
     why = ef.mismatch(*(part(tensor.numel()) if part else (tensor.numel(), be.world_size)))
     if why:
         raise ValueError(why)
@@ -530,8 +633,10 @@ def _check_pairs(tensors: list[torch.Tensor], efs: list[ErrorFeedback], outs: li
         if isinstance(given, _Unreadable):
             raise given.error
     if len(tensors) != len(efs) or not tensors:
-        raise ValueError(f"need one ErrorFeedback per tensor and at least one tensor, got "
-                         f"{len(tensors)} tensors and {len(efs)} ErrorFeedbacks")
+        raise ValueError(
+            f"need one ErrorFeedback per tensor and at least one tensor, got "
+            f"{len(tensors)} tensors and {len(efs)} ErrorFeedbacks"
+        )
     if len({id(ef) for ef in efs}) != len(efs):
         raise ValueError("the same ErrorFeedback was passed for two tensors of one call; use one per tensor")
     if outs is None:
@@ -544,8 +649,10 @@ def _check_pairs(tensors: list[torch.Tensor], efs: list[ErrorFeedback], outs: li
     sources = {id(ef) for ef in efs}
     others = [id(out) for out, ef in zip(outs, efs) if out is not ef]
     if len({id(out) for out in outs}) != len(outs) or sources.intersection(others):
-        raise ValueError("an output ErrorFeedback is also another tensor's input or output in this call; "
-                         "give each tensor its own (or its input itself)")
+        raise ValueError(
+            "an output ErrorFeedback is also another tensor's input or output in this call; "
+            "give each tensor its own (or its input itself)"
+        )
 
 
 def _raise_if_rejected(headers: np.ndarray, calls: np.ndarray, failure: Exception | None, be: Backend) -> None:
@@ -560,9 +667,11 @@ def _raise_if_rejected(headers: np.ndarray, calls: np.ndarray, failure: Exceptio
         raise ValueError(_disagreement(_all_gather_records(calls[:1] if headers.shape[1] == 1 else calls, be)))
     finite = np.isfinite(headers["scale"]) & np.isfinite(headers["server_max"])
     if not finite.all():
-        raise NonFiniteError(f"non-finite values (NaN/Inf) in the input or error state of rank(s) "
-                             f"{np.flatnonzero(~finite.all(axis=1)).tolist()}; nothing was reduced and no "
-                             "error state changed")
+        raise NonFiniteError(
+            f"non-finite values (NaN/Inf) in the input or error state of rank(s) "
+            f"{np.flatnonzero(~finite.all(axis=1)).tolist()}; nothing was reduced and no "
+            "error state changed"
+        )
     for i in range(headers.shape[1]):
         _check_headroom(headers[:, i], calls[i])
 
@@ -570,8 +679,10 @@ def _raise_if_rejected(headers: np.ndarray, calls: np.ndarray, failure: Exceptio
 def _disagreement(calls: np.ndarray) -> str:
     """What the ranks disagree on, from everyone's CALL records (fetched on this failure path only)."""
     if (calls["count"] != calls["count"][:1]).any():
-        return (f"ranks disagree on the number of tensors in the call (per rank: {calls['count'][:, 0].tolist()}); "
-                "nothing was reduced")
+        return (
+            f"ranks disagree on the number of tensors in the call (per rank: {calls['count'][:, 0].tolist()}); "
+            "nothing was reduced"
+        )
     for field in ("seq", "numel", "op", "dtype", "exact", "tag"):
         differs = np.flatnonzero((calls[field] != calls[field][:1]).any(axis=0))
         if differs.size:
@@ -580,16 +691,25 @@ def _disagreement(calls: np.ndarray) -> str:
     else:  # the digests differ but no field does: a corrupted header
         return "the ranks' call headers differ; nothing was reduced"
     if field == "numel":
-        return (f"ranks passed tensors of different sizes (numel per rank: {column}); "
-                "every rank must reduce the same number of elements")
+        return (
+            f"ranks passed tensors of different sizes (numel per rank: {column}); "
+            "every rank must reduce the same number of elements"
+        )
     shown = {"op": lambda v: OPS[v], "dtype": lambda v: str(FLOAT_DTYPES[v]).replace("torch.", "")}
     values = [shown[field](v) for v in column] if field in shown else column
-    what = {"seq": "call sequence numbers on this group", "op": "op", "dtype": "dtype",
-            "exact": "compression (1 = uncompressed)", "tag": "ErrorFeedback tags"}[field]
-    hint = {"seq": "; every rank must make the same compcomm calls on a group in the same order",
-            "exact": "; pass the same min_compress_bytes on every rank",
-            "tag": "; the ranks paired different ErrorFeedbacks (async calls submitted in different "
-                   "orders?): submit calls in the same order on every rank"}.get(field, "")
+    what = {
+        "seq": "call sequence numbers on this group",
+        "op": "op",
+        "dtype": "dtype",
+        "exact": "compression (1 = uncompressed)",
+        "tag": "ErrorFeedback tags",
+    }[field]
+    hint = {
+        "seq": "; every rank must make the same compcomm calls on a group in the same order",
+        "exact": "; pass the same min_compress_bytes on every rank",
+        "tag": "; the ranks paired different ErrorFeedbacks (async calls submitted in different "
+        "orders?): submit calls in the same order on every rank",
+    }.get(field, "")
     return f"ranks disagree on the call's {what} (per rank: {values}){hint}; nothing was reduced"
 
 
@@ -603,7 +723,8 @@ def _check_headroom(headers: np.ndarray, call: np.void) -> None:
         raise NonFiniteError(
             f"the reduction would overflow: the ranks' scales sum to {total:.3e} and the server values could "
             f"reach {peak:.3e}, beyond the {largest:.3e} that fp32 and the tensor's dtype hold; nothing was "
-            "reduced and no error state changed (scale the tensor down)")
+            "reduced and no error state changed (scale the tensor down)"
+        )
 
 
 def gather_messages(text: str, be: Backend) -> list[str]:

@@ -25,6 +25,7 @@ them) plus the byte count per chunk is what the allreduce's schedule would take 
 where it sizes its buffers today (`chunk_size // 8`); the phases, the error feedback and the
 phase-0 agreement stay as they are.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,7 @@ def pack_signs(values: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch.from_numpy(np.packbits(mask.numpy())))
         return
     if mask.device not in _BIT_WEIGHTS:
-        _BIT_WEIGHTS[mask.device] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8,
-                                                 device=mask.device)
+        _BIT_WEIGHTS[mask.device] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=mask.device)
     out.copy_((mask.view(-1, 8).to(torch.uint8) * _BIT_WEIGHTS[mask.device]).sum(1, dtype=torch.uint8))
 
 
@@ -88,16 +88,18 @@ class Codec:
         self.kernels = kernels
         self.why = why or (kernels.description if kernels is not None else "torch kernels")
 
-    def _fused(self, kernel: str, device: torch.device, count: int, tensors: Sequence[torch.Tensor | None],
-               args: Sequence[Arg]) -> bool:
+    def _fused(
+        self, kernel: str, device: torch.device, count: int, tensors: Sequence[torch.Tensor | None], args: Sequence[Arg]
+    ) -> bool:
         """Run `kernel` if the kernel set takes `tensors`; False when the torch code must."""
         if self.kernels is None or not self.kernels.accepts(tensors):
             return False
         self.kernels.launch(kernel, device, count, args)
         return True
 
-    def _fused_sum(self, kernel: str, device: torch.device, count: int, tensors: Sequence[torch.Tensor | None],
-                   args: Sequence[Arg]) -> float | None:
+    def _fused_sum(
+        self, kernel: str, device: torch.device, count: int, tensors: Sequence[torch.Tensor | None], args: Sequence[Arg]
+    ) -> float | None:
         """`_fused` for a kernel writing float64 partial sums: their total (added in a fixed
         order), or None when the torch code must run."""
         if self.kernels is None or not self.kernels.accepts(tensors):
@@ -110,8 +112,13 @@ class Codec:
         """bits <- sign(v) for v = pad(x) + error over the padded length 8 * len(bits);
         returns sum(v[:len(x)]^2) in float64. `error` may be None (zeros)."""
         m, n = 8 * bits.numel(), x.numel()
-        total = self._fused_sum("cc_worker_scan", bits.device, m, (x, error, bits),
-                                (x.data_ptr(), DTYPE_CODES[x.dtype], n, _ptr(error), m, bits.data_ptr()))
+        total = self._fused_sum(
+            "cc_worker_scan",
+            bits.device,
+            m,
+            (x, error, bits),
+            (x.data_ptr(), DTYPE_CODES[x.dtype], n, _ptr(error), m, bits.data_ptr()),
+        )
         if total is not None:
             return total
         acc = torch.zeros((), dtype=torch.float64, device=bits.device)
@@ -120,16 +127,22 @@ class Codec:
             stop = min(start + step, m)
             v = torch.zeros(stop - start, dtype=torch.float32, device=bits.device)
             live = max(0, min(n, stop) - start)
-            v[:live] = x[start:start + live]
+            v[:live] = x[start : start + live]
             if error is not None:
                 v += error[start:stop]
             head = v[:live].double()
             acc += torch.dot(head, head)
-            pack_signs(v, bits[start // 8:stop // 8])
+            pack_signs(v, bits[start // 8 : stop // 8])
         return float(acc)
 
-    def error_update_(self, error: torch.Tensor, scale: float, real: int, x: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> None:
+    def error_update_(
+        self,
+        error: torch.Tensor,
+        scale: float,
+        real: int,
+        x: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> None:
         """out <- v - scale * sign(v) with v = error (+ x on x's length) on [:real], 0 beyond.
         `out` (default: error itself) is another buffer of error's size when the caller keeps
         the old errors: the fused kernels write the new ones in one pass, with no copy of the
@@ -138,32 +151,66 @@ class Codec:
         if target is not error and target.untyped_storage().data_ptr() == error.untyped_storage().data_ptr():
             raise ValueError("error_update_: `out` must be the error tensor itself or share no storage with it")
         n = 0 if x is None else x.numel()
-        if self._fused("cc_error_update", error.device, error.numel(), (x, error, target),
-                       (_ptr(x), 0 if x is None else DTYPE_CODES[x.dtype], n, error.data_ptr(), target.data_ptr(),
-                        real, error.numel(), scale)):
+        if self._fused(
+            "cc_error_update",
+            error.device,
+            error.numel(),
+            (x, error, target),
+            (
+                _ptr(x),
+                0 if x is None else DTYPE_CODES[x.dtype],
+                n,
+                error.data_ptr(),
+                target.data_ptr(),
+                real,
+                error.numel(),
+                scale,
+            ),
+        ):
             return
         if target is not error:
             target.copy_(error)
         plus = torch.tensor(scale, dtype=torch.float32, device=error.device)
         minus, step = -plus, block_size(error.device)
         for start in range(0, real, step):
-            v = target[start:min(start + step, real)]
+            v = target[start : min(start + step, real)]
             live = max(0, min(n, start + v.numel()) - start)
             if live:
                 assert x is not None
-                v[:live] += x[start:start + live]
+                v[:live] += x[start : start + live]
             v -= torch.where(v >= 0, plus, minus)
         target[real:].zero_()
 
-    def server_scan_(self, bits: torch.Tensor, scales: torch.Tensor, divisor: int, error: torch.Tensor, real: int,
-                     out_bits: torch.Tensor) -> float:
+    def server_scan_(
+        self,
+        bits: torch.Tensor,
+        scales: torch.Tensor,
+        divisor: int,
+        error: torch.Tensor,
+        real: int,
+        out_bits: torch.Tensor,
+    ) -> float:
         """error <- y = (sum_r scales[r] sign_r) / divisor + error, summed in rank order, where row r
         of `bits` (n, C/8) holds rank r's signs of this chunk; out_bits <- sign(y).
         Returns sum(y[:real]^2) in float64."""
         n, c = bits.shape[0], error.numel()
-        total = self._fused_sum("cc_server_scan", error.device, c, (bits, scales, error, out_bits),
-                                (bits.data_ptr(), bits.stride(0), n, scales.data_ptr(), float(divisor),
-                                 error.data_ptr(), c, real, out_bits.data_ptr()))
+        total = self._fused_sum(
+            "cc_server_scan",
+            error.device,
+            c,
+            (bits, scales, error, out_bits),
+            (
+                bits.data_ptr(),
+                bits.stride(0),
+                n,
+                scales.data_ptr(),
+                float(divisor),
+                error.data_ptr(),
+                c,
+                real,
+                out_bits.data_ptr(),
+            ),
+        )
         if total is not None:
             return total
         tables = [sign_table(s, -s) for s in scales]
@@ -171,33 +218,40 @@ class Codec:
         step = block_size(error.device)
         for start in range(0, c, step):
             stop = min(start + step, c)
-            a = tables[0][bits[0, start // 8:stop // 8].long()].view(-1)
+            a = tables[0][bits[0, start // 8 : stop // 8].long()].view(-1)
             for r in range(1, n):
-                a += tables[r][bits[r, start // 8:stop // 8].long()].view(-1)
+                a += tables[r][bits[r, start // 8 : stop // 8].long()].view(-1)
             if divisor != 1:  # by a tensor: CUDA would multiply by 1/divisor for a Python number
                 a /= torch.tensor(float(divisor), device=a.device)
             y = error[start:stop]
             y += a
-            head = y[:max(0, min(real, stop) - start)].double()
+            head = y[: max(0, min(real, stop) - start)].double()
             acc += torch.dot(head, head)
-            pack_signs(y, out_bits[start // 8:stop // 8])
+            pack_signs(y, out_bits[start // 8 : stop // 8])
         return float(acc)
 
     def decode(self, bits: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """out (float dtype, len <= 8 * len(bits)) <- scale * sign coded by `bits`."""
         values = torch.tensor([scale, -scale], dtype=torch.float32).to(out.dtype)
-        plus, minus = (v & ((1 << (8 * out.element_size())) - 1)
-                       for v in values.view(torch.int32 if out.element_size() == 4 else torch.int16).tolist())
-        if self._fused("cc_decode", out.device, out.numel(), (bits, out),
-                       (bits.data_ptr(), out.numel(), out.element_size(), plus, minus, out.data_ptr())):
+        plus, minus = (
+            v & ((1 << (8 * out.element_size())) - 1)
+            for v in values.view(torch.int32 if out.element_size() == 4 else torch.int16).tolist()
+        )
+        if self._fused(
+            "cc_decode",
+            out.device,
+            out.numel(),
+            (bits, out),
+            (bits.data_ptr(), out.numel(), out.element_size(), plus, minus, out.data_ptr()),
+        ):
             return
         table = sign_table(values[0].to(out.device), values[1].to(out.device))
         step, whole = block_size(out.device), out.numel() // 8 * 8
         for start in range(0, whole, step):
             stop = min(start + step, whole)
-            out[start:stop].copy_(table[bits[start // 8:stop // 8].long()].view(-1))
+            out[start:stop].copy_(table[bits[start // 8 : stop // 8].long()].view(-1))
         if whole < out.numel():
-            out[whole:].copy_(table[bits[whole // 8].long()][:out.numel() - whole])
+            out[whole:].copy_(table[bits[whole // 8].long()][: out.numel() - whole])
 
     def __repr__(self) -> str:
         return f"<Codec: {self.why}>"
@@ -237,8 +291,10 @@ def _choose_native() -> Codec:
         return Codec(None, "torch kernels (COMPCOMM_NATIVE=0)")
     path = _native.library_path()
     if path is None:
-        why = ("torch kernels: the C codec was not compiled when compcomm was installed (no C compiler?); "
-               f"results are the same bits, {_FALLBACK_SLOWDOWN}. Reinstall with a C compiler to get it")
+        why = (
+            "torch kernels: the C codec was not compiled when compcomm was installed (no C compiler?); "
+            f"results are the same bits, {_FALLBACK_SLOWDOWN}. Reinstall with a C compiler to get it"
+        )
         warnings.warn(f"compcomm: {why}", RuntimeWarning, stacklevel=4)
         return Codec(None, why)
     return Codec(_native.NativeKernels(path))
@@ -256,8 +312,10 @@ def _choose_cuda(device: torch.device) -> Codec:
     try:
         return Codec(_cuda.CudaKernels(device))
     except Exception as exc:  # noqa: BLE001 - whatever cupy/NVRTC raises, the torch kernels remain
-        why = (f"torch kernels: the fused CUDA kernels failed to compile ({type(exc).__name__}: {exc}); "
-               "same bits, more slowly. Set COMPCOMM_CUDA_KERNELS=0 to silence this")
+        why = (
+            f"torch kernels: the fused CUDA kernels failed to compile ({type(exc).__name__}: {exc}); "
+            "same bits, more slowly. Set COMPCOMM_CUDA_KERNELS=0 to silence this"
+        )
         warnings.warn(f"compcomm: {why}", RuntimeWarning, stacklevel=4)
         return Codec(None, why)
 

@@ -4,6 +4,7 @@ Like every collective of a compcomm backend, they run in their turn on the backe
 channel, behind any of the optimizer's asynchronous reductions still in flight, so they never
 pair with the wrong messages on other ranks.
 """
+
 from __future__ import annotations
 
 import io
@@ -29,8 +30,9 @@ def raise_everywhere(problem: str | None, be: Backend) -> None:
     if bad:
         if problem is not None:
             raise ValueError(problem)
-        raise ValueError(f"rank(s) {bad} could not load their checkpoint, so no rank loaded its own "
-                         "(see the error on those ranks)")
+        raise ValueError(
+            f"rank(s) {bad} could not load their checkpoint, so no rank loaded its own (see the error on those ranks)"
+        )
 
 
 def all_gather_object(obj: Any, be: Backend) -> list[Any]:
@@ -43,9 +45,10 @@ def all_gather_object(obj: Any, be: Backend) -> list[Any]:
     sizes = [int(s) for s in all_sum(mine, be)]
     longest = max(sizes)
     send = torch.zeros(longest, dtype=torch.uint8)
-    send[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    send[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     recv = torch.empty(be.world_size, longest, dtype=torch.uint8, device=be.device)
     be.all_gather(send.to(be.device), recv)
     rows = recv.cpu()
-    return [torch.load(io.BytesIO(rows[r, :sizes[r]].numpy().tobytes()), weights_only=False)
-            for r in range(be.world_size)]
+    return [
+        torch.load(io.BytesIO(rows[r, : sizes[r]].numpy().tobytes()), weights_only=False) for r in range(be.world_size)
+    ]

@@ -50,6 +50,7 @@ copy of the error state (the model's size in fp32, plus 1/n). The carried errors
 the scaled gradients, so a change of scale (rare: a back-off, or growth every `growth_interval`
 steps) applies to the new gradients and not to what is carried.
 """
+
 from typing import Any
 
 import torch
@@ -84,8 +85,13 @@ class OnebitHookState:
     `gathered_state_dict()` (a collective) holds every rank's, for one file loaded by all ranks.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 10,
-                 backend: Backend | str | None = None, nonfinite: str = "raise") -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        start_iter: int = 10,
+        backend: Backend | str | None = None,
+        nonfinite: str = "raise",
+    ) -> None:
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
         if nonfinite not in _NONFINITE:
@@ -99,12 +105,12 @@ class OnebitHookState:
         self._backend_arg = backend
         self._backends: dict[str, Backend] = {}
         self._numbers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its number
-        self._params: list[tuple[tuple[int, ...], str]] = []         # number -> (shape, dtype)
+        self._params: list[tuple[tuple[int, ...], str]] = []  # number -> (shape, dtype)
         self._buckets: dict[Key, ErrorFeedback] = {}
-        self._spares: dict[Key, ErrorFeedback] = {}                  # key -> where its next errors go
-        self._pending: list[Key] = []                                # this iteration's errors in spares
-        self._owner: dict[int, Key] = {}                             # number -> its bucket's key
-        self._in_flight: list[torch.futures.Future] = []             # this iteration's collectives
+        self._spares: dict[Key, ErrorFeedback] = {}  # key -> where its next errors go
+        self._pending: list[Key] = []  # this iteration's errors in spares
+        self._owner: dict[int, Key] = {}  # number -> its bucket's key
+        self._in_flight: list[torch.futures.Future] = []  # this iteration's collectives
 
     # ----------------------------------------------------------------- transport
 
@@ -132,9 +138,11 @@ class OnebitHookState:
             if number == len(self._params):
                 self._params.append((tuple(p.shape), str(p.dtype)))
         if self._params[number] != (tuple(p.shape), str(p.dtype)):
-            raise ValueError(f"parameter {number} of this hook state is a {self._params[number]} tensor, but "
-                             f"DDP handed a {(tuple(p.shape), str(p.dtype))} one: the state belongs to another "
-                             "model (or DDP arguments); resume with the same model and DDP settings")
+            raise ValueError(
+                f"parameter {number} of this hook state is a {self._params[number]} tensor, but "
+                f"DDP handed a {(tuple(p.shape), str(p.dtype))} one: the state belongs to another "
+                "model (or DDP arguments); resume with the same model and DDP settings"
+            )
         return number
 
     def _parts(self, params: list[torch.Tensor]) -> tuple[Key, list[Key]]:
@@ -173,9 +181,15 @@ class OnebitHookState:
         for key, ef in self._buckets.items():
             saved = ef.state_dict()
             buckets.append((list(key), {k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()}))
-        return {"format": _FORMAT, "iter": self.iter, "start_iter": self.start_iter, "rank": be.rank,
-                "world_size": be.world_size, "params": [[list(s), d] for s, d in self._params],
-                "buckets": buckets}
+        return {
+            "format": _FORMAT,
+            "iter": self.iter,
+            "start_iter": self.start_iter,
+            "rank": be.rank,
+            "world_size": be.world_size,
+            "params": [[list(s), d] for s, d in self._params],
+            "buckets": buckets,
+        }
 
     def gathered_state_dict(self) -> dict[str, Any]:
         """Every rank's `state_dict()` in one dict, on every rank (a collective: call it on all
@@ -208,8 +222,10 @@ class OnebitHookState:
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError("not a compcomm.ddp.OnebitHookState state dict")
         if state.get("world_size") != be.world_size:
-            raise ValueError(f"the state was saved on {state.get('world_size')} ranks, this group has "
-                             f"{be.world_size}: its error feedback belongs to another split of the buckets")
+            raise ValueError(
+                f"the state was saved on {state.get('world_size')} ranks, this group has "
+                f"{be.world_size}: its error feedback belongs to another split of the buckets"
+            )
         if "ranks" in state:
             state = state["ranks"][be.rank]
         buckets: dict[Key, ErrorFeedback] = {}
@@ -218,12 +234,14 @@ class OnebitHookState:
             ef.load_state_dict(saved)
             buckets[tuple(int(k) for k in key)] = ef
         if state["rank"] != be.rank and any(ef.initialized for ef in buckets.values()):
-            raise ValueError(f"this is rank {state['rank']}'s state, loaded on rank {be.rank}: its error "
-                             "feedback is that rank's own. Save one file per rank, or one file with "
-                             "gathered_state_dict()")
+            raise ValueError(
+                f"this is rank {state['rank']}'s state, loaded on rank {be.rank}: its error "
+                "feedback is that rank's own. Save one file per rank, or one file with "
+                "gathered_state_dict()"
+            )
         params = [(tuple(int(x) for x in shape), str(dtype)) for shape, dtype in state["params"]]
-        known = self._params[:len(params)]
-        if known != params[:len(known)]:
+        known = self._params[: len(params)]
+        if known != params[: len(known)]:
             raise ValueError("the state's parameters do not match the ones this hook has seen: another model")
         if not isinstance(state["iter"], int) or not isinstance(state["start_iter"], int):
             raise ValueError("the state's iter and start_iter must be integers")
@@ -250,9 +268,12 @@ class OnebitHookState:
         flats = [buffer if parts == [key] else torch.cat([buffer[a:b] for a, b in spans]) for spans in slices]
         if compress:
             outs = [self._spare(part) for part in parts]
-            futures = [compressed_allreduce(flat, self._buckets[part], backend=be, async_op=True,
-                                            error_feedback_out=out).get_future()
-                       for flat, part, out in zip(flats, parts, outs)]
+            futures = [
+                compressed_allreduce(
+                    flat, self._buckets[part], backend=be, async_op=True, error_feedback_out=out
+                ).get_future()
+                for flat, part, out in zip(flats, parts, outs)
+            ]
             self._pending.extend(part for part, out in zip(parts, outs) if out is not None)
         else:
             futures = [be.ordered(_uncompressed_mean, flat, be, async_op=True).get_future() for flat in flats]
@@ -267,14 +288,14 @@ class OnebitHookState:
 
         def finish(done: torch.futures.Future) -> torch.Tensor:
             failures = [outcome.value() for outcome in done.value()]
-            for failed, flat, spans in zip(failures[len(failures) - len(futures):], flats, slices):
+            for failed, flat, spans in zip(failures[len(failures) - len(futures) :], flats, slices):
                 if failed is not None and self._propagates(failed):
                     for a, b in spans:
                         buffer[a:b].fill_(float("nan"))
                 elif flat is not buffer and failed is None:
                     offset = 0
                     for a, b in spans:
-                        buffer[a:b].copy_(flat[offset:offset + b - a])
+                        buffer[a:b].copy_(flat[offset : offset + b - a])
                         offset += b - a
             if last and all(f is None for f in failures):
                 self._keep(pending)

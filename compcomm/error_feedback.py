@@ -1,4 +1,5 @@
 """Persistent error-feedback state of one repeatedly reduced tensor."""
+
 from __future__ import annotations
 
 import os
@@ -52,9 +53,11 @@ class ErrorFeedback:
         """Why this state cannot serve a call of (numel, world_size), or None if it can."""
         if not self.initialized or (self.numel, self.world_size) == (numel, world_size):
             return None
-        return (f"this ErrorFeedback holds errors of a {self.numel}-element tensor over "
-                f"{self.world_size} ranks, not {numel} elements over {world_size}; use one "
-                "ErrorFeedback per reduced tensor (or reset() it)")
+        return (
+            f"this ErrorFeedback holds errors of a {self.numel}-element tensor over "
+            f"{self.world_size} ranks, not {numel} elements over {world_size}; use one "
+            "ErrorFeedback per reduced tensor (or reset() it)"
+        )
 
     def server_error_max(self) -> float:
         """max |server_error| (0 before first use): bounds the next server sum in phase 0."""
@@ -81,8 +84,9 @@ class ErrorFeedback:
             self.server_error = self.server_error.to(device)
         return self.worker_error, self.server_error
 
-    def follow(self, source: ErrorFeedback, numel: int, world_size: int, device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def follow(
+        self, source: ErrorFeedback, numel: int, world_size: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Take over the errors of a call that starts from `source`'s and leaves `source` as it
         is: (worker error to read, server error to update in place, worker error to write).
         The call writes the worker error into this instance's buffer, reused when it fits (and
@@ -127,14 +131,21 @@ class ErrorFeedback:
         self.numel, self.world_size, self._server_max = source.numel, source.world_size, source._server_max
         return self
 
-    def _own_buffers(self, worker_shape: tuple[int, ...], server_shape: tuple[int, ...], device: torch.device,
-                     source: ErrorFeedback) -> None:
+    def _own_buffers(
+        self, worker_shape: tuple[int, ...], server_shape: tuple[int, ...], device: torch.device, source: ErrorFeedback
+    ) -> None:
         """fp32 error buffers of these shapes on `device` (contents unspecified): the present ones
         where they fit and share no memory with `source`'s (e.g. after `copy.copy`), else new."""
         theirs = {t.untyped_storage().data_ptr() for t in (source.worker_error, source.server_error) if t is not None}
         wanted = zip((self.worker_error, self.server_error), (worker_shape, server_shape))
-        if not all(t is not None and t.shape == shape and t.device == device and t.dtype == torch.float32
-                   and t.untyped_storage().data_ptr() not in theirs for t, shape in wanted):
+        if not all(
+            t is not None
+            and t.shape == shape
+            and t.device == device
+            and t.dtype == torch.float32
+            and t.untyped_storage().data_ptr() not in theirs
+            for t, shape in wanted
+        ):
             self.worker_error = torch.empty(worker_shape, dtype=torch.float32, device=device)
             self.server_error = torch.empty(server_shape, dtype=torch.float32, device=device)
 
@@ -145,8 +156,12 @@ class ErrorFeedback:
         self._server_max = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"worker_error": self.worker_error, "server_error": self.server_error,
-                "numel": self.numel, "world_size": self.world_size}
+        return {
+            "worker_error": self.worker_error,
+            "server_error": self.server_error,
+            "numel": self.numel,
+            "world_size": self.world_size,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore errors saved by `state_dict()`; they are moved to the tensor's device on use.
@@ -156,8 +171,10 @@ class ErrorFeedback:
         non-zero padding. A never-used instance's state (all None) resets this one.
         """
         if not isinstance(state, Mapping) or any(key not in state for key in _KEYS):
-            raise ValueError(f"ErrorFeedback state must be a dict with the keys {', '.join(_KEYS)} "
-                             f"(as state_dict() returns), got {_describe(state)}")
+            raise ValueError(
+                f"ErrorFeedback state must be a dict with the keys {', '.join(_KEYS)} "
+                f"(as state_dict() returns), got {_describe(state)}"
+            )
         worker, server, numel, world = (state[key] for key in _KEYS)
         if worker is None and server is None and numel is None and world is None:
             self.reset()
@@ -202,8 +219,10 @@ def _error_tensor(name: str, value: Any, length: int) -> torch.Tensor:
     if not value.is_floating_point():
         raise ValueError(f"ErrorFeedback state: {name} must be a float tensor, got {value.dtype}")
     if tuple(value.shape) != (length,):
-        raise ValueError(f"ErrorFeedback state: {name} has shape {tuple(value.shape)}; shapes that do not fit "
-                         f"the saved numel and world_size (needs ({length},))")
+        raise ValueError(
+            f"ErrorFeedback state: {name} has shape {tuple(value.shape)}; shapes that do not fit "
+            f"the saved numel and world_size (needs ({length},))"
+        )
     copy = value.detach().to(torch.float32).clone()  # values beyond fp32's range become inf: rejected
     if not bool(torch.isfinite(copy).all()):
         raise ValueError(f"ErrorFeedback state: {name} holds NaN or Inf (or values beyond fp32's range)")

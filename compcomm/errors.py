@@ -1,4 +1,5 @@
 """Exceptions raised identically on every rank of a failed collective, and the check behind them."""
+
 import math
 
 import torch

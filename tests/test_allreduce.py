@@ -1,4 +1,5 @@
 """compressed_allreduce on real gloo ranks against the float64 reference of SPEC section 3."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,10 +34,18 @@ def run_steps(world: int, numel: int, dtype: str, op: str, steps: int, shape=Non
         t = x.clone().view(shape) if shape else x.clone()
         out = compcomm.compressed_allreduce(t, ef, backend=backend, op=op)
         assert out is t and t.dtype == x.dtype and t.shape == (shape or x.shape)
-        records.append({"input": x.double().numpy(), "output": t.reshape(-1).double().numpy(),
-                        "raw": t.reshape(-1).view(torch.uint8 if t.element_size() == 1 else torch.int16
-                                                  if t.element_size() == 2 else torch.int32).numpy().tobytes(),
-                        "worker": ef.worker_error.double().numpy(), "server": ef.server_error.double().numpy()})
+        records.append(
+            {
+                "input": x.double().numpy(),
+                "output": t.reshape(-1).double().numpy(),
+                "raw": t.reshape(-1)
+                .view(torch.uint8 if t.element_size() == 1 else torch.int16 if t.element_size() == 2 else torch.int32)
+                .numpy()
+                .tobytes(),
+                "worker": ef.worker_error.double().numpy(),
+                "server": ef.server_error.double().numpy(),
+            }
+        )
     return records
 
 
@@ -53,11 +62,9 @@ def test_matches_reference_step_by_step(pool, world, numel, dtype, op):
     for step in range(steps):
         records = [per_rank[r][step] for r in range(world)]
         assert len({rec["raw"] for rec in records}) == 1, "outputs differ between ranks"
-        expected, ref_worker, ref_server = reference_allreduce(
-            [rec["input"] for rec in records], worker, server, op)
+        expected, ref_worker, ref_server = reference_allreduce([rec["input"] for rec in records], worker, server, op)
         scale = np.abs(expected).max()
-        np.testing.assert_allclose(records[0]["output"], expected, rtol=TOLERANCE[dtype],
-                                   atol=TOLERANCE[dtype] * scale)
+        np.testing.assert_allclose(records[0]["output"], expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * scale)
         got_worker = np.stack([rec["worker"] for rec in records])
         got_server = np.stack([rec["server"] for rec in records])
         np.testing.assert_allclose(got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale)
@@ -76,8 +83,11 @@ def identity_terms(world: int, numel: int, op: str, calls: int) -> dict:
         t = make_input(rank, step, numel, "float32", seed=7)
         compcomm.compressed_allreduce(t, ef, backend=backend, op=op)
         out_sum += t.double()
-    return {"out_sum": out_sum.numpy(), "worker": ef.worker_error[:numel].double().numpy(),
-            "server": ef.server_error.double().numpy()}
+    return {
+        "out_sum": out_sum.numpy(),
+        "worker": ef.worker_error[:numel].double().numpy(),
+        "server": ef.server_error.double().numpy(),
+    }
 
 
 @pytest.mark.parametrize("op", ["mean", "sum"])

@@ -1,4 +1,5 @@
 """Backend selection, sub-groups, shapes, byte counting and checkpointing on real gloo ranks."""
+
 from __future__ import annotations
 
 import io
@@ -63,6 +64,7 @@ def test_sub_groups_reduce_on_their_own(pool):
     assert results[0] is None and results[2] is None and results[1] == results[3]
     # The same members through world size 2 in a different group give the same numbers.
     from reference import reference_allreduce
+
     inputs = [seeded(r, 40).double().numpy() for r in (1, 3)]
     m = padded_size(40, 2)
     expected, _, _ = reference_allreduce(inputs, np.zeros((2, m)), np.zeros((2, m // 2)))
@@ -122,8 +124,9 @@ def checkpoint_resume() -> dict:
         compcomm.compressed_allreduce(a, steady)
         compcomm.compressed_allreduce(b, resumed)
         outs.append(torch.equal(a, b))
-    same_state = torch.equal(steady.worker_error, resumed.worker_error) and \
-        torch.equal(steady.server_error, resumed.server_error)
+    same_state = torch.equal(steady.worker_error, resumed.worker_error) and torch.equal(
+        steady.server_error, resumed.server_error
+    )
     resumed.reset()
     return {"outs": outs, "state": same_state, "reset": resumed.worker_error is None}
 
@@ -135,8 +138,9 @@ def test_state_dict_round_trip_resumes_bit_for_bit(pool):
 def test_load_state_dict_rejects_inconsistent_state():
     ef = compcomm.ErrorFeedback()
     with pytest.raises(ValueError, match="do not fit"):
-        ef.load_state_dict({"worker_error": torch.zeros(16), "server_error": torch.zeros(8),
-                            "numel": 10, "world_size": 1})
+        ef.load_state_dict(
+            {"worker_error": torch.zeros(16), "server_error": torch.zeros(8), "numel": 10, "world_size": 1}
+        )
     ef.load_state_dict(compcomm.ErrorFeedback().state_dict())
     assert ef.worker_error is None
 
@@ -151,8 +155,9 @@ def async_calls() -> dict:
     for t, ef in zip(sync, [compcomm.ErrorFeedback() for _ in sync]):
         compcomm.compressed_allreduce(t, ef, backend=backend)
     tensors = [seeded(rank, 500 + i) for i in range(3)]
-    handles = [compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(), backend=backend, async_op=True)
-               for t in tensors]
+    handles = [
+        compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(), backend=backend, async_op=True) for t in tensors
+    ]
     results = [h.wait() for h in handles]
     assert all(h.is_completed() for h in handles)
     bad = seeded(rank, 10)
@@ -164,8 +169,11 @@ def async_calls() -> dict:
         error = None
     except compcomm.NonFiniteError as exc:
         error = type(exc).__name__
-    return {"same": all(torch.equal(a, b) for a, b in zip(sync, tensors)),
-            "returned": all(r is t for r, t in zip(results, tensors)), "error": error}
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(sync, tensors)),
+        "returned": all(r is t for r, t in zip(results, tensors)),
+        "error": error,
+    }
 
 
 def test_async_op_matches_sync_and_reports_errors_at_wait(pool):

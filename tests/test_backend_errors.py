@@ -3,6 +3,7 @@
 Cases that need a pristine interpreter (mpi4py hidden, no launcher, a broken MPI) run in a
 child process, so this process never initializes MPI itself.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -21,15 +22,21 @@ HAS_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 
 def no_launcher_env(**extra: str) -> dict:
     """This environment without any trace of an MPI launch."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "MPI_LOCALNRANKS"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "MPI_LOCALNRANKS"))
+    }
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 
 
 def run_child(code: str, env: dict | None = None, timeout: float = 90) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env or no_launcher_env())
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or no_launcher_env(),
+    )
     assert done.returncode == 0, f"child failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-3000:]}"
     return done.stdout.strip()
 
@@ -104,13 +111,16 @@ def test_mpi_without_launcher_is_a_world_of_one_and_checks_comm():
 @pytest.mark.skipif(not HAS_MPI4PY, reason="mpi4py is not installed")
 def test_mpi_that_cannot_start_says_use_mpirun():
     # an MCA setting Open MPI cannot satisfy makes MPI_Init abort; the probe must catch it here
-    out = run_child("""
+    out = run_child(
+        """
         import compcomm
         try:
             compcomm.backends.get("mpi")
         except RuntimeError as exc:
             print("RuntimeError:", exc)
-        """, env=no_launcher_env(OMPI_MCA_pml="no_such_component", MPICH_NETMOD="no_such_netmod"))
+        """,
+        env=no_launcher_env(OMPI_MCA_pml="no_such_component", MPICH_NETMOD="no_such_netmod"),
+    )
     if out.startswith("RuntimeError:"):
         assert "mpirun -n N python" in out and "backend='local'" in out
     else:  # an MPI that ignores the bogus settings (not Open MPI) started fine instead

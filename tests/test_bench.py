@@ -1,4 +1,5 @@
 """Smoke test of bench/allreduce_bw.py: a tiny self-spawned sweep, its JSON checked against SPEC 7."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,8 +14,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "allreduce_bw.py"
-SPEC_KEYS = {"op", "size_bytes", "count", "dtype", "world_size", "backend", "time_us",
-             "algbw_GBps", "busbw_GBps", "wire_bytes", "rel_error"}
+SPEC_KEYS = {
+    "op",
+    "size_bytes",
+    "count",
+    "dtype",
+    "world_size",
+    "backend",
+    "time_us",
+    "algbw_GBps",
+    "busbw_GBps",
+    "wire_bytes",
+    "rel_error",
+}
 WORLD = 4
 
 
@@ -40,10 +52,28 @@ def test_size_parsing_and_sweep():
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, str(SCRIPT), "--nprocs", str(WORLD), "--min-bytes", "64K", "--max-bytes", "1M",
-           "--factor", "4", "--iters", "2", "--warmup", "1", "--json", str(out / "r.json"), "-q"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--nprocs",
+        str(WORLD),
+        "--min-bytes",
+        "64K",
+        "--max-bytes",
+        "1M",
+        "--factor",
+        "4",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        str(out / "r.json"),
+        "-q",
+    ]
     try:
         import matplotlib  # noqa: F401
+
         cmd += ["--plot", str(out / "r.png")]
     except ImportError:
         pass
@@ -93,8 +123,11 @@ def test_compressed_wire_is_about_a_32nd(sweep):
 def test_nccl_tests_summary_codec_and_wire_bandwidth(sweep):
     stdout, records, _ = sweep
     assert "# codec: cpu: " in stdout
-    averages = {line.rsplit("(", 1)[1].rstrip(")"): float(line.split(":")[1].split()[0])
-                for line in stdout.splitlines() if line.startswith("# Avg bus bandwidth")}
+    averages = {
+        line.rsplit("(", 1)[1].rstrip(")"): float(line.split(":")[1].split()[0])
+        for line in stdout.splitlines()
+        if line.startswith("# Avg bus bandwidth")
+    }
     for op in ("compressed", "allreduce"):
         rows = [r for r in records if r["op"] == op]
         assert averages[op] == pytest.approx(sum(r["busbw_GBps"] for r in rows) / len(rows), rel=1e-3, abs=1e-4)
@@ -106,8 +139,13 @@ def test_trace_call_stamps_every_kernel_and_collective_of_one_call_on_every_rank
     """bench/trace_call.py runs on its own spawned ranks and prints, per rank, the call's codec
     kernels and collectives in the order the call runs them, each ending after it starts."""
     script = ROOT / "bench" / "trace_call.py"
-    proc = subprocess.run([sys.executable, str(script), "--nprocs", "2", "--size", "1M", "--warmup", "1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--nprocs", "2", "--size", "1M", "--warmup", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
     assert [line.split()[1] for line in lines] == ["0", "1"]
@@ -125,9 +163,23 @@ def test_codec_micro_benchmarks_run_every_kernel():
     kernel through the codec chosen for the device; it had gone on calling module-level codec
     functions that no longer exist."""
     env = {**os.environ, "COMPCOMM_BENCH_SIZES": "64K", "COMPCOMM_BENCH_ROUNDS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable",
-                           str(ROOT / "bench" / "test_codec_speed.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--benchmark-disable",
+            str(ROOT / "bench" / "test_codec_speed.py"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "7 passed" in proc.stdout
 
@@ -136,8 +188,13 @@ def test_gather_latency_times_both_primitives_at_every_size():
     """bench/gather_latency.py (what sets the gloo backend's DIRECT_GATHER_BYTES) runs on its own
     spawned ranks and prints one timed row per size."""
     script = ROOT / "bench" / "gather_latency.py"
-    proc = subprocess.run([sys.executable, str(script), "--nprocs", "2", "--iters", "2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--nprocs", "2", "--iters", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip() and not line.startswith("#")]
     assert len(rows) == 6

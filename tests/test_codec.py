@@ -1,5 +1,6 @@
 """Kernel by kernel, the fused kernels (C; CUDA through cupy, or on the CPU emulation) give
 the same bits as the torch kernels."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,15 +21,27 @@ NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 TORCH = Codec(None)
 KINDS = [
-    pytest.param("c", marks=pytest.mark.skipif(_native.library_path() is None,
-                                               reason="the C codec was not built (no compiler at install time)")),
-    pytest.param("cupy", marks=[pytest.mark.gpu,
-                                pytest.mark.skipif(not (torch.cuda.is_available() and HAS_CUPY),
-                                                   reason=f"{NO_GPU} or cupy-cuda12x is not installed")]),
-    pytest.param("torch-cuda", marks=[pytest.mark.gpu,
-                                      pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]),
-    pytest.param("cuda-emulated", marks=pytest.mark.skipif(compiler_missing() is not None,
-                                                           reason=str(compiler_missing()))),
+    pytest.param(
+        "c",
+        marks=pytest.mark.skipif(
+            _native.library_path() is None, reason="the C codec was not built (no compiler at install time)"
+        ),
+    ),
+    pytest.param(
+        "cupy",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not (torch.cuda.is_available() and HAS_CUPY), reason=f"{NO_GPU} or cupy-cuda12x is not installed"
+            ),
+        ],
+    ),
+    pytest.param(
+        "torch-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
+    ),
+    pytest.param(
+        "cuda-emulated", marks=pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
+    ),
 ]
 
 
@@ -40,6 +53,7 @@ def emulator(tmp_path_factory):
 @dataclasses.dataclass
 class Kernels:
     """Kernels under test: `codec` run on tensors on `device`."""
+
     name: str
     device: str
     codec: Codec
@@ -117,8 +131,9 @@ def test_server_scan_and_update(kind, n, c, real):
     scales = torch.rand(n, generator=g) + 0.1
     error = torch.randn(c, generator=g) * 0.2
     for divisor in (1, n):
-        (n_sum, n_args), (t_sum, t_args) = both(kind, "server_scan_", bits, scales, divisor, error, real,
-                                                torch.empty(c // 8, dtype=torch.uint8))
+        (n_sum, n_args), (t_sum, t_args) = both(
+            kind, "server_scan_", bits, scales, divisor, error, real, torch.empty(c // 8, dtype=torch.uint8)
+        )
         assert same_bits(n_args[3], t_args[3]) and same_bits(n_args[5], t_args[5])
         assert n_sum == pytest.approx(t_sum, rel=1e-12)
     (_, n_args), (_, t_args) = both(kind, "error_update_", error, 0.3, real)
@@ -186,9 +201,19 @@ def test_msb_first_bits_and_negative_zero():
 def test_python_abi_matches_the_shared_header():
     """compcomm/_abi.py and compcomm/csrc/codec_abi.h declare the same kernels and dtype codes."""
     header = (Path(_cuda.SOURCE_DIR) / "codec_abi.h").read_text()
-    kinds = {"const void *": _abi.PTR, "void *": _abi.PTR, "const float *": _abi.PTR, "float *": _abi.PTR,
-             "const unsigned char *": _abi.PTR, "unsigned char *": _abi.PTR, "double *": _abi.PTR,
-             "int": _abi.I32, "cc_index": _abi.I64, "float": _abi.F32, "unsigned int": _abi.U32}
+    kinds = {
+        "const void *": _abi.PTR,
+        "void *": _abi.PTR,
+        "const float *": _abi.PTR,
+        "float *": _abi.PTR,
+        "const unsigned char *": _abi.PTR,
+        "unsigned char *": _abi.PTR,
+        "double *": _abi.PTR,
+        "int": _abi.I32,
+        "cc_index": _abi.I64,
+        "float": _abi.F32,
+        "unsigned int": _abi.U32,
+    }
     declared = {}
     for name, params in re.findall(r"CC_KERNEL void (cc_\w+)\(([^)]*)\);", header):
         types = [re.sub(r"\s*\*\s*", " *", re.sub(r"\w+$", "", p.strip())).strip() for p in params.split(",")]
@@ -196,4 +221,5 @@ def test_python_abi_matches_the_shared_header():
     assert declared == _abi.SIGNATURES
     enum = dict(re.findall(r"CC_(F32|F16|BF16) = (\d+)", header))
     assert {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16} == {
-        k: next(d for d, code in _abi.DTYPE_CODES.items() if code == int(v)) for k, v in enum.items()}
+        k: next(d for d, code in _abi.DTYPE_CODES.items() if code == int(v)) for k, v in enum.items()
+    }

@@ -1,5 +1,6 @@
 """What runs the codec is named (`compcomm.codec_info()`), and losing the C codec is loud:
 the build stops unless told to go on without it, and the first use of the fallback warns."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    return subprocess.run(
+        args, cwd=cwd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", **env}
+    )
 
 
 def source_copy(tmp_path: Path) -> Path:
@@ -44,12 +46,14 @@ def test_switched_off_c_codec_is_named_and_silent(tmp_path):
 
 
 def test_missing_c_codec_warns_at_first_use_and_gives_the_same_bits(tmp_path):
-    code = ("import warnings, torch, compcomm\n"
-            "with warnings.catch_warnings(record=True) as caught:\n"
-            "    warnings.simplefilter('always')\n"
-            "    t = torch.arange(-5.0, 6.0); compcomm.compressed_allreduce(t, compcomm.ErrorFeedback())\n"
-            "    compcomm.compressed_allreduce(t, compcomm.ErrorFeedback())\n"
-            "print(len(caught)); print(caught[0].message); print(t.tolist())")
+    code = (
+        "import warnings, torch, compcomm\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    t = torch.arange(-5.0, 6.0); compcomm.compressed_allreduce(t, compcomm.ErrorFeedback())\n"
+        "    compcomm.compressed_allreduce(t, compcomm.ErrorFeedback())\n"
+        "print(len(caught)); print(caught[0].message); print(t.tolist())"
+    )
     done = run([sys.executable, "-c", code], tmp_path, PYTHONPATH=str(source_copy(tmp_path)), PYTHONNOUSERSITE="1")
     assert done.returncode == 0, done.stderr
     count, message, values = done.stdout.strip().split("\n")

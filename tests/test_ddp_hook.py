@@ -1,5 +1,6 @@
 """compcomm.ddp on real gloo ranks: DDP with onebit_hook against plain DDP and against
 compressed_allreduce itself, bucket rebuilds, sub-groups, checkpoints and collective errors."""
+
 from __future__ import annotations
 
 import io
@@ -20,6 +21,7 @@ BUCKET_MB = 0.001  # ~1 KB: the model below gets several DDP buckets after the r
 
 
 # ------------------------------------------------------------------ helpers run inside ranks
+
 
 class Net(torch.nn.Module):
     """Parameters registered in the reverse of their use, so DDP's rebuild (by gradient-ready
@@ -57,11 +59,11 @@ def grads(model: torch.nn.Module) -> bytes:
     return b"".join(p.grad.numpy().tobytes() for p in model.parameters())
 
 
-def hooked(process_group=None, start_iter: int = 2, backend=None,
-           model: Net | None = None, nonfinite: str = "raise") -> tuple[DDP, OnebitHookState]:
+def hooked(
+    process_group=None, start_iter: int = 2, backend=None, model: Net | None = None, nonfinite: str = "raise"
+) -> tuple[DDP, OnebitHookState]:
     ddp = DDP(model or make_net(), process_group=process_group, bucket_cap_mb=BUCKET_MB)
-    state = OnebitHookState(process_group=process_group, start_iter=start_iter, backend=backend,
-                            nonfinite=nonfinite)
+    state = OnebitHookState(process_group=process_group, start_iter=start_iter, backend=backend, nonfinite=nonfinite)
     ddp.register_comm_hook(state, onebit_hook)
     return ddp, state
 
@@ -94,6 +96,7 @@ def recording_hook(rec, bucket):  # unannotated: DDP rejects the string annotati
 
 # ------------------------------------------------------------------ warm-up = plain DDP
 
+
 def warmup_vs_plain_ddp(members: tuple[int, ...], steps: int) -> list[tuple[bytes, bytes]]:
     rank, pg = dist.get_rank(), group(members)
     plain = DDP(make_net(), process_group=pg, bucket_cap_mb=BUCKET_MB)
@@ -117,6 +120,7 @@ def test_warmup_iterations_equal_plain_ddp_bitwise(pool, members):
 
 # ------------------------------------------------------------------ compressed = compressed_allreduce
 
+
 def compressed_vs_reference(start_iter: int, steps: int) -> dict:
     rank = dist.get_rank()
     ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
@@ -135,9 +139,14 @@ def compressed_vs_reference(start_iter: int, steps: int) -> dict:
         if not torch.equal(expected, after):
             mismatches.append((it, len(key)))
     first, later = layouts[0], layouts[steps - 1]
-    return {"params": params, "mismatches": mismatches, "first": len(first), "later": len(later),
-            "regrouped": set(first) != set(later) and len(later) > 1 and layouts[1] == later,
-            "state_buckets": len(rec["state"].error_feedback)}
+    return {
+        "params": params,
+        "mismatches": mismatches,
+        "first": len(first),
+        "later": len(later),
+        "regrouped": set(first) != set(later) and len(later) > 1 and layouts[1] == later,
+        "state_buckets": len(rec["state"].error_feedback),
+    }
 
 
 @pytest.mark.parametrize("start_iter", [0, 2])
@@ -152,6 +161,7 @@ def test_compressed_buckets_equal_compressed_allreduce_per_bucket(pool, start_it
 
 
 # ------------------------------------------------------------------ sub-group and explicit backends
+
 
 def on_subgroup(members: tuple[int, ...], explicit_backend: bool) -> tuple[list[bytes], int, int]:
     pg = group(members)
@@ -171,6 +181,7 @@ def test_subgroup(pool, explicit_backend):
 
 
 # ------------------------------------------------------------------ checkpoints
+
 
 def roundtrip(obj):
     blob = io.BytesIO()
@@ -219,7 +230,7 @@ def load_other(kind: str):
     dist.all_gather_object(theirs, mine)
     before = state.state_dict()
     if kind == "shifted":
-        sd = theirs[(rank + 1) % n]          # every rank loads a neighbour's state
+        sd = theirs[(rank + 1) % n]  # every rank loads a neighbour's state
     elif kind == "only_rank_2":
         sd = theirs[0] if rank == 2 else mine  # one rank loads rank 0's (the save-on-rank-0 habit)
     else:
@@ -227,7 +238,8 @@ def load_other(kind: str):
     result = caught(state.load_state_dict, sd)
     after = state.state_dict()
     unchanged = after["iter"] == before["iter"] and all(
-        torch.equal(a[1]["worker_error"], b[1]["worker_error"]) for a, b in zip(after["buckets"], before["buckets"]))
+        torch.equal(a[1]["worker_error"], b[1]["worker_error"]) for a, b in zip(after["buckets"], before["buckets"])
+    )
     return result, unchanged
 
 
@@ -254,6 +266,7 @@ def test_state_without_errors_loads_on_any_rank(pool):
 
 
 # ------------------------------------------------------------------ errors are collective
+
 
 def nan_on_one_rank(start_iter: int) -> tuple:
     rank = dist.get_rank()
@@ -287,7 +300,7 @@ def overflow_under_grad_scaler(start_iter: int, only_first_layer: bool = False) 
     and leave no trace of it."""
     rank = dist.get_rank()
     ddp, state = hooked(start_iter=start_iter, nonfinite="propagate")
-    opt, scaler = sgd(ddp), torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    opt, scaler = sgd(ddp), torch.amp.GradScaler("cpu", init_scale=2.0**10)
     poisoned = [False]
     for p in ddp.module.inp.parameters():
         p.register_hook(lambda g: g * float("nan") if poisoned[0] else g)
@@ -302,12 +315,17 @@ def overflow_under_grad_scaler(start_iter: int, only_first_layer: bool = False) 
     for s in range(3):
         step(s)
     before, scale = raw(ddp.module), scaler.get_scale()
-    errors = {key: {k: v.clone() if torch.is_tensor(v) else v for k, v in ef.state_dict().items()}
-              for key, ef in state.error_feedback.items()}
+    errors = {
+        key: {k: v.clone() if torch.is_tensor(v) else v for k, v in ef.state_dict().items()}
+        for key, ef in state.error_feedback.items()
+    }
     step(3, poison=rank == 1)
     skipped = raw(ddp.module) == before
-    kept = all(torch.equal(errors[key][k], v) if torch.is_tensor(v) else errors[key][k] == v
-               for key, ef in state.error_feedback.items() for k, v in ef.state_dict().items())
+    kept = all(
+        torch.equal(errors[key][k], v) if torch.is_tensor(v) else errors[key][k] == v
+        for key, ef in state.error_feedback.items()
+        for k, v in ef.state_dict().items()
+    )
     after_skip = scaler.get_scale()
     for s in range(4, 6):
         step(s)
@@ -330,6 +348,7 @@ def test_grad_scaler_overflow_skips_the_step_on_every_rank(pool, start_iter, onl
 
 # ------------------------------------------------------------------ the mpi backend (mpirun)
 
+
 def test_hook_over_mpi_matches_gloo_bitwise(tmp_path):
     from launched import launch, mpirun_python, passed
 
@@ -340,6 +359,7 @@ def test_hook_over_mpi_matches_gloo_bitwise(tmp_path):
 
 
 # ------------------------------------------------------------------ argument checks (no ranks)
+
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="start_iter"):

@@ -1,6 +1,7 @@
 """`error_feedback_out` on 4 real gloo ranks: the errors after a call written into another
 ErrorFeedback, the input one left as it was. The result and the new errors are bitwise those of
 the same call in place; a rejected call changes neither; bad outputs are an agreed error."""
+
 from __future__ import annotations
 
 import copy
@@ -39,13 +40,19 @@ def out_against_in_place(be, numel: int, steps: int, exact_from: int | None = No
         a, b = x.clone(), x.clone()
         before, buffers = snapshot(kept), spare.worker_error
         min_compress_bytes = 1 << 30 if exact_from is not None and step >= exact_from else None
-        compcomm.compressed_allreduce(a, kept, backend=be, error_feedback_out=spare,
-                                      min_compress_bytes=min_compress_bytes)
+        compcomm.compressed_allreduce(
+            a, kept, backend=be, error_feedback_out=spare, min_compress_bytes=min_compress_bytes
+        )
         compcomm.compressed_allreduce(b, twin, backend=be, min_compress_bytes=min_compress_bytes)
-        records.append({"kept": snapshot(kept) == before, "result": torch.equal(a, b),
-                        "errors": snapshot(spare) == snapshot(twin),
-                        "reused": buffers is None or spare.worker_error is buffers,
-                        "output": a.numpy().tobytes()})
+        records.append(
+            {
+                "kept": snapshot(kept) == before,
+                "result": torch.equal(a, b),
+                "errors": snapshot(spare) == snapshot(twin),
+                "reused": buffers is None or spare.worker_error is buffers,
+                "output": a.numpy().tobytes(),
+            }
+        )
         kept, spare = spare, kept
     return records
 
@@ -92,27 +99,53 @@ def rejected(case: str) -> tuple[tuple[str, str] | None, bool]:
         out = "spare"
     if case == "output is another tensor's input":
         other = ErrorFeedback(tag="u")
-        err = caught(compcomm.compressed_allreduce_coalesced, [x, x.clone()], [kept, other], backend=be,
-                     error_feedbacks_out=[other, spare] if be.rank == 1 else [spare, other])
+        err = caught(
+            compcomm.compressed_allreduce_coalesced,
+            [x, x.clone()],
+            [kept, other],
+            backend=be,
+            error_feedbacks_out=[other, spare] if be.rank == 1 else [spare, other],
+        )
     elif case == "outputs counted wrong":
-        err = caught(compcomm.compressed_allreduce_coalesced, [x], [kept], backend=be,
-                     error_feedbacks_out=[spare, ErrorFeedback()] if be.rank == 1 else [spare])
+        err = caught(
+            compcomm.compressed_allreduce_coalesced,
+            [x],
+            [kept],
+            backend=be,
+            error_feedbacks_out=[spare, ErrorFeedback()] if be.rank == 1 else [spare],
+        )
     elif case == "outputs not a sequence":  # one rank passes a bare ErrorFeedback: it must not raise alone
-        err = caught(compcomm.compressed_allreduce_coalesced, [x], [kept], backend=be,
-                     error_feedbacks_out=spare if be.rank == 1 else [spare])
+        err = caught(
+            compcomm.compressed_allreduce_coalesced,
+            [x],
+            [kept],
+            backend=be,
+            error_feedbacks_out=spare if be.rank == 1 else [spare],
+        )
     elif case == "inputs not a sequence":
-        err = caught(compcomm.compressed_allreduce_coalesced, [x], kept if be.rank == 2 else [kept], backend=be,
-                     error_feedbacks_out=[spare])
+        err = caught(
+            compcomm.compressed_allreduce_coalesced,
+            [x],
+            kept if be.rank == 2 else [kept],
+            backend=be,
+            error_feedbacks_out=[spare],
+        )
     else:
         err = caught(compcomm.compressed_allreduce, x, kept, backend=be, error_feedback_out=out)
     return err, (snapshot(kept), snapshot(spare)) == before
 
 
-@pytest.mark.parametrize("case, error", [("nan", "NonFiniteError"), ("not an ErrorFeedback", "TypeError"),
-                                         ("output is another tensor's input", "ValueError"),
-                                         ("outputs counted wrong", "ValueError"),
-                                         ("outputs not a sequence", "TypeError"),
-                                         ("inputs not a sequence", "TypeError")])
+@pytest.mark.parametrize(
+    "case, error",
+    [
+        ("nan", "NonFiniteError"),
+        ("not an ErrorFeedback", "TypeError"),
+        ("output is another tensor's input", "ValueError"),
+        ("outputs counted wrong", "ValueError"),
+        ("outputs not a sequence", "TypeError"),
+        ("inputs not a sequence", "TypeError"),
+    ],
+)
 def test_a_rejected_call_changes_neither_on_any_rank(pool, case, error):
     results = pool.run(rejected, case)
     assert all(err is not None and err[0] == error for err, _ in results), results
@@ -132,8 +165,7 @@ def shallow_copied_spare() -> dict:
     a, b = make_input(be.rank, 2, 1000), make_input(be.rank, 2, 1000)
     compcomm.compressed_allreduce(a, kept, backend=be, error_feedback_out=spare)
     compcomm.compressed_allreduce(b, twin, backend=be)
-    return {"kept": snapshot(kept) == before, "errors": snapshot(spare) == snapshot(twin),
-            "result": torch.equal(a, b)}
+    return {"kept": snapshot(kept) == before, "errors": snapshot(spare) == snapshot(twin), "result": torch.equal(a, b)}
 
 
 def test_a_spare_sharing_the_inputs_tensors_gets_its_own(pool):

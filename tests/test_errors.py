@@ -1,4 +1,5 @@
 """Bad input: the same error on every rank from the same call, nothing modified, no hang."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,17 +44,28 @@ def bad_call(case: str) -> dict:
     t, ef_used, kwargs = bad_input(case, dist.get_rank(), ef)
     t_before = t.clone() if t.device.type == "cpu" else None
     error = caught(compcomm.compressed_allreduce, t, ef_used, backend=backend, **kwargs)
-    kept = torch.equal(state[0], ef.worker_error) and torch.equal(state[1], ef.server_error) and \
-        (t_before is None or torch.equal(t_before.nan_to_num(), t.nan_to_num()))
+    kept = (
+        torch.equal(state[0], ef.worker_error)
+        and torch.equal(state[1], ef.server_error)
+        and (t_before is None or torch.equal(t_before.nan_to_num(), t.nan_to_num()))
+    )
     after = torch.randn(NUMEL)
     compcomm.compressed_allreduce(after, ef, backend=backend)
     return {"error": error, "kept": kept, "after": after.numpy().tobytes()}
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("nan", "NonFiniteError"), ("inf", "NonFiniteError"), ("size", "ValueError"),
-    ("int", "TypeError"), ("device", "ValueError"), ("other_numel", "ValueError"), ("op", "ValueError"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("nan", "NonFiniteError"),
+        ("inf", "NonFiniteError"),
+        ("size", "ValueError"),
+        ("int", "TypeError"),
+        ("device", "ValueError"),
+        ("other_numel", "ValueError"),
+        ("op", "ValueError"),
+    ],
+)
 def test_bad_input_raises_everywhere_and_changes_nothing(pool, case, expected):
     results = pool.run(bad_call, case)
     errors = [r["error"] for r in results]
@@ -80,8 +92,9 @@ def world_change() -> tuple | None:
     compcomm.compressed_allreduce(torch.randn(NUMEL), ef, backend=compcomm.backends.get("gloo"))
     if dist.get_rank() >= 2:
         return None
-    return caught(compcomm.compressed_allreduce, torch.randn(NUMEL), ef,
-                  backend=compcomm.backends.get("gloo", group=group(2)))
+    return caught(
+        compcomm.compressed_allreduce, torch.randn(NUMEL), ef, backend=compcomm.backends.get("gloo", group=group(2))
+    )
 
 
 def test_error_feedback_reused_for_other_world_size(pool):

@@ -2,6 +2,7 @@
 spawned ranks), against a float64 model of its numerics built on the reference of the flat
 algorithm; bitwise identical results; errors raised on every rank with nothing changed; byte
 collectives composed from the two levels; an optimizer and the coalesced call on top of it."""
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,9 @@ def _build() -> None:
     node = [dist.new_group(r) for r in ([0, 1], [2, 3])]
     peer = [dist.new_group(r) for r in ([0, 2], [1, 3])]
     if rank < 4:
-        _backends["2x2"] = backends.hierarchical(backends.get("gloo", group=node[rank // 2]),
-                                                 backends.get("gloo", group=peer[rank % 2]))
+        _backends["2x2"] = backends.hierarchical(
+            backends.get("gloo", group=node[rank // 2]), backends.get("gloo", group=peer[rank % 2])
+        )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +64,15 @@ def run_steps(layout: str, numel: int, op: str, steps: int) -> list[dict]:
         x = make_input(be.rank, step, numel)
         t = x.clone()
         assert compcomm.compressed_allreduce(t, ef, backend=be, op=op) is t
-        records.append({"input": x.double().numpy(), "output": t.double().numpy(), "raw": t.numpy().tobytes(),
-                        "worker": ef.worker_error.double().numpy(), "server": ef.server_error.double().numpy()})
+        records.append(
+            {
+                "input": x.double().numpy(),
+                "output": t.double().numpy(),
+                "raw": t.numpy().tobytes(),
+                "worker": ef.worker_error.double().numpy(),
+                "server": ef.server_error.double().numpy(),
+            }
+        )
     return records
 
 
@@ -75,12 +84,14 @@ def reference(inputs: list[np.ndarray], k: int, op: str, state: dict) -> tuple[n
     out, new = np.zeros(numel), {}
     for i in range(k):
         lo, n_i = i * size, real_count(i, numel, k)
-        nodes = [sum(inputs[h * k + j][lo:lo + n_i] for j in range(k)) / (k if op == "mean" else 1)
-                 for h in range(hosts)]
-        worker, server = state.get(i, (np.zeros((hosts, padded_size(n_i, hosts))),
-                                       np.zeros((hosts, chunk_size(n_i, hosts)))))
+        nodes = [
+            sum(inputs[h * k + j][lo : lo + n_i] for j in range(k)) / (k if op == "mean" else 1) for h in range(hosts)
+        ]
+        worker, server = state.get(
+            i, (np.zeros((hosts, padded_size(n_i, hosts))), np.zeros((hosts, chunk_size(n_i, hosts))))
+        )
         if n_i:
-            out[lo:lo + n_i], worker, server = reference_allreduce(nodes, worker, server, op)
+            out[lo : lo + n_i], worker, server = reference_allreduce(nodes, worker, server, op)
         new[i] = (worker, server)
     return out, new
 
@@ -145,9 +156,17 @@ def bad_call(layout: str, case: str) -> dict:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("case, kind", [("nan", "NonFiniteError"), ("int", "TypeError"), ("numel", "ValueError"),
-                                        ("op", "ValueError"), ("overflow", "NonFiniteError"),
-                                        ("fp16_sum", "NonFiniteError")])
+@pytest.mark.parametrize(
+    "case, kind",
+    [
+        ("nan", "NonFiniteError"),
+        ("int", "TypeError"),
+        ("numel", "ValueError"),
+        ("op", "ValueError"),
+        ("overflow", "NonFiniteError"),
+        ("fp16_sum", "NonFiniteError"),
+    ],
+)
 def test_bad_input_on_one_rank_raises_the_same_error_everywhere(six, layout, case, kind):
     results = six.run(bad_call, layout, case, ranks=ranks_of(layout))
     errors = {r["error"] for r in results}
@@ -173,8 +192,14 @@ def byte_collectives(layout: str) -> dict:
     mean = torch.full((7,), float(rank))
     be.all_reduce(mean, "mean")
     be.barrier()
-    return {"gathered": gathered.tolist(), "received": received.tolist(), "total": total.tolist(),
-            "mean": mean.tolist(), "rank": be.rank, "global": dist.get_rank()}
+    return {
+        "gathered": gathered.tolist(),
+        "received": received.tolist(),
+        "total": total.tolist(),
+        "mean": mean.tolist(),
+        "rank": be.rank,
+        "global": dist.get_rank(),
+    }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -204,8 +229,12 @@ def coalesced_all_or_nothing(layout: str) -> dict:
     one_by_one = [make_input(rank, 0, 50), make_input(rank, 1, 33)]
     for t, tag in zip(one_by_one, "ab"):
         compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(tag), backend=be)
-    return {"good": b"".join(t.numpy().tobytes() for t in good), "error": error, "kept": kept,
-            "same_as_separate_calls": all(torch.equal(a, b) for a, b in zip(good, one_by_one))}
+    return {
+        "good": b"".join(t.numpy().tobytes() for t in good),
+        "error": error,
+        "kept": kept,
+        "same_as_separate_calls": all(torch.equal(a, b) for a, b in zip(good, one_by_one)),
+    }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -258,6 +287,7 @@ def test_get_needs_a_divisible_world(six):
 
 def _wrong_layout() -> tuple | None:
     from compcomm import backends
+
     return caught(backends.get, "hierarchical", local_world_size=4)
 
 
@@ -265,6 +295,7 @@ def empty_flat() -> dict:
     import torch.distributed as dist
 
     from rankpool import group
+
     if dist.get_rank() >= 2:
         return {}
     ef = compcomm.ErrorFeedback()
@@ -286,8 +317,13 @@ def below_threshold(layout: str) -> dict:
     x = [make_input(be.rank, 0, 301), make_input(be.rank, 1, 5000)]
     t = [v.clone() for v in x]
     compcomm.compressed_allreduce_coalesced(t, efs, backend=be, min_compress_bytes=4 * 1000)
-    return {"input": x[0].numpy(), "output": t[0].numpy().tobytes(), "large": t[1].numpy().tobytes(),
-            "small_errors": (efs[0].worker_error, efs[0].server_error), "large_used": efs[1].worker_error is not None}
+    return {
+        "input": x[0].numpy(),
+        "output": t[0].numpy().tobytes(),
+        "large": t[1].numpy().tobytes(),
+        "small_errors": (efs[0].worker_error, efs[0].server_error),
+        "large_used": efs[1].worker_error is not None,
+    }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -317,11 +353,14 @@ def node_call_then_composite() -> dict:
 
     be = _backends["2x2"]
     if be.rank < 2:
-        compcomm.compressed_allreduce(torch.ones(10), compcomm.ErrorFeedback(),
-                                      backend=compcomm.backends.get("gloo", group=group(2)))
+        compcomm.compressed_allreduce(
+            torch.ones(10), compcomm.ErrorFeedback(), backend=compcomm.backends.get("gloo", group=group(2))
+        )
     t = make_input(be.rank, 0, 100)
-    return {"error": caught(compcomm.compressed_allreduce, t, compcomm.ErrorFeedback(), backend=be),
-            "out": t.numpy().tobytes()}
+    return {
+        "error": caught(compcomm.compressed_allreduce, t, compcomm.ErrorFeedback(), backend=be),
+        "out": t.numpy().tobytes(),
+    }
 
 
 def test_a_node_local_call_does_not_put_the_composite_out_of_step(six):
@@ -335,8 +374,12 @@ def test_a_node_local_call_does_not_put_the_composite_out_of_step(six):
 def tiny_exact(numel: int) -> dict:
     be = _backends["2x2"]
     t = make_input(be.rank, 0, numel)
-    return {"error": caught(compcomm.compressed_allreduce, t, compcomm.ErrorFeedback(), backend=be,
-                            min_compress_bytes=1 << 20), "out": t.numpy().tobytes()}
+    return {
+        "error": caught(
+            compcomm.compressed_allreduce, t, compcomm.ErrorFeedback(), backend=be, min_compress_bytes=1 << 20
+        ),
+        "out": t.numpy().tobytes(),
+    }
 
 
 @pytest.mark.parametrize("numel", [3, 20])  # 3: the part of local index 1 is empty

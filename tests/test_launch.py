@@ -1,4 +1,5 @@
 """compcomm.launch: the one way tests and benchmarks start local ranks."""
+
 from __future__ import annotations
 
 import os

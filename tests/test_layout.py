@@ -1,12 +1,15 @@
 """Layout helpers and the Bucketer (no ranks needed)."""
+
 import pytest
 import torch
 
 from compcomm.layout import Bucketer, chunk_range, chunk_size, flatten, padded_size, real_count, unflatten
 
 
-@pytest.mark.parametrize("numel, world, expected", [(1, 1, 8), (7, 1, 8), (8, 1, 8), (9, 1, 16),
-                                                    (1, 4, 32), (33, 4, 64), (64, 4, 64), (0, 3, 0)])
+@pytest.mark.parametrize(
+    "numel, world, expected",
+    [(1, 1, 8), (7, 1, 8), (8, 1, 8), (9, 1, 16), (1, 4, 32), (33, 4, 64), (64, 4, 64), (0, 3, 0)],
+)
 def test_padded_size(numel, world, expected):
     assert padded_size(numel, world) == expected
     assert chunk_size(numel, world) * world == expected
@@ -34,8 +37,14 @@ def test_flatten_unflatten_round_trip():
 
 
 def test_bucketer_groups_by_size_and_dtype_and_round_trips():
-    tensors = [torch.randn(100), torch.randn(100), torch.randn(300), torch.randn(10, dtype=torch.bfloat16),
-               torch.randn(10, dtype=torch.bfloat16), torch.randn(50)]
+    tensors = [
+        torch.randn(100),
+        torch.randn(100),
+        torch.randn(300),
+        torch.randn(10, dtype=torch.bfloat16),
+        torch.randn(10, dtype=torch.bfloat16),
+        torch.randn(50),
+    ]
     bucketer = Bucketer(tensors, bucket_bytes=1000, world_size=4)
     assert [b.indices for b in bucketer] == [[0, 1], [2], [3, 4], [5]]
     assert [b.padded_numel for b in bucketer] == [224, 320, 32, 64]

@@ -3,6 +3,7 @@
 The program also joins a gloo group, so gloo and MPI reduce the same inputs side by side;
 each test below asserts on what its ranks reported.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -50,9 +51,14 @@ def test_sub_communicator_matches_torch_subgroup(ranks):
 
 def test_bad_input_raises_everywhere_and_changes_nothing(ranks):
     for r in passed(ranks, "bad_input"):
-        assert r["raised"] == {"mpi_nan": "NonFiniteError", "mpi_size": "ValueError", "mpi_type": "TypeError",
-                               "gloo_nan": "NonFiniteError", "gloo_size": "ValueError",
-                               "gloo_type": "TypeError"}
+        assert r["raised"] == {
+            "mpi_nan": "NonFiniteError",
+            "mpi_size": "ValueError",
+            "mpi_type": "TypeError",
+            "gloo_nan": "NonFiniteError",
+            "gloo_size": "ValueError",
+            "gloo_type": "TypeError",
+        }
         assert "rank(s) [2]" in r["messages"]["mpi_nan"]
         assert r["messages"]["mpi_nan"] == r["messages"]["gloo_nan"]
         assert r["messages"]["mpi_size"] == r["messages"]["gloo_size"]

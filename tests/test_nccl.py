@@ -4,6 +4,7 @@ MPI is CUDA-aware), each bit for bit against the CPU path. Skipped where CUDA is
 NCCL runs 2 spawned ranks on 2 GPUs (world size 1 on a single GPU); MPI runs `mpirun -n 2`
 (both ranks may share one GPU). One launch each for the whole module.
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,9 +18,13 @@ from launched import launch, mpirun_python, passed
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 TIMEOUT_S = 300
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="no CUDA device (torch.cuda.is_available() is False): the NCCL and CUDA-MPI checks need a GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="no CUDA device (torch.cuda.is_available() is False): the NCCL and CUDA-MPI checks need a GPU",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

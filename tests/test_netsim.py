@@ -5,6 +5,7 @@ hosts crosses the shaped interface.
 Needs root and iproute2 (ip, tc) with sch_tbf; skipped with the reason otherwise. The tests that
 build namespaces carry the `netns` marker (run them with `pytest -m netns`).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -73,8 +74,23 @@ def _leftovers(tag: str) -> list[str]:
 
 
 def _netsim(tag: str, *command: str, extra=(), subnet: str = "10.77.5.0/24") -> list[str]:
-    return [sys.executable, str(SCRIPT), "--hosts", "2", "--rate", "1gbit", "--subnet", subnet,
-            "--tag", tag, "--threads", "1", *extra, "--", *command]
+    return [
+        sys.executable,
+        str(SCRIPT),
+        "--hosts",
+        "2",
+        "--rate",
+        "1gbit",
+        "--subnet",
+        subnet,
+        "--tag",
+        tag,
+        "--threads",
+        "1",
+        *extra,
+        "--",
+        *command,
+    ]
 
 
 RANKS_PER_HOST = """
@@ -133,8 +149,9 @@ def test_refuses_without_root(monkeypatch):
 @needs_netns
 def test_two_hosts_allreduce_and_cleanup():
     tag = TAG + "a"
-    proc = subprocess.run(_netsim(tag, sys.executable, "-c", ALLREDUCE), cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        _netsim(tag, sys.executable, "-c", ALLREDUCE), cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
     assert _leftovers(tag) == []
@@ -145,9 +162,13 @@ def test_ranks_per_host_share_loopback_and_cross_the_shaped_link():
     """3 ranks on each of 2 hosts: torchrun's variables are set per rank, an all_reduce inside a
     host sends nothing through the host's shaped interface, one across hosts does."""
     tag = TAG + "k"
-    proc = subprocess.run(_netsim(tag, sys.executable, "-c", RANKS_PER_HOST, extra=("--ranks-per-host", "3"),
-                                  subnet="10.77.13.0/24"),
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        _netsim(tag, sys.executable, "-c", RANKS_PER_HOST, extra=("--ranks-per-host", "3"), subnet="10.77.13.0/24"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert all(f"rank {r} host {r // 3} ok" in proc.stdout for r in range(6)), proc.stdout + proc.stderr
     assert _leftovers(tag) == []
@@ -157,8 +178,9 @@ def test_ranks_per_host_share_loopback_and_cross_the_shaped_link():
 def test_failure_gives_worst_code_and_cleans_up():
     tag = TAG + "b"
     script = "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"
-    proc = subprocess.run(_netsim(tag, sys.executable, "-c", script), cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        _netsim(tag, sys.executable, "-c", script), cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert _leftovers(tag) == []
 
@@ -166,8 +188,9 @@ def test_failure_gives_worst_code_and_cleans_up():
 @needs_netns
 def test_sigterm_cleans_up():
     tag = TAG + "c"
-    proc = subprocess.Popen(_netsim(tag, "sleep", "60"), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _netsim(tag, "sleep", "60"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 20
         while len([x for x in _leftovers(tag) if "-h1" in x]) == 0 and time.monotonic() < deadline:

@@ -1,4 +1,5 @@
 """compcomm.optim on real gloo ranks: both stages, identity across ranks, checkpoints, NaN skips."""
+
 from __future__ import annotations
 
 import io
@@ -17,6 +18,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ------------------------------------------------------------------ helpers run inside ranks
+
 
 def make_model(dtype: str = "float32") -> torch.nn.Module:
     torch.manual_seed(0)
@@ -51,6 +53,7 @@ def raw(model: torch.nn.Module) -> bytes:
 
 def rank_of(world: int) -> int:
     import torch.distributed as dist
+
     return dist.get_rank(group(world))
 
 
@@ -72,6 +75,7 @@ def train(name: str, dtype: str, steps: int, freeze_step: int, weight_decay: flo
 
 # ------------------------------------------------------------------ identity across ranks
 
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_parameters_bitwise_identical_in_both_stages(pool, name, dtype):
@@ -82,6 +86,7 @@ def test_parameters_bitwise_identical_in_both_stages(pool, name, dtype):
 
 
 # ------------------------------------------------------------------ warm-up = plain Adam
+
 
 def warmup_against_torch(weight_decay: float, steps: int) -> float:
     rank = rank_of(4)
@@ -116,8 +121,9 @@ def lamb_warmup_reference(weight_decay: float, steps: int) -> float:
     torch.manual_seed(1)
     w0 = torch.randn(10)
     p = torch.nn.Parameter(w0.clone())
-    opt = OnebitLamb([p], lr=0.1, weight_decay=weight_decay, freeze_step=100,
-                     backend=compcomm.backends.get("gloo", group=group(4)))
+    opt = OnebitLamb(
+        [p], lr=0.1, weight_decay=weight_decay, freeze_step=100, backend=compcomm.backends.get("gloo", group=group(4))
+    )
     w, m, v = w0.double(), torch.zeros(10, dtype=torch.float64), torch.zeros(10, dtype=torch.float64)
     for t in range(1, steps + 1):
         grads = [torch.randn(10, generator=torch.Generator().manual_seed(100 * t + r)) for r in range(4)]
@@ -125,7 +131,7 @@ def lamb_warmup_reference(weight_decay: float, steps: int) -> float:
         opt.step()
         g = sum(x.double() for x in grads) / 4
         m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
-        u = (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8) + weight_decay * w
+        u = (m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + 1e-8) + weight_decay * w
         c = min(max(float(w.norm() / u.norm()), 0.01), 10.0)
         w = w - 0.1 * c * u
     return float((p.detach().double() - w).abs().max())
@@ -153,9 +159,9 @@ def test_lamb_compressed_update_matches_formula(weight_decay):
     opt._compressed_update(t, p, m.clone(), group, state)
     g = (m.double() - b1 * m_prev) / (1 - b1)
     fresh = b2 * fresh0 + (1 - b2) * g * g
-    d = (v / (1 - b2 ** 2)).sqrt() + eps
-    f = float((d / ((fresh / (1 - b2 ** t)).sqrt() + eps)).max())
-    u_pre = (m.double() / (1 - b1 ** t)) / d
+    d = (v / (1 - b2**2)).sqrt() + eps
+    f = float((d / ((fresh / (1 - b2**t)).sqrt() + eps)).max())
+    u_pre = (m.double() / (1 - b1**t)) / d
     u = u_pre + weight_decay * w0
     if weight_decay:
         r = min(1.0, float(u_pre.norm() / u.norm()))
@@ -170,6 +176,7 @@ def test_lamb_compressed_update_matches_formula(weight_decay):
 
 # ------------------------------------------------------------------ checkpoints
 
+
 def straight_vs_resumed(name: str, steps: int, stop: int, freeze_step: int) -> tuple[bytes, bytes, bytes, bytes]:
     rank = rank_of(4)
     model = make_model()
@@ -178,8 +185,11 @@ def straight_vs_resumed(name: str, steps: int, stop: int, freeze_step: int) -> t
         backward(model, rank, step)
         opt.step()
     straight = raw(model)
-    straight_ef = b"".join(ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
-                           for ef in opt._error_feedback if ef.initialized)
+    straight_ef = b"".join(
+        ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
+        for ef in opt._error_feedback
+        if ef.initialized
+    )
 
     model = make_model()
     opt = make_optimizer(name, model, 4, freeze_step, weight_decay=0.01)
@@ -201,8 +211,11 @@ def straight_vs_resumed(name: str, steps: int, stop: int, freeze_step: int) -> t
     for step in range(stop, steps):
         backward(model, rank, step)
         opt.step()
-    resumed_ef = b"".join(ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
-                          for ef in opt._error_feedback if ef.initialized)
+    resumed_ef = b"".join(
+        ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
+        for ef in opt._error_feedback
+        if ef.initialized
+    )
     return straight, raw(model), straight_ef, resumed_ef
 
 
@@ -261,6 +274,7 @@ def test_state_dict_of_other_parameters_is_rejected():
 
 # ------------------------------------------------------------------ non-finite gradients
 
+
 def snapshot(model: torch.nn.Module, opt: OnebitOptimizer) -> bytes:
     parts = [raw(model), str(opt.step_count).encode()]
     for p in model.parameters():
@@ -307,6 +321,7 @@ def test_non_finite_gradient_skips_the_step_on_every_rank(pool, name, bad_step, 
 
 
 # ------------------------------------------------------------------ collectives per bucket
+
 
 def count_collectives(name: str) -> list[dict]:
     rank = rank_of(4)
@@ -356,14 +371,29 @@ def test_one_collective_per_bucket(pool, name):
 
 # ------------------------------------------------------------------ hyperparameters, dtypes, world 1
 
-@pytest.mark.parametrize("cls,kw", [
-    (OnebitAdam, dict(lr=-1.0)), (OnebitAdam, dict(eps=-1e-8)), (OnebitAdam, dict(betas=(1.0, 0.999))),
-    (OnebitAdam, dict(betas=(0.9, -0.1))), (OnebitAdam, dict(betas=(0.9,))), (OnebitAdam, dict(weight_decay=-0.1)),
-    (OnebitAdam, dict(freeze_step=0)), (OnebitAdam, dict(freeze_step=2.5)), (OnebitAdam, dict(lr=math.nan)),
-    (OnebitLamb, dict(max_coeff=0.001)), (OnebitLamb, dict(min_coeff=0.0)), (OnebitLamb, dict(coeff_beta=1.0)),
-    (OnebitLamb, dict(factor_max=0.5)), (OnebitLamb, dict(factor_min=2.0)), (OnebitLamb, dict(factor_min=0.0)),
-    (OnebitLamb, dict(factor_threshold=-0.1)), (OnebitLamb, dict(lr=-1.0)),
-])
+
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (OnebitAdam, dict(lr=-1.0)),
+        (OnebitAdam, dict(eps=-1e-8)),
+        (OnebitAdam, dict(betas=(1.0, 0.999))),
+        (OnebitAdam, dict(betas=(0.9, -0.1))),
+        (OnebitAdam, dict(betas=(0.9,))),
+        (OnebitAdam, dict(weight_decay=-0.1)),
+        (OnebitAdam, dict(freeze_step=0)),
+        (OnebitAdam, dict(freeze_step=2.5)),
+        (OnebitAdam, dict(lr=math.nan)),
+        (OnebitLamb, dict(max_coeff=0.001)),
+        (OnebitLamb, dict(min_coeff=0.0)),
+        (OnebitLamb, dict(coeff_beta=1.0)),
+        (OnebitLamb, dict(factor_max=0.5)),
+        (OnebitLamb, dict(factor_min=2.0)),
+        (OnebitLamb, dict(factor_min=0.0)),
+        (OnebitLamb, dict(factor_threshold=-0.1)),
+        (OnebitLamb, dict(lr=-1.0)),
+    ],
+)
 def test_invalid_hyperparameters_raise_value_error(cls, kw):
     with pytest.raises(ValueError):
         cls(torch.nn.Linear(2, 2).parameters(), **kw)
@@ -393,6 +423,7 @@ def test_single_process_both_stages_and_fp32_state(name, dtype):
 
 
 # ------------------------------------------------------------------ convergence, briefly
+
 
 def regression_run(name: str, freeze_step: int, steps: int) -> tuple[float, int]:
     """Fit a random 2-layer teacher through label noise (each rank its own samples); the final

@@ -1,5 +1,6 @@
 """Overlap of the optimizers' communication with backward, on real gloo ranks: bitwise the
 non-overlapped result, buckets in order of readiness, collectives during backward, no_sync."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,9 @@ from test_optim import OPTIMIZERS, backward, make_optimizer, rank_of, raw
 
 def deeper_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
+    )
 
 
 def run(name: str, overlap: bool, steps: int, freeze_step: int) -> tuple[list[bytes], list[int]]:

@@ -1,5 +1,6 @@
 """compcomm.optim under misuse and mixed precision, on real gloo ranks: GradScaler, checkpoints
 across ranks, all-or-nothing steps over several buckets, overflow, frozen parameters, warnings."""
+
 from __future__ import annotations
 
 import io
@@ -16,11 +17,15 @@ from rankpool import caught, group
 
 
 def error_bytes(opt: OnebitOptimizer) -> bytes:
-    return b"".join(ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
-                    for ef in opt._error_feedback if ef.initialized)
+    return b"".join(
+        ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
+        for ef in opt._error_feedback
+        if ef.initialized
+    )
 
 
 # ------------------------------------------------------------------ GradScaler
+
 
 def scaled_run(name: str, bad_step: int, bad_rank: int) -> tuple[list[float], list[bool], bool, bytes]:
     """Train with torch.amp.GradScaler; at `bad_step` one rank's scaled gradient overflows.
@@ -29,7 +34,7 @@ def scaled_run(name: str, bad_step: int, bad_rank: int) -> tuple[list[float], li
     rank = rank_of(4)
     model = make_model()
     opt = make_optimizer(name, model, 4, 3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     scales, skipped, unchanged = [], [], True
     for step in range(8):
         model.zero_grad(set_to_none=True)
@@ -57,7 +62,7 @@ def test_grad_scaler_skips_everywhere_and_scales_stay_equal(pool, name, bad_step
         assert skipped == [s == bad_step for s in range(8)]
         assert unchanged
         assert final == results[0][3]
-    before = results[0][0][bad_step - 1] if bad_step else 2.0 ** 10
+    before = results[0][0][bad_step - 1] if bad_step else 2.0**10
     assert results[0][0][bad_step] < before  # the scaler backed off on every rank
 
 
@@ -68,7 +73,7 @@ def scaled_matches_unscaled(name: str) -> tuple[bytes, bytes]:
     for use_scaler in (False, True):
         model = make_model()
         opt = make_optimizer(name, model, 4, 3)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
         for step in range(6):
             model.zero_grad(set_to_none=True)
             x, y = batch(rank, step)
@@ -92,6 +97,7 @@ def test_grad_scaler_unscales_exactly(pool, name):
 
 # ------------------------------------------------------------------ checkpoints across ranks
 
+
 def trained(name: str, steps: int) -> tuple[torch.nn.Module, OnebitOptimizer]:
     rank = rank_of(4)
     model = make_model()
@@ -105,6 +111,7 @@ def trained(name: str, steps: int) -> tuple[torch.nn.Module, OnebitOptimizer]:
 def from_rank0(obj):
     """Rank 0's `obj` on every rank, through a file's bytes (what a shared checkpoint file gives)."""
     import torch.distributed as dist
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     blob = [buf.getvalue()]
@@ -152,6 +159,7 @@ def test_gathered_state_dict_resumes_every_rank_exactly(pool, name):
 
 
 # ------------------------------------------------------------------ all-or-nothing steps
+
 
 def bad_second_bucket(name: str, how: str) -> tuple[bool, bool, list[bool], bool]:
     """Compression stage, several buckets; in the second bucket rank 2's gradient is NaN
@@ -214,6 +222,7 @@ def test_warmup_sum_overflow_skips_with_nothing_changed(pool, name):
 
 
 # ------------------------------------------------------------------ frozen parameters, warnings
+
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_frozen_parameter_gets_no_weight_decay(name):

@@ -2,6 +2,7 @@
 copied into a spare per bucket instead of cloned, masks touch only the masked elements, the
 gradient scan is skipped only where the collective itself finds non-finite values, and the
 step reports how much of its communication ran behind backward."""
+
 from __future__ import annotations
 
 import copy
@@ -44,8 +45,13 @@ def error_buffers(name: str) -> tuple[list[set[int]], bool]:
             for addresses, ef in zip(seen, opt._error_feedback):
                 addresses.add(ef.worker_error.data_ptr())
     twin = compcomm.ErrorFeedback().copy_(opt._error_feedback[0])
-    same = all(torch.equal(a, b) for a, b in ((twin.worker_error, opt._error_feedback[0].worker_error),
-                                             (twin.server_error, opt._error_feedback[0].server_error)))
+    same = all(
+        torch.equal(a, b)
+        for a, b in (
+            (twin.worker_error, opt._error_feedback[0].worker_error),
+            (twin.server_error, opt._error_feedback[0].server_error),
+        )
+    )
     return seen, same and twin.tag == opt._error_feedback[0].tag
 
 
@@ -119,8 +125,12 @@ def zeroone_masked_nan(automatic: bool) -> tuple[bool, bool, bool]:
         mask = torch.ones(16, 8)
         mask[:, 7] = 0.0
         rest = [p for n, p in model.named_parameters() if n != "0.weight"]
-        opt = ZeroOneAdam([{"params": [first], "exp_avg_mask": mask}, {"params": rest}], lr=1e-2,
-                          backend=compcomm.backends.get("gloo", group=group(4)), **SCHEDULE)
+        opt = ZeroOneAdam(
+            [{"params": [first], "exp_avg_mask": mask}, {"params": rest}],
+            lr=1e-2,
+            backend=compcomm.backends.get("gloo", group=group(4)),
+            **SCHEDULE,
+        )
     skipped = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -213,10 +223,27 @@ def test_last_comm_timing_reports_time_hidden_behind_backward(pool, name):
 def test_optim_overlap_bench_reports_the_hidden_fraction(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "overlap.json"
-    cmd = [sys.executable, str(root / "bench" / "optim_overlap.py"), "--world-size", "2", "--layers", "2",
-           "--width", "64", "--batch", "8", "--steps", "2", "--bucket-mb", "0.01", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        str(root / "bench" / "optim_overlap.py"),
+        "--world-size",
+        "2",
+        "--layers",
+        "2",
+        "--width",
+        "64",
+        "--batch",
+        "8",
+        "--steps",
+        "2",
+        "--bucket-mb",
+        "0.01",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=root, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "comm hidden behind backward" in proc.stdout
     records = json.loads(out.read_text())

@@ -1,6 +1,7 @@
 """ZeroOneAdam (0/1 Adam) on real gloo ranks, and the masking / fp32-master rules shared by the
 compressed optimizers: a model with a parameter that gets (almost) no gradient stays close to
 AdamW; bf16 parameters keep updates below bf16's spacing."""
+
 from __future__ import annotations
 
 import io
@@ -76,6 +77,7 @@ def test_schedule_follows_deepspeeds_parameters():
 
 # ------------------------------------------------------------------ checkpoints in every stage
 
+
 def straight_vs_resumed(stop: int, gathered: bool) -> tuple[bytes, bytes, bytes, bytes]:
     rank = rank_of(4)
     model = make_model()
@@ -106,8 +108,9 @@ def straight_vs_resumed(stop: int, gathered: bool) -> tuple[bytes, bytes, bytes,
     return straight, raw(model), straight_ef, error_bytes(opt)
 
 
-@pytest.mark.parametrize("stop,gathered", [(3, False), (12, True), (13, False), (19, True), (21, False),
-                                           (21, True)])  # phase 1, freeze, first sync, mid-interval
+@pytest.mark.parametrize(
+    "stop,gathered", [(3, False), (12, True), (13, False), (19, True), (21, False), (21, True)]
+)  # phase 1, freeze, first sync, mid-interval
 def test_resumes_bit_for_bit_in_any_stage(pool, stop, gathered):
     for straight, resumed, ef_a, ef_b in pool.run(straight_vs_resumed, stop, gathered):
         assert straight == resumed
@@ -115,6 +118,7 @@ def test_resumes_bit_for_bit_in_any_stage(pool, stop, gathered):
 
 
 # ------------------------------------------------------------------ NaN agreement and GradScaler
+
 
 def nan_in_local_step(bad_step: int) -> tuple[bool, bool, bytes, bytes]:
     rank = rank_of(4)
@@ -151,9 +155,10 @@ def scaled(bad_step: int) -> tuple[list[float], list[bool]]:
     rank = rank_of(4)
     model = make_model()
     opt = make_zeroone(model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     scales, skipped = [], []
     from test_optim import batch
+
     for step in range(STEPS):
         model.zero_grad(set_to_none=True)
         x, y = batch(rank, step)
@@ -176,6 +181,7 @@ def test_grad_scaler_in_local_steps(pool):
 
 
 # ------------------------------------------------------------------ parameters without gradient
+
 
 class Attention(torch.nn.Module):
     """One self-attention block: the key bias gets ~no gradient (softmax ignores it)."""
@@ -203,9 +209,18 @@ def magnitudes(kind: str, steps: int) -> dict[str, float]:
     elif kind == "onebit_lamb":
         opt = OnebitLamb(model.parameters(), lr=3e-3, weight_decay=0.01, freeze_step=20, backend=be)
     else:
-        opt = ZeroOneAdam(model.parameters(), lr=3e-3, weight_decay=0.01, var_freeze_step=20,
-                          var_update_scaler=4, local_step_scaler=20, local_step_clipper=4, backend=be)
+        opt = ZeroOneAdam(
+            model.parameters(),
+            lr=3e-3,
+            weight_decay=0.01,
+            var_freeze_step=20,
+            var_update_scaler=4,
+            local_step_scaler=20,
+            local_step_clipper=4,
+            backend=be,
+        )
     import torch.distributed as dist
+
     for step in range(steps):
         g = torch.Generator().manual_seed(31 * step + rank)
         x = torch.randn(16, 6, 8, generator=g)
@@ -234,6 +249,7 @@ def test_parameter_without_gradient_stays_near_adamw(pool, kind):
 def test_negligible_second_moment_is_masked():
     """The rule: sqrt(v_hat) <= eps masks; anything above does not."""
     from compcomm.optim.updates import adam_denominator, negligible
+
     v = torch.tensor([0.0, 1e-20, 0.99e-16, 1.1e-16, 1e-6])
     masked = negligible(adam_denominator(v, 0.0, 1, 1e-8), 1e-8)
     assert masked.tolist() == [True, True, True, False, False]
@@ -269,6 +285,7 @@ def test_exp_avg_mask_per_group(pool, name):
 
 
 # ------------------------------------------------------------------ fp32 master weights
+
 
 @pytest.mark.parametrize("cls", [OnebitAdam, ZeroOneAdam])
 def test_bf16_updates_below_bf16_spacing_accumulate(cls):

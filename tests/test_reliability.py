@@ -2,6 +2,7 @@
 
 Every multi-rank case runs on real gloo ranks; a hang fails the test through the pool's timeout.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,11 +33,14 @@ def snapshot(ef: compcomm.ErrorFeedback) -> tuple:
 
 def unchanged(ef: compcomm.ErrorFeedback, before: tuple) -> bool:
     now = (ef.worker_error, ef.server_error)
-    return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-               for a, b in zip(before, now))
+    return all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(before, now)
+    )
 
 
 # ----------------------------------------------------------------- ordering and isolation
+
 
 def async_then_own_collective() -> dict:
     """An async compressed call in flight while the caller runs its own all_reduce on the
@@ -70,9 +74,15 @@ def async_then_own_collective() -> dict:
     opt.step()  # its uncompressed all-reduces queue behind the call in flight
     future = pending.get_future()
     pending.wait()
-    return {"same": torch.equal(t, reference), "mine": mine.tolist(), "flag": flag.item(),
-            "other": other.numpy().tobytes(), "later": later.numpy().tobytes(), "future": future.wait() is later,
-            "params": [p.detach().numpy().tobytes() for p in model.parameters()]}
+    return {
+        "same": torch.equal(t, reference),
+        "mine": mine.tolist(),
+        "flag": flag.item(),
+        "other": other.numpy().tobytes(),
+        "later": later.numpy().tobytes(),
+        "future": future.wait() is later,
+        "params": [p.detach().numpy().tobytes() for p in model.parameters()],
+    }
 
 
 def test_async_call_with_the_callers_own_collectives_and_a_second_backend(pool):
@@ -144,6 +154,7 @@ def test_ranks_passing_different_op_or_dtype(pool, case):
 
 # ----------------------------------------------------------------- overflow and non-finite state
 
+
 def near_the_top(case: str) -> dict:
     """Finite inputs near fp32's top: a finite result or NonFiniteError everywhere, never inf/NaN."""
     rank = rank_of()
@@ -213,6 +224,7 @@ def test_coalesced_is_all_or_nothing(pool):
 
 # ----------------------------------------------------------------- half-done calls
 
+
 def overlapping_input() -> dict:
     """An expanded tensor on one rank: ValueError everywhere, nothing changed, group usable."""
     rank = rank_of()
@@ -256,21 +268,55 @@ def test_tensors_that_require_grad(pool):
 
 # ----------------------------------------------------------------- single-process checks
 
-@pytest.mark.parametrize("state", [
-    {}, None, [], {"worker_error": None},
-    {"worker_error": torch.full((8,), float("nan")), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
-    {"worker_error": torch.zeros(16), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
-    {"worker_error": torch.zeros(8, dtype=torch.int32), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
-    {"worker_error": torch.zeros(8, dtype=torch.complex64), "server_error": torch.zeros(8), "numel": 8,
-     "world_size": 1},
-    {"worker_error": [0.0] * 8, "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
-    {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": "8", "world_size": 1},
-    {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": 8, "world_size": 0},
-    {"worker_error": torch.ones(8), "server_error": torch.zeros(8), "numel": 5, "world_size": 1},
-    {"worker_error": torch.zeros(8, dtype=torch.float64), "server_error": torch.full((8,), 1e300, dtype=torch.float64),
-     "numel": 8, "world_size": 1},
-], ids=["empty", "none", "list", "partial", "nan", "shape", "int", "complex", "list-tensor", "str-numel",
-        "world-0", "padding", "beyond-fp32"])
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {},
+        None,
+        [],
+        {"worker_error": None},
+        {"worker_error": torch.full((8,), float("nan")), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
+        {"worker_error": torch.zeros(16), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
+        {
+            "worker_error": torch.zeros(8, dtype=torch.int32),
+            "server_error": torch.zeros(8),
+            "numel": 8,
+            "world_size": 1,
+        },
+        {
+            "worker_error": torch.zeros(8, dtype=torch.complex64),
+            "server_error": torch.zeros(8),
+            "numel": 8,
+            "world_size": 1,
+        },
+        {"worker_error": [0.0] * 8, "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
+        {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": "8", "world_size": 1},
+        {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": 8, "world_size": 0},
+        {"worker_error": torch.ones(8), "server_error": torch.zeros(8), "numel": 5, "world_size": 1},
+        {
+            "worker_error": torch.zeros(8, dtype=torch.float64),
+            "server_error": torch.full((8,), 1e300, dtype=torch.float64),
+            "numel": 8,
+            "world_size": 1,
+        },
+    ],
+    ids=[
+        "empty",
+        "none",
+        "list",
+        "partial",
+        "nan",
+        "shape",
+        "int",
+        "complex",
+        "list-tensor",
+        "str-numel",
+        "world-0",
+        "padding",
+        "beyond-fp32",
+    ],
+)
 def test_load_state_dict_rejects_malformed_state(state):
     ef = compcomm.ErrorFeedback()
     compcomm.compressed_allreduce(torch.randn(8), ef)
@@ -303,11 +349,13 @@ def test_launcher_without_process_group_is_an_error():
     import subprocess
     import sys
 
-    code = ("import torch, compcomm\n"
-            "try:\n"
-            "    compcomm.compressed_allreduce(torch.ones(4), compcomm.ErrorFeedback())\n"
-            "except RuntimeError as exc:\n"
-            "    print('raised:', exc)\n")
+    code = (
+        "import torch, compcomm\n"
+        "try:\n"
+        "    compcomm.compressed_allreduce(torch.ones(4), compcomm.ErrorFeedback())\n"
+        "except RuntimeError as exc:\n"
+        "    print('raised:', exc)\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_"))}
     env.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
@@ -317,8 +365,9 @@ def test_launcher_without_process_group_is_an_error():
     assert out.returncode == 0 and "raised" not in out.stdout, (out.stdout, out.stderr)
 
 
-@pytest.mark.parametrize("value, finite", [(0.0, True), (3e38, True), (float("nan"), False), (float("inf"), False),
-                                           (float("-inf"), False)])
+@pytest.mark.parametrize(
+    "value, finite", [(0.0, True), (3e38, True), (float("nan"), False), (float("inf"), False), (float("-inf"), False)]
+)
 def test_all_finite_matches_isfinite(value, finite):
     from compcomm.errors import all_finite
 

@@ -2,6 +2,7 @@
 phase 1 (so a call whose signs fit makes two collectives, and sizes that differ across ranks are
 still an error, never a hang), and `min_compress_bytes`, which reduces small tensors exactly
 (fp32 sums in rank order) with the same checks and the error feedback left alone."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,9 +36,13 @@ def exact_calls(numel: int, dtype: torch.dtype, op: str) -> dict:
     compcomm.compressed_allreduce(x.clone(), compcomm.ErrorFeedback(), backend=be, op=op, min_compress_bytes=threshold)
     before = be.bytes_sent  # a repeated call: phase 0 has room for what the previous one needed
     compcomm.compressed_allreduce(t, ef, backend=be, op=op, min_compress_bytes=threshold)
-    return {"input": x.float().numpy(), "output": t.float().numpy(), "raw": t.view(-1).numpy().tobytes()
-            if dtype == torch.float32 else t.view(torch.int16).numpy().tobytes(),
-            "errors": (ef.worker_error, ef.server_error), "bytes": be.bytes_sent - before}
+    return {
+        "input": x.float().numpy(),
+        "output": t.float().numpy(),
+        "raw": t.view(-1).numpy().tobytes() if dtype == torch.float32 else t.view(torch.int16).numpy().tobytes(),
+        "errors": (ef.worker_error, ef.server_error),
+        "bytes": be.bytes_sent - before,
+    }
 
 
 @pytest.mark.parametrize("numel", [1, 1000, 100_000])  # the last one's fp32 rows exceed phase 0's room
@@ -67,6 +72,7 @@ def _counted(be) -> dict:
         def counting(*args, _start=start, _name=name):
             counts[_name] += 1
             return _start(*args)
+
         setattr(be, "_" + name, counting)
     return counts
 
@@ -81,8 +87,9 @@ def repeated_call(previous: int, numel: int) -> dict:
     return {"bytes": be.bytes_sent - before, **counts}
 
 
-@pytest.mark.parametrize("previous,numel", [(1000, 1000), (1 << 18, 1 << 18), (3 << 20, 3 << 20),
-                                            (3 << 20, 1000), (1000, 3 << 20)])
+@pytest.mark.parametrize(
+    "previous,numel", [(1000, 1000), (1 << 18, 1 << 18), (3 << 20, 3 << 20), (3 << 20, 1000), (1000, 3 << 20)]
+)
 def test_phase_zero_carries_as_much_of_phase_one_as_the_previous_call_needed(pool, previous, numel):
     """The room in phase 0's slots is the previous accepted call's row width (at most
     FOLD_BYTES / n): a repeated call whose signs fit makes two collectives, a large one sends
@@ -99,8 +106,14 @@ def test_phase_zero_carries_as_much_of_phase_one_as_the_previous_call_needed(poo
     assert sent[0]["all_gather"] == 1
 
 
-def rejected(numel_of_rank: dict, threshold_of_rank: dict, poison: int | None = None,
-             dtype: torch.dtype = torch.float32, magnitude: float = 1.0, op: str = "mean") -> dict:
+def rejected(
+    numel_of_rank: dict,
+    threshold_of_rank: dict,
+    poison: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    magnitude: float = 1.0,
+    op: str = "mean",
+) -> dict:
     be = _backend()
     ef = compcomm.ErrorFeedback()
     compcomm.compressed_allreduce(_input(be.rank, 64, torch.float32), ef, backend=be)  # a state to keep
@@ -110,30 +123,41 @@ def rejected(numel_of_rank: dict, threshold_of_rank: dict, poison: int | None = 
     if poison == be.rank:
         x[0] = float("nan")
     t = x.clone()
-    result = caught(compcomm.compressed_allreduce, t, ef, backend=be, op=op,
-                    min_compress_bytes=threshold_of_rank.get(be.rank, 1 << 20))
-    kept = (all(torch.equal(v, ef.state_dict()[k]) for k, v in state.items())
-            and t.numpy().tobytes() == x.numpy().tobytes())  # bitwise: NaN stays where it was
+    result = caught(
+        compcomm.compressed_allreduce,
+        t,
+        ef,
+        backend=be,
+        op=op,
+        min_compress_bytes=threshold_of_rank.get(be.rank, 1 << 20),
+    )
+    kept = (
+        all(torch.equal(v, ef.state_dict()[k]) for k, v in state.items()) and t.numpy().tobytes() == x.numpy().tobytes()
+    )  # bitwise: NaN stays where it was
     return {"caught": result, "kept": kept}
 
 
 @pytest.mark.parametrize("case", ["threshold_differs", "threshold_invalid", "nan", "overflow", "numel_differs"])
 def test_bad_calls_raise_everywhere_and_change_nothing(pool, case):
-    args = {"threshold_differs": ({}, {2: 0}),
-            "threshold_invalid": ({}, {1: -5}),
-            "nan": ({}, {}, 3),
-            "overflow": ({}, {}, None, torch.float16, 3e4, "sum"),  # each rank's values fit fp16, the sum not
-            "numel_differs": ({0: 5_000_000}, {})}[case]
+    args = {
+        "threshold_differs": ({}, {2: 0}),
+        "threshold_invalid": ({}, {1: -5}),
+        "nan": ({}, {}, 3),
+        "overflow": ({}, {}, None, torch.float16, 3e4, "sum"),  # each rank's values fit fp16, the sum not
+        "numel_differs": ({0: 5_000_000}, {}),
+    }[case]
     records = pool.run(rejected, *args)
     assert all(rec["kept"] for rec in records), "a rejected call changed a tensor or error state"
     errors = {rec["caught"] for rec in records}
     assert len(errors) == 1 and None not in errors, f"ranks disagree: {errors}"
     cls, message = errors.pop()
-    expected = {"threshold_differs": ("ValueError", "min_compress_bytes"),
-                "threshold_invalid": ("ValueError", "min_compress_bytes must be"),
-                "nan": ("NonFiniteError", "non-finite"),
-                "overflow": ("NonFiniteError", "overflow"),
-                "numel_differs": ("ValueError", "not 5000000 elements")}[case]
+    expected = {
+        "threshold_differs": ("ValueError", "min_compress_bytes"),
+        "threshold_invalid": ("ValueError", "min_compress_bytes must be"),
+        "nan": ("NonFiniteError", "non-finite"),
+        "overflow": ("NonFiniteError", "overflow"),
+        "numel_differs": ("ValueError", "not 5000000 elements"),
+    }[case]
     assert cls == expected[0] and expected[1] in message, message
 
 
@@ -161,8 +185,12 @@ def coalesced_pairing(rank_with_extra_tensor: int) -> dict:
     if be.rank == rank_with_extra_tensor:
         tensors.append(_input(be.rank, 10, torch.float32))
     error = caught(compcomm.compressed_allreduce_coalesced, tensors, [compcomm.ErrorFeedback()], backend=be)
-    after = caught(compcomm.compressed_allreduce_coalesced, [_input(be.rank, 10, torch.float32)],
-                   [compcomm.ErrorFeedback()], backend=be)
+    after = caught(
+        compcomm.compressed_allreduce_coalesced,
+        [_input(be.rank, 10, torch.float32)],
+        [compcomm.ErrorFeedback()],
+        backend=be,
+    )
     return {"error": error, "after": after}
 
 
@@ -174,7 +202,6 @@ def test_a_bad_pairing_on_one_rank_is_an_error_everywhere(pool):
     cls, message = results[0]["error"]
     assert cls == "ValueError" and "rank 2" in message and "one ErrorFeedback per tensor" in message
     assert all(r["after"] is None for r in results)
-
 
 
 class _Spy:
@@ -191,6 +218,7 @@ class _Spy:
         def counted(*args):
             self.calls[name] += 1
             return attr(*args)
+
         return counted
 
 

@@ -1,5 +1,6 @@
 """Smoke tests of bench/train_step.py: a tiny self-spawned run (default suite) and a run inside
 bench/netsim.py (netns marker). They check the records and the byte accounting, not speed."""
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,31 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "train_step.py"
 SPEC_KEYS = {"method", "world_size", "step_time_ms", "bytes_per_step", "final_loss", "steps"}
-TINY = ["--context", "4", "--embed", "4", "--hidden", "32", "--batch", "4", "--steps", "4",
-        "--warmup-steps", "2", "--text-bytes", "20000", "-q"]
-DDP_METHODS = {"ddp_adamw", "ddp_adamw_bf16", "ddp_adamw_powersgd", "ddp_sgd", "ddp_sgd_onebit",
-               "ddp_sgd_onebit_propagate"}
+TINY = [
+    "--context",
+    "4",
+    "--embed",
+    "4",
+    "--hidden",
+    "32",
+    "--batch",
+    "4",
+    "--steps",
+    "4",
+    "--warmup-steps",
+    "2",
+    "--text-bytes",
+    "20000",
+    "-q",
+]
+DDP_METHODS = {
+    "ddp_adamw",
+    "ddp_adamw_bf16",
+    "ddp_adamw_powersgd",
+    "ddp_sgd",
+    "ddp_sgd_onebit",
+    "ddp_sgd_onebit_propagate",
+}
 
 
 def check_records(records: list[dict], world: int) -> None:
@@ -48,8 +70,9 @@ def test_tiny_run_self_spawned(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--nprocs", "2", *TINY, "--json", str(out)]
     if _has_matplotlib():
         cmd += ["--plot", str(tmp_path / "r.png")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step(ms)" in proc.stdout and "speedup of ddp_sgd_onebit over ddp_sgd" in proc.stdout
     check_records(json.loads(out.read_text()), 2)
@@ -77,9 +100,26 @@ def _netns_skip() -> str | None:
 @pytest.mark.skipif(_netns_skip() is not None, reason=_netns_skip() or "")
 def test_tiny_run_inside_netsim(tmp_path):
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "netsim.py"), "--hosts", "2", "--rate", "1gbit",
-           "--subnet", "10.77.11.0/24", "--tag", f"cstt{os.getpid() % 10000}", "--threads", "1", "--",
-           sys.executable, str(SCRIPT), *TINY, "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "netsim.py"),
+        "--hosts",
+        "2",
+        "--rate",
+        "1gbit",
+        "--subnet",
+        "10.77.11.0/24",
+        "--tag",
+        f"cstt{os.getpid() % 10000}",
+        "--threads",
+        "1",
+        "--",
+        sys.executable,
+        str(SCRIPT),
+        *TINY,
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "netsim 1gbit" in proc.stdout

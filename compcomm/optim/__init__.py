@@ -26,6 +26,7 @@ Choices where the papers leave room:
 - Buckets: the class attribute `bucket_bytes` (25 MiB), settable on an instance before its first
   backward; `overlap` (True) starts each bucket's collective during backward.
 """
+
 from .adam import OnebitAdam
 from .base import OnebitOptimizer
 from .lamb import OnebitLamb

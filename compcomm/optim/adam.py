@@ -21,6 +21,7 @@ Freezing v is what lets the momentum, not the gradient, be compressed: with a fi
 preconditioner the update is linear in m, so the error feedback of the compressed momentum
 compensates across steps as in compressed SGD with momentum.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -47,8 +48,9 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     a fixed per-parameter scale, `_momentum_scale(p)`, 1 unless a subclass sets one): what
     1-bit Adam and 1-bit LAMB share."""
 
-    def __init__(self, params: Iterable, defaults: dict[str, Any], freeze_step: int,
-                 backend: Backend | str | None) -> None:
+    def __init__(
+        self, params: Iterable, defaults: dict[str, Any], freeze_step: int, backend: Backend | str | None
+    ) -> None:
         check_freeze_step(freeze_step)
         super().__init__(params, defaults, backend)
         self.freeze_step = int(freeze_step)
@@ -73,8 +75,9 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _momentum_scale(self, p: torch.Tensor) -> float:
         return 1.0
 
-    def _payload(self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor,
-                 out: torch.Tensor) -> None:
+    def _payload(
+        self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor, out: torch.Tensor
+    ) -> None:
         if kind == EXACT:
             out.copy_(g)
             return
@@ -92,9 +95,16 @@ class OnebitAdam(FrozenVarianceOptimizer):
     start every rank from the same parameters, and call `step()` on every rank together.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100000,
-                 backend: Backend | str | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int = 100000,
+        backend: Backend | str | None = None,
+    ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, freeze_step, backend)
 
@@ -109,7 +119,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
                 denom, masked = self._frozen_denominator(p, group)
                 mask_(value, group, masked, out=state["exp_avg"])
             w = master_weight(p, state)
-            decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
+            decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1**t))
             store_(p, w)
 
 

@@ -40,6 +40,7 @@ of them NaN, so that every rank's scaler finds the inf and backs off alike: the 
 equal on every rank. The first backward is agreed the same way (no scaler has been seen
 yet), and its payloads go out in `step()`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -144,8 +145,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_readiness", None) is not None:
-            raise RuntimeError("add every parameter group when building the optimizer: the communication "
-                               "buckets (and their error feedback) cover a fixed set of parameters")
+            raise RuntimeError(
+                "add every parameter group when building the optimizer: the communication "
+                "buckets (and their error feedback) cover a fixed set of parameters"
+            )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         self._check_group(group)
@@ -156,8 +159,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if mask is not None:
             for p in group["params"]:
                 if not torch.is_tensor(mask) or torch.broadcast_shapes(mask.shape, p.shape) != p.shape:
-                    raise ValueError(f"exp_avg_mask must be a tensor broadcastable to each parameter of "
-                                     f"its group, got {getattr(mask, 'shape', mask)} for {tuple(p.shape)}")
+                    raise ValueError(
+                        f"exp_avg_mask must be a tensor broadcastable to each parameter of "
+                        f"its group, got {getattr(mask, 'shape', mask)} for {tuple(p.shape)}"
+                    )
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """ValueError for invalid hyperparameters of one group (subclasses extend it)."""
@@ -199,8 +204,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
             if not params:
                 raise ValueError("the optimizer has no parameters")
             self._order = list(order) if order is not None else list(range(len(params)))[::-1]
-            self._bucketer = Bucketer([params[i] for i in self._order], self.bucket_bytes,
-                                      self.backend.world_size, dtype=torch.float32)
+            self._bucketer = Bucketer(
+                [params[i] for i in self._order], self.bucket_bytes, self.backend.world_size, dtype=torch.float32
+            )
             for b, bucket in enumerate(self._bucketer):
                 for k in bucket.indices:
                     self._bucket_of[self._order[k]] = b
@@ -218,7 +224,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < like.numel():
             buf = self._scratch[key] = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
-        return buf[:like.numel()].view(like.shape)
+        return buf[: like.numel()].view(like.shape)
 
     def _ready_order(self) -> list[int]:
         """The order of readiness seen so far, then the remaining parameters in reverse order."""
@@ -259,8 +265,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
         t = self._step_count + 1
         rnd = _Round(t=t, kind=self._kind(t), scale=scale)
         params = self._params()
-        rnd.waiting = [{self._order[k] for k in bucket.indices if params[self._order[k]].requires_grad}
-                       for bucket in self._layout()]
+        rnd.waiting = [
+            {self._order[k] for k in bucket.indices if params[self._order[k]].requires_grad}
+            for bucket in self._layout()
+        ]
         return rnd
 
     def _cancel(self) -> None:
@@ -306,8 +314,12 @@ class OnebitOptimizer(torch.optim.Optimizer):
             work = self._spare_errors[b]
             # errors restarted from zero: an unused source (the spare's buffers are zeroed, kept)
             source = ErrorFeedback(tag=work.tag) if self._fresh_errors(rnd.t) else self._error_feedback[b]
-            launch = _Launch(compressed_allreduce(bucket.flat, source, backend=be, op="mean", async_op=True,
-                                                  error_feedback_out=work), work)
+            launch = _Launch(
+                compressed_allreduce(
+                    bucket.flat, source, backend=be, op="mean", async_op=True, error_feedback_out=work
+                ),
+                work,
+            )
         assert launch.handle is not None
         launch.handle.get_future().add_done_callback(lambda _: rnd.clock.complete(index))
         return launch
@@ -438,8 +450,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         and, if the buckets are not laid out yet, do the ranks see the same order of readiness
         (else the reverse parameter order is used everywhere)? Returns the first answer."""
         rnd, t = self._round, self._step_count + 1
-        stale = (rnd is None or rnd.t != t or rnd.scale != scale
-                 or rnd.versions != self._versions(self._grads()))
+        stale = rnd is None or rnd.t != t or rnd.scale != scale or rnd.versions != self._versions(self._grads())
         order = self._ready_order()
         key = float(hash(tuple(order)) % _HASH_MOD)
         kind = self._kind(t)
@@ -477,17 +488,21 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self.skipped_steps += 1
         if self.skipped_steps == 1:
             why = failure or "non-finite gradients (NaN/Inf) on some rank"
-            warnings.warn(f"{type(self).__name__}: step skipped on every rank ({why}); nothing changed. "
-                          "Further skips are counted in `skipped_steps` without warning again.",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"{type(self).__name__}: step skipped on every rank ({why}); nothing changed. "
+                "Further skips are counted in `skipped_steps` without warning again.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # ----------------------------------------------------------------- subclass hooks
 
     def _kind(self, t: int) -> str:
         raise NotImplementedError
 
-    def _payload(self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor,
-                 out: torch.Tensor) -> None:
+    def _payload(
+        self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor, out: torch.Tensor
+    ) -> None:
         out.copy_(g)
 
     def _moments(self, p: torch.Tensor) -> dict[str, Any]:
@@ -555,8 +570,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """
         self._cancel()
         extra = state_dict.get(_EXTRA_KEY) if isinstance(state_dict, dict) else None
-        problem = None if extra is not None else \
-            f"not a {type(self).__name__} state dict (no {_EXTRA_KEY!r} entry)"
+        problem = None if extra is not None else f"not a {type(self).__name__} state dict (no {_EXTRA_KEY!r} entry)"
         mine: dict[str, Any] = {}
         if extra is not None:
             order = extra.get("bucket_order")
@@ -572,8 +586,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
         for i, p in zip(index, self._params()):
             saved = plain["state"].get(i)
             if saved is not None:
-                self.state[p] = {k: v.detach().clone().to(p.device) if torch.is_tensor(v) else copy.deepcopy(v)
-                                 for k, v in saved.items()}
+                self.state[p] = {
+                    k: v.detach().clone().to(p.device) if torch.is_tensor(v) else copy.deepcopy(v)
+                    for k, v in saved.items()
+                }
         self._step_count = int(extra["step"])
         for name, value in extra.get("scalars", {}).items():
             setattr(self, name, copy.deepcopy(value))
@@ -586,22 +602,30 @@ class OnebitOptimizer(torch.optim.Optimizer):
         world, rank = self.backend.world_size, self.backend.rank
         saved_world = extra.get("world_size")
         if saved_world is not None and saved_world != world:
-            return {}, (f"this checkpoint was saved on {saved_world} ranks and cannot resume on {world}: "
-                        "its error-feedback buffers belong to another split of the buckets. To resume "
-                        "anyway with the errors reset to zero, load "
-                        "OnebitOptimizer.drop_error_feedback(state_dict)")
+            return {}, (
+                f"this checkpoint was saved on {saved_world} ranks and cannot resume on {world}: "
+                "its error-feedback buffers belong to another split of the buckets. To resume "
+                "anyway with the errors reset to zero, load "
+                "OnebitOptimizer.drop_error_feedback(state_dict)"
+            )
         numels = [b.numel for b in self._layout()]
-        if list(extra.get("bucket_numels", [])) != numels or \
-                list(extra.get("bucket_order") or self._order) != self._order:
-            return {}, (f"the checkpoint's buckets ({extra.get('bucket_numels')} elements) do not match "
-                        f"this optimizer's ({numels}): different parameters or bucket_bytes")
+        if (
+            list(extra.get("bucket_numels", [])) != numels
+            or list(extra.get("bucket_order") or self._order) != self._order
+        ):
+            return {}, (
+                f"the checkpoint's buckets ({extra.get('bucket_numels')} elements) do not match "
+                f"this optimizer's ({numels}): different parameters or bucket_bytes"
+            )
         if "ranks" in extra:
             return extra["ranks"][rank], None
         saved_rank = extra.get("rank")
         if saved_rank is not None and saved_rank != rank:
-            return {}, (f"this checkpoint holds the state of rank {saved_rank}, not of rank {rank}: its "
-                        "error feedback (and any local state) belongs to that rank. Save one file per "
-                        "rank, or one file for all ranks with gathered_state_dict()")
+            return {}, (
+                f"this checkpoint holds the state of rank {saved_rank}, not of rank {rank}: its "
+                "error feedback (and any local state) belongs to that rank. Save one file per "
+                "rank, or one file for all ranks with gathered_state_dict()"
+            )
         return extra, None
 
     @staticmethod
@@ -613,7 +637,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         extra.pop("ranks", None)
         extra["world_size"] = extra["rank"] = None
         extra["rank_local"] = {}
-        extra["error_feedback"] = [{"worker_error": None, "server_error": None, "numel": None,
-                                    "world_size": None} for _ in extra["bucket_numels"]]
+        extra["error_feedback"] = [
+            {"worker_error": None, "server_error": None, "numel": None, "world_size": None}
+            for _ in extra["bucket_numels"]
+        ]
         out[_EXTRA_KEY] = extra
         return out

@@ -32,6 +32,7 @@ The momentum scales s_l equalize the layers' magnitudes so that one 1-bit scale 
 bucket fits them all; they are computed once from the averaged momentum, so they are the same
 on every rank and the rescaled result stays bitwise identical everywhere.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,8 +59,9 @@ def clamp(x: float, low: float, high: float) -> float:
     return min(max(x, low), high)
 
 
-def warmup_coefficient(ratio: float | None, coeff_avg: float | None,
-                       group: dict[str, Any]) -> tuple[float, float | None]:
+def warmup_coefficient(
+    ratio: float | None, coeff_avg: float | None, group: dict[str, Any]
+) -> tuple[float, float | None]:
     """The warm-up coefficient c = clamp(ratio) (1 when undefined) and the new running average."""
     if ratio is None:
         return 1.0, coeff_avg
@@ -68,8 +70,9 @@ def warmup_coefficient(ratio: float | None, coeff_avg: float | None,
     return c, c if coeff_avg is None else beta * coeff_avg + (1 - beta) * c
 
 
-def compressed_factor(variance_ratio: float, last: float, u_pre: torch.Tensor | None, u: torch.Tensor | None,
-                      group: dict[str, Any]) -> float:
+def compressed_factor(
+    variance_ratio: float, last: float, u_pre: torch.Tensor | None, u: torch.Tensor | None, group: dict[str, Any]
+) -> float:
     """The factor f of the compression stage (module docstring), from max(d(v, T0) / d(v_fresh, t));
     u_pre and u are needed only with weight decay."""
     factor = variance_ratio
@@ -93,14 +96,34 @@ class OnebitLamb(FrozenVarianceOptimizer):
 
     _HELD_FROM_START = ("exp_avg_sq_fresh",)  # v_fresh, filled at the freeze
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100000,
-                 max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
-                 factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
-                 backend: Backend | str | None = None) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
-                        min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
-                        factor_min=factor_min, factor_threshold=factor_threshold)
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int = 100000,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        backend: Backend | str | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            coeff_beta=coeff_beta,
+            factor_max=factor_max,
+            factor_min=factor_min,
+            factor_threshold=factor_threshold,
+        )
         super().__init__(params, defaults, freeze_step, backend)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -124,15 +147,16 @@ class OnebitLamb(FrozenVarianceOptimizer):
         if kind == EXACT and t == self.freeze_step:
             self._freeze()
 
-    def _warmup_update(self, t: int, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any],
-                       state: dict[str, Any]) -> None:
+    def _warmup_update(
+        self, t: int, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: dict[str, Any]
+    ) -> None:
         """u_pre = m_hat / d(v, t) computed as k q with q = m / (sqrt(v) + eps sqrt(b2(t))) and
         k = sqrt(b2(t)) / b1(t): the same value in three passes fewer (the bias corrections
         folded into scalars), and one temporary."""
         beta1, beta2 = group["betas"]
         update_moments(state, g, group["betas"])
-        root_b2 = math.sqrt(1 - beta2 ** t)
-        k = root_b2 / (1 - beta1 ** t)
+        root_b2 = math.sqrt(1 - beta2**t)
+        k = root_b2 / (1 - beta1**t)
         q = torch.sqrt(state["exp_avg_sq"], out=self._scratch_like(p)).add_(group["eps"] * root_b2)
         q = torch.div(state["exp_avg"], q, out=q)
         w = master_weight(p, state)
@@ -147,16 +171,16 @@ class OnebitLamb(FrozenVarianceOptimizer):
         store_(p, w)
 
     @staticmethod
-    def _weight_decayed(u_pre: torch.Tensor, w: torch.Tensor, group: dict[str, Any], out: torch.Tensor
-                        ) -> torch.Tensor:
+    def _weight_decayed(u_pre: torch.Tensor, w: torch.Tensor, group: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
         """u = u_pre + wd w (written into `out`), or u_pre itself when wd = 0."""
         wd = group["weight_decay"]
         return torch.add(u_pre, w, alpha=wd, out=out) if wd else u_pre
 
     def _freeze(self) -> None:
         params = self._params()
-        rms = [float(torch.linalg.vector_norm(self._moments(p)["exp_avg"])) / math.sqrt(max(p.numel(), 1))
-               for p in params]
+        rms = [
+            float(torch.linalg.vector_norm(self._moments(p)["exp_avg"])) / math.sqrt(max(p.numel(), 1)) for p in params
+        ]
         positive = [r for r in rms if r > 0.0 and math.isfinite(r)]
         united = sum(positive) / len(positive) if positive else 1.0
         for p, r in zip(params, rms):
@@ -166,8 +190,9 @@ class OnebitLamb(FrozenVarianceOptimizer):
             state["last_factor"] = 1.0
             state["momentum_scale"] = united / r if r > 0.0 and math.isfinite(united / r) else 1.0
 
-    def _compressed_update(self, t: int, p: torch.Tensor, m: torch.Tensor, group: dict[str, Any],
-                           state: dict[str, Any]) -> None:
+    def _compressed_update(
+        self, t: int, p: torch.Tensor, m: torch.Tensor, group: dict[str, Any], state: dict[str, Any]
+    ) -> None:
         beta1, beta2 = group["betas"]
         denom, masked = self._frozen_denominator(p, group)
         m = mask_(m, group, masked)
@@ -180,13 +205,13 @@ class OnebitLamb(FrozenVarianceOptimizer):
         variance_ratio = float(torch.div(denom, fresh_denom, out=scratch).max())
         w = master_weight(p, state)
         if group["weight_decay"]:
-            u_pre = torch.div(state["exp_avg"], 1 - beta1 ** t, out=self._scratch_like(p, 1)).div_(denom)
+            u_pre = torch.div(state["exp_avg"], 1 - beta1**t, out=self._scratch_like(p, 1)).div_(denom)
             u = self._weight_decayed(u_pre, w, group, out=scratch)
             state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], u_pre, u, group)
             w.add_(u, alpha=-group["lr"] * self._compressed_coefficient(state, group))
         else:  # u = m_hat / d in one pass, the bias correction folded into the step size
             state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], None, None, group)
-            step = group["lr"] * self._compressed_coefficient(state, group) / (1 - beta1 ** t)
+            step = group["lr"] * self._compressed_coefficient(state, group) / (1 - beta1**t)
             w.addcdiv_(state["exp_avg"], denom, value=-step)
         store_(p, w)
 

@@ -5,6 +5,7 @@ them, that the parameter's `.grad` now holds this backward's (accumulated) gradi
 first report of a backward queues a callback that autograd runs once the whole backward is
 done. Outside `with paused():` (the optimizer's `no_sync`), both are forwarded to the owner.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,15 +18,15 @@ class Readiness:
     """Forwards `ready(i)` (parameter i's gradient is accumulated) and `done()` (the backward
     finished) to the owner, and remembers the order in which parameters first became ready."""
 
-    def __init__(self, params: Sequence[torch.Tensor], ready: Callable[[int], None],
-                 done: Callable[[], None]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], ready: Callable[[int], None], done: Callable[[], None]) -> None:
         self._ready, self._done = ready, done
         self.order: list[int] = []
         self._seen: set[int] = set()
         self._queued = False
         self._paused = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
-                         for i, p in enumerate(params) if p.requires_grad]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params) if p.requires_grad
+        ]
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
@@ -38,6 +39,7 @@ class Readiness:
                 self._queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._ready(i)
+
         return hook
 
     def _finish(self) -> None:

@@ -5,6 +5,7 @@ bucket's collective occupies it from when it was submitted (or, if the one befor
 running, from when that one finished) until it completes. The part of that time before the
 end of backward is hidden behind backward; the rest is what `step()` may have to wait for.
 """
+
 from __future__ import annotations
 
 import time

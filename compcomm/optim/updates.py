@@ -4,6 +4,7 @@ They work in place or into a given `out=` tensor: on a CPU, a fresh tensor of a 
 parameter's size costs more (the allocator hands back new pages, each faulted in on first
 touch) than the arithmetic that fills it, so the optimizers reuse buffers instead.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,9 @@ import torch
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def check_range(name: str, value: Any, low: float, high: float = math.inf, *,
-                low_open: bool = False, high_open: bool = False) -> None:
+def check_range(
+    name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False
+) -> None:
     """ValueError unless `value` is a finite real number within the given bounds."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
@@ -39,11 +41,12 @@ def update_moments(state: dict[str, Any], grad: torch.Tensor, betas: tuple[float
     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
 
 
-def adam_denominator(exp_avg_sq: torch.Tensor, beta2: float, step: int, eps: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+def adam_denominator(
+    exp_avg_sq: torch.Tensor, beta2: float, step: int, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """sqrt(v / (1 - beta2^step)) + eps, with torch.optim.Adam's operations (so its rounding),
     written into `out` (a new tensor if None)."""
-    return torch.sqrt(exp_avg_sq, out=out).div_(math.sqrt(1 - beta2 ** step)).add_(eps)
+    return torch.sqrt(exp_avg_sq, out=out).div_(math.sqrt(1 - beta2**step)).add_(eps)
 
 
 def negligible(denominator: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,8 +56,9 @@ def negligible(denominator: torch.Tensor, eps: float) -> torch.Tensor:
     return denominator <= 2 * eps
 
 
-def mask_(values: torch.Tensor, group: dict[str, Any], masked: torch.Tensor | None,
-          out: torch.Tensor | None = None) -> torch.Tensor:
+def mask_(
+    values: torch.Tensor, group: dict[str, Any], masked: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The elements of a communicated momentum that must not move the weights zeroed: those
     `masked` (by the automatic rule, `negligible`: a bool tensor of the values' shape, the flat
     indices of the few masked elements as `sparse_mask` gives them, or None when no element is)
@@ -109,8 +113,9 @@ class Denominators:
             entry = self._entries[p] = [key, adam_denominator(exp_avg_sq, key[2], k, key[1], out=out), None, False]
         return entry[1]
 
-    def get(self, p: torch.Tensor, exp_avg_sq: torch.Tensor, k: int, group: dict[str, Any]
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def get(
+        self, p: torch.Tensor, exp_avg_sq: torch.Tensor, k: int, group: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(denominator, negligible) of parameter p, whose second moment is `exp_avg_sq`."""
         denom = self.denominator(p, exp_avg_sq, k, group)
         entry = self._entries[p]
@@ -140,8 +145,14 @@ def store_(p: torch.Tensor, w: torch.Tensor) -> None:
         p.detach().copy_(w)
 
 
-def decoupled_step_(w: torch.Tensor, group: dict[str, Any], direction: torch.Tensor, denominator: torch.Tensor,
-                    step_size: float, out: torch.Tensor | None = None) -> None:
+def decoupled_step_(
+    w: torch.Tensor,
+    group: dict[str, Any],
+    direction: torch.Tensor,
+    denominator: torch.Tensor,
+    step_size: float,
+    out: torch.Tensor | None = None,
+) -> None:
     """w (1 - lr wd) - step_size * direction / denominator  (AdamW's update), in place, or
     written into `out` (w unchanged) with the same operations, without copying w first."""
     wd = group["weight_decay"]

@@ -42,6 +42,7 @@ at the last sync are kept (w_s) rather than recovered by subtraction, so that ev
 on bitwise the same parameters at a sync. Between syncs the parameters differ across ranks, by design; the
 state dict then holds this rank's parameters too (`gathered_state_dict()` keeps every rank's).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -67,10 +68,19 @@ class ZeroOneAdam(OnebitOptimizer):
     _SCALARS = ("var_interval", "var_counter", "var_updates", "local_interval", "local_counter")
     _HELD_FROM_START = ("sync_weight",)  # w_s, filled at the freeze
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, var_freeze_step: int = 100000,
-                 var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
-                 backend: Backend | str | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        backend: Backend | str | None = None,
+    ) -> None:
         check_count("var_freeze_step", var_freeze_step, 1)
         check_count("var_update_scaler", var_update_scaler, 1)
         check_count("local_step_scaler", local_step_scaler, 1)
@@ -93,8 +103,9 @@ class ZeroOneAdam(OnebitOptimizer):
     def _fresh_errors(self, t: int) -> bool:
         return t == self.var_freeze_step + 1  # the errors of gradients do not carry over to updates
 
-    def _denominator(self, p: torch.Tensor, group: dict[str, Any], refreshes: int
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _denominator(
+        self, p: torch.Tensor, group: dict[str, Any], refreshes: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """d after `refreshes` refreshes of v, and where it is negligible (see `mask_`)."""
         return self._denominators.get(p, self._moments(p)["exp_avg_sq"], refreshes, group)
 
@@ -109,20 +120,34 @@ class ZeroOneAdam(OnebitOptimizer):
             return kind == EXACT
         if any(group.get("exp_avg_mask") is not None for group in self.param_groups):
             return False
-        return all(self._denominator(p, group, self.var_updates)[1] is None
-                   for group in self.param_groups for p in group["params"] if p.requires_grad)
+        return all(
+            self._denominator(p, group, self.var_updates)[1] is None
+            for group in self.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        )
 
-    def _local_step(self, t: int, w: torch.Tensor, m: torch.Tensor, g: torch.Tensor, group: dict[str, Any],
-                    p: torch.Tensor, m_out: torch.Tensor, w_out: torch.Tensor | None) -> None:
+    def _local_step(
+        self,
+        t: int,
+        w: torch.Tensor,
+        m: torch.Tensor,
+        g: torch.Tensor,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        m_out: torch.Tensor,
+        w_out: torch.Tensor | None,
+    ) -> None:
         """This rank's momentum and weights after a local step, written into m_out (which may
         be m itself) and w_out (None: w is updated in place)."""
         beta1 = group["betas"][0]
         denom, masked = self._denominator(p, group, self.var_updates)
         mask_(torch.lerp(m, g, 1 - beta1, out=m_out), group, masked)
-        decoupled_step_(w, group, m_out, denom, group["lr"] / (1 - beta1 ** t), out=w_out)
+        decoupled_step_(w, group, m_out, denom, group["lr"] / (1 - beta1**t), out=w_out)
 
-    def _payload(self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor,
-                 out: torch.Tensor) -> None:
+    def _payload(
+        self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor, out: torch.Tensor
+    ) -> None:
         if kind != COMPRESSED or not p.requires_grad:
             out.copy_(g)
             return
@@ -153,7 +178,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 denom, masked = self._denominator(p, group, refreshes)
                 state["exp_avg"].lerp_(mask_(value.mul_(denom), group, masked), 1 - beta1)
             w = master_weight(p, state)
-            decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1 ** t))
+            decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1**t))
             store_(p, w)
             if t == self.var_freeze_step:
                 state["sync_weight"].copy_(w)
@@ -189,8 +214,10 @@ class ZeroOneAdam(OnebitOptimizer):
         params = self._params()
         if not any(self.state[p].get("lr_sum", 0.0) for p in params):
             return {}
-        return {"weights": [master_weight(p, self.state[p]).clone() for p in params],
-                "exp_avg": [self.state[p].get("exp_avg") for p in params]}
+        return {
+            "weights": [master_weight(p, self.state[p]).clone() for p in params],
+            "exp_avg": [self.state[p].get("exp_avg") for p in params],
+        }
 
     def _load_rank_local(self, local: dict[str, Any]) -> None:
         if not local:

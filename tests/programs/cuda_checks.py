@@ -6,6 +6,7 @@
 Each rank writes OUT_DIR/<mode>_rank<r>.json: {check: {"ok", "detail", ...}}. The same inputs go
 through the GPU path and through gloo/MPI on CPU tensors, and must give the same bits.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -44,13 +45,17 @@ def parity(gpu_backend, cpu_backend, rank: int, world: int, gather) -> int:
             where = f"numel={numel} {dtype} {op} step {step}"
             expect(g.is_cuda and ef_gpu.worker_error.is_cuda, f"{where}: result left the GPU")
             expect(raw(g) == raw(c), f"{where}: GPU and CPU outputs differ")
-            expect(raw(ef_gpu.worker_error) == raw(ef_cpu.worker_error)
-                   and raw(ef_gpu.server_error) == raw(ef_cpu.server_error), f"{where}: error buffers differ")
+            expect(
+                raw(ef_gpu.worker_error) == raw(ef_cpu.worker_error)
+                and raw(ef_gpu.server_error) == raw(ef_cpu.server_error),
+                f"{where}: error buffers differ",
+            )
             inputs = [make_input(r, step, numel, dtype).double().numpy() for r in range(world)]
             expected, _, _ = reference_allreduce(inputs, worker, server, op)
             tol = TOLERANCE[dtype]
-            np.testing.assert_allclose(g.double().cpu().numpy(), expected, rtol=tol,
-                                       atol=tol * float(np.abs(expected).max()), err_msg=where)
+            np.testing.assert_allclose(
+                g.double().cpu().numpy(), expected, rtol=tol, atol=tol * float(np.abs(expected).max()), err_msg=where
+            )
             worker = np.stack(gather(ef_gpu.worker_error.double().cpu().numpy()))
             server = np.stack(gather(ef_gpu.server_error.double().cpu().numpy()))
             steps += 1
@@ -79,6 +84,7 @@ def nonfinite_everywhere(backend, rank: int, world: int) -> str:
 
 # -- NCCL: spawned ranks, one GPU each ------------------------------------------------------
 
+
 def nccl_rank(out_dir: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -106,8 +112,9 @@ def nccl_rank(out_dir: str) -> None:
         counts = []
         for be, device in ((nccl, "cuda"), (gloo, "cpu")):
             start = be.bytes_sent
-            compcomm.compressed_allreduce(make_input(rank, 0, 1000, "float32").to(device),
-                                          compcomm.ErrorFeedback(), backend=be)
+            compcomm.compressed_allreduce(
+                make_input(rank, 0, 1000, "float32").to(device), compcomm.ErrorFeedback(), backend=be
+            )
             counts.append(be.bytes_sent - start)
         expect(counts[0] == counts[1], f"nccl counted {counts[0]} bytes, gloo {counts[1]}")
         return {"compressed_1000": counts[0]}
@@ -115,8 +122,15 @@ def nccl_rank(out_dir: str) -> None:
     def check_nonfinite():
         return {"raised": nonfinite_everywhere(nccl, rank, world)}
 
-    run_checks({"backend": check_backend, "parity": check_parity, "bytes_sent": check_bytes_sent,
-                "nonfinite": check_nonfinite}, os.path.join(out_dir, f"nccl_rank{rank}.json"))
+    run_checks(
+        {
+            "backend": check_backend,
+            "parity": check_parity,
+            "bytes_sent": check_bytes_sent,
+            "nonfinite": check_nonfinite,
+        },
+        os.path.join(out_dir, f"nccl_rank{rank}.json"),
+    )
     dist.destroy_process_group()
 
 
@@ -126,6 +140,7 @@ def main_nccl(out_dir: str) -> int:
 
 
 # -- MPI with CUDA tensors: staged through pinned memory, and direct when CUDA-aware -----------
+
 
 def main_mpi(out_dir: str) -> int:
     from compcomm.backends.mpi import MPIBackend
@@ -149,8 +164,10 @@ def main_mpi(out_dir: str) -> int:
         recv = torch.zeros(world, 6, dtype=torch.uint8, device="cuda")
         handle = staged.all_gather(send, recv, async_op=True)
         handle.wait()
-        expect(torch.equal(recv.cpu(), torch.arange(world, dtype=torch.uint8)[:, None].expand(world, 6)),
-               "staged async all_gather wrong")
+        expect(
+            torch.equal(recv.cpu(), torch.arange(world, dtype=torch.uint8)[:, None].expand(world, 6)),
+            "staged async all_gather wrong",
+        )
         x = torch.full((17,), float(rank + 1), dtype=torch.bfloat16, device="cuda")
         staged.all_reduce(x)
         expect(bool((x == world * (world + 1) / 2).all()), "staged bf16 all_reduce wrong")

@@ -5,6 +5,7 @@ the port chosen by rank 0 and broadcast over MPI). The same training, compressed
 iteration, then runs twice, with the hook's collectives on backend="mpi" and on gloo (the 1-bit
 algorithm is bitwise the same on every transport); each rank writes OUT_DIR/rank<r>.json.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,8 +35,13 @@ RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 def join_gloo() -> None:
     port = MPI.COMM_WORLD.bcast(free_port() if RANK == 0 else None, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK, world_size=SIZE,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=RANK,
+        world_size=SIZE,
+        timeout=datetime.timedelta(seconds=60),
+    )
 
 
 def run(backend) -> tuple[str, int]:

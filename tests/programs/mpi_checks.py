@@ -6,6 +6,7 @@ Each rank writes OUT_DIR/rank<r>.json after every check: {check: {"ok", "detail"
 so that a check that fails (or a run that is killed) still says how far it got.
 `tests/test_mpi.py` launches this once per module and asserts on the files.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -40,6 +41,7 @@ def init_gloo() -> None:
 
 # -- (1) reference and gloo parity ---------------------------------------------------------
 
+
 def check_reference_and_parity() -> dict:
     """MPI against the float64 reference, and MPI vs gloo bit for bit (outputs and errors)."""
     mpi, gloo = compcomm.backends.get("mpi"), compcomm.backends.get("gloo")
@@ -65,14 +67,17 @@ def check_reference_and_parity() -> dict:
             expected, ref_worker, ref_server = reference_allreduce(inputs, worker, server, op)
             scale = float(np.abs(expected).max())
             tol = TOLERANCE[dtype]
-            np.testing.assert_allclose(a.double().numpy(), expected, rtol=tol, atol=tol * scale,
-                                       err_msg=f"{where}: output vs reference")
+            np.testing.assert_allclose(
+                a.double().numpy(), expected, rtol=tol, atol=tol * scale, err_msg=f"{where}: output vs reference"
+            )
             got_worker = np.stack(WORLD.allgather(ef_mpi.worker_error.double().numpy()))
             got_server = np.stack(WORLD.allgather(ef_mpi.server_error.double().numpy()))
-            np.testing.assert_allclose(got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale,
-                                       err_msg=f"{where}: worker error vs reference")
-            np.testing.assert_allclose(got_server, ref_server, rtol=1e-5, atol=1e-5 * scale,
-                                       err_msg=f"{where}: server error vs reference")
+            np.testing.assert_allclose(
+                got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{where}: worker error vs reference"
+            )
+            np.testing.assert_allclose(
+                got_server, ref_server, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{where}: server error vs reference"
+            )
             worker, server = got_worker, got_server
             compared += 1
     # a non-contiguous 2-D input goes the same way on both
@@ -82,12 +87,15 @@ def check_reference_and_parity() -> dict:
         a, b = base.clone().t(), base.clone().t()
         compcomm.compressed_allreduce(a, ef_mpi, backend="mpi")
         compcomm.compressed_allreduce(b, ef_gloo, backend="gloo")
-        expect(raw(a) == raw(b) and raw(ef_mpi.worker_error) == raw(ef_gloo.worker_error),
-               "non-contiguous input: mpi and gloo differ")
+        expect(
+            raw(a) == raw(b) and raw(ef_mpi.worker_error) == raw(ef_gloo.worker_error),
+            "non-contiguous input: mpi and gloo differ",
+        )
     return {"compared_steps": compared, "configs": len(configs)}
 
 
 # -- (2) COMM_WORLD split into two groups ----------------------------------------------------
+
 
 def check_split() -> dict:
     color = RANK // 2
@@ -103,8 +111,13 @@ def check_split() -> dict:
         compcomm.compressed_allreduce(t, ef, backend=be)
         inputs = [make_input(r, step, numel, "float32", seed=11).double().numpy() for r in members]
         expected, worker, server = reference_allreduce(inputs, worker, server, "mean")
-        np.testing.assert_allclose(t.double().numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(),
-                                   err_msg=f"group {color} step {step}")
+        np.testing.assert_allclose(
+            t.double().numpy(),
+            expected,
+            rtol=1e-5,
+            atol=1e-5 * np.abs(expected).max(),
+            err_msg=f"group {color} step {step}",
+        )
         got = np.stack(sub.allgather(ef.worker_error.double().numpy()))
         np.testing.assert_allclose(got, worker, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
         worker = got
@@ -118,6 +131,7 @@ def check_split() -> dict:
 
 
 # -- (3) MPI sub-communicator beside a torch sub-group -------------------------------------
+
 
 def check_subgroup_parity() -> dict:
     members = [1, 3]
@@ -143,14 +157,17 @@ def check_subgroup_parity() -> dict:
             compcomm.compressed_allreduce(a, ef_mpi, backend=mpi, op="sum")
             compcomm.compressed_allreduce(b, ef_gloo, backend=gloo, op="sum")
             expect(raw(a) == raw(b), f"sub-group numel={numel} {dtype} step {step}: outputs differ")
-            expect(raw(ef_mpi.worker_error) == raw(ef_gloo.worker_error)
-                   and raw(ef_mpi.server_error) == raw(ef_gloo.server_error),
-                   f"sub-group numel={numel} {dtype} step {step}: error buffers differ")
+            expect(
+                raw(ef_mpi.worker_error) == raw(ef_gloo.worker_error)
+                and raw(ef_mpi.server_error) == raw(ef_gloo.server_error),
+                f"sub-group numel={numel} {dtype} step {step}: error buffers differ",
+            )
     sub.Free()
     return {"member": True}
 
 
 # -- (4) bad input -----------------------------------------------------------------------
+
 
 def _outcome(fn) -> list:
     try:
@@ -184,8 +201,10 @@ def check_bad_input() -> dict:
         wrong = t.clone() if RANK != 1 else torch.ones(numel, dtype=torch.int32)
         outcomes[f"{name}_type"] = _outcome(lambda: compcomm.compressed_allreduce(wrong, ef, backend=be))
 
-        expect((raw(t), raw(ef.worker_error), raw(ef.server_error)) == snapshot,
-               f"{name}: a rejected call changed the tensor or the error state")
+        expect(
+            (raw(t), raw(ef.worker_error), raw(ef.server_error)) == snapshot,
+            f"{name}: a rejected call changed the tensor or the error state",
+        )
         nxt = make_input(RANK, 1, numel, "float32", seed=9)
         compcomm.compressed_allreduce(nxt, ef, backend=be)
         outcomes[f"{name}_next"] = digest(nxt, ef.worker_error, ef.server_error)
@@ -194,11 +213,14 @@ def check_bad_input() -> dict:
         classes = {o[f"mpi_{key}"] for o in everyone} | {o[f"gloo_{key}"] for o in everyone}
         expect(len(classes) == 1, f"{key}: ranks/backends raised different things: {classes}")
     expect(outcomes["mpi_next"] == outcomes["gloo_next"], "after the rejected calls mpi and gloo differ")
-    return {"raised": {k: v[0] for k, v in outcomes.items() if isinstance(v, list)},
-            "messages": {k: v[1] for k, v in outcomes.items() if isinstance(v, list)}}
+    return {
+        "raised": {k: v[0] for k, v in outcomes.items() if isinstance(v, list)},
+        "messages": {k: v[1] for k, v in outcomes.items() if isinstance(v, list)},
+    }
 
 
 # -- (5) zero copy ---------------------------------------------------------------------
+
 
 class SpyMPIBackend(MPIBackend):
     """The real backend, recording the address of every buffer it hands to MPI."""
@@ -221,8 +243,10 @@ def check_zero_copy() -> dict:
     send = torch.arange(8, dtype=torch.uint8) + RANK
     recv = torch.empty(SIZE, 8, dtype=torch.uint8)
     be.all_gather(send, recv)
-    expect(be.handed[-2:] == [(send.data_ptr(),) * 2, (recv.data_ptr(),) * 2],
-           "all_gather did not hand the tensors' own memory to MPI")
+    expect(
+        be.handed[-2:] == [(send.data_ptr(),) * 2, (recv.data_ptr(),) * 2],
+        "all_gather did not hand the tensors' own memory to MPI",
+    )
     f = torch.full((1000,), float(RANK + 1))
     ptr = f.data_ptr()
     be.all_reduce(f)
@@ -236,18 +260,20 @@ def check_zero_copy() -> dict:
 
 # -- (6) bytes_sent ----------------------------------------------------------------------
 
+
 def check_bytes_sent() -> dict:
     counts = {}
     for name in ("mpi", "gloo"):
         be = compcomm.backends.get(name)
         for numel, dtype in ((1000, "float32"), (7, "float16")):
+
             def call(numel=numel, dtype=dtype) -> None:
                 compcomm.compressed_allreduce(make_input(RANK, 0, numel, dtype), compcomm.ErrorFeedback(), backend=be)
+
             call()  # the same call again: phase 0 then has room for all its signs (see FOLD_BYTES)
             counts[f"{name}_compressed_{numel}"] = _sent(be, call)
         counts[f"{name}_allreduce_fp32_1000"] = _sent(be, lambda: be.all_reduce(torch.ones(1000)))
-        counts[f"{name}_allreduce_bf16_1000"] = _sent(
-            be, lambda: be.all_reduce(torch.ones(1000, dtype=torch.bfloat16)))
+        counts[f"{name}_allreduce_bf16_1000"] = _sent(be, lambda: be.all_reduce(torch.ones(1000, dtype=torch.bfloat16)))
     return {"counts": counts, "world_size": SIZE}
 
 
@@ -258,6 +284,7 @@ def _sent(be, fn) -> int:
 
 
 # -- async collectives and the uncompressed all-reduce -------------------------------------
+
 
 def check_async_and_all_reduce() -> dict:
     be = compcomm.backends.get("mpi")
@@ -285,8 +312,15 @@ def check_async_and_all_reduce() -> dict:
     return {"sums": sums}
 
 
-CHECKS = [check_reference_and_parity, check_split, check_subgroup_parity, check_bad_input,
-          check_zero_copy, check_bytes_sent, check_async_and_all_reduce]
+CHECKS = [
+    check_reference_and_parity,
+    check_split,
+    check_subgroup_parity,
+    check_bad_input,
+    check_zero_copy,
+    check_bytes_sent,
+    check_async_and_all_reduce,
+]
 
 
 def main(out_dir: str) -> int:
@@ -294,8 +328,12 @@ def main(out_dir: str) -> int:
     # before torch.distributed exists, backend=None under mpirun picks MPI
     auto = compcomm.backends.resolve(None, torch.zeros(1)).name
     init_gloo()
-    run_checks({check.__name__[len("check_"):]: check for check in CHECKS}, os.path.join(out_dir, f"rank{RANK}.json"),
-               {"world_size": SIZE, "rank": RANK, "auto_backend": auto}, WORLD.Barrier)
+    run_checks(
+        {check.__name__[len("check_") :]: check for check in CHECKS},
+        os.path.join(out_dir, f"rank{RANK}.json"),
+        {"world_size": SIZE, "rank": RANK, "auto_backend": auto},
+        WORLD.Barrier,
+    )
     dist.destroy_process_group()
     return 0
 

@@ -6,6 +6,7 @@ allreduce, an uncompressed all_reduce and a barrier, one per backend. Each must 
 RuntimeError once the timeout has passed, not hang, and a backend that timed out refuses the
 next call at once. Each rank writes OUT_DIR/rank<r>.json.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -49,8 +50,9 @@ def main(out_dir: str) -> int:
     else:
         compressed, plain, barrier = backends
         t = torch.randn(1000)
-        result["compressed"] = timed(lambda: compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(),
-                                                                           backend=compressed))
+        result["compressed"] = timed(
+            lambda: compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(), backend=compressed)
+        )
         result["all_reduce"] = timed(lambda: plain.all_reduce(torch.ones(100)))
         result["barrier"] = timed(barrier.barrier)
         result["after"] = timed(lambda: compressed.all_reduce(torch.ones(100)))

@@ -4,6 +4,7 @@
 tensors and runs the CUDA kernel source on them, so a `Codec` built on it runs the codec's own
 argument lists and the kernels themselves; only what a GPU alone has goes untested.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,8 +29,24 @@ def compiler_missing() -> str | None:
 
 def build(directory: Path) -> ctypes.CDLL:
     target = directory / "cuda_emulation.so"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-Wall", "-Wextra", "-pthread", "-shared", "-fPIC", str(SOURCE),
-                    "-o", str(target)], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            "g++",
+            "-std=c++20",
+            "-O1",
+            "-Wall",
+            "-Wextra",
+            "-pthread",
+            "-shared",
+            "-fPIC",
+            str(SOURCE),
+            "-o",
+            str(target),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     lib = ctypes.CDLL(str(target))
     _native.bind(lib, prefix=(ctypes.c_uint, ctypes.c_uint), rename="emulate_")
     return lib

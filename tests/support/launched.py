@@ -1,5 +1,6 @@
 """Test programs started as whole launches (mpirun, or a program that spawns its own ranks),
 each rank writing its results to `<out>/<prefix>rank<r>.json` for the tests to assert on."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,8 +36,10 @@ def launch(cmd: list[str], out: Path, prefix: str, world: int, timeout_s: float)
     files = [out / f"{prefix}rank{r}.json" for r in range(world)]
     missing = [f.name for f in files if not f.exists()]
     if done.returncode != 0 or missing:
-        pytest.fail(f"{' '.join(cmd)} exited {done.returncode} (missing results: {missing})\n"
-                    f"stdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-3000:]}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited {done.returncode} (missing results: {missing})\n"
+            f"stdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-3000:]}"
+        )
     return [json.loads(f.read_text()) for f in files]
 
 

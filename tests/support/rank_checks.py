@@ -1,5 +1,6 @@
 """What the multi-rank test programs (tests/programs/) share: inputs, byte comparisons, and the
 loop that runs named checks and writes each rank's results for the tests to assert on."""
+
 from __future__ import annotations
 
 import hashlib
@@ -41,8 +42,12 @@ def digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def run_checks(checks: dict[str, Callable[[], dict | None]], path: str, results: dict | None = None,
-               between: Callable[[], None] | None = None) -> None:
+def run_checks(
+    checks: dict[str, Callable[[], dict | None]],
+    path: str,
+    results: dict | None = None,
+    between: Callable[[], None] | None = None,
+) -> None:
     """Run each check; after each, rewrite `path` (atomically) with {name: {"ok", "detail",
     "seconds", ...values}} added to `results`, so a failed or killed run still says how far it
     got; then call `between` (e.g. a barrier, so a failed check leaves no rank mid-collective)."""

@@ -6,6 +6,7 @@ its traceback, and a rank that does not answer within the timeout fails it inste
 Inside a rank, `group(k)` is the sub-group of ranks 0..k-1 and `group((1, 3))` that of the
 listed ranks, all created once at start-up.
 """
+
 from __future__ import annotations
 
 import datetime

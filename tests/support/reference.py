@@ -1,4 +1,5 @@
 """A plain float64 reference of SPEC section 3, simulating all n ranks in one process."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,9 @@ def sign(v: np.ndarray) -> np.ndarray:
     return np.where(v >= 0, 1.0, -1.0)
 
 
-def reference_allreduce(inputs: list[np.ndarray], worker_errors: np.ndarray, server_errors: np.ndarray,
-                        op: str = "mean") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def reference_allreduce(
+    inputs: list[np.ndarray], worker_errors: np.ndarray, server_errors: np.ndarray, op: str = "mean"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One call: inputs[r] (N,), worker_errors (n, M), server_errors (n, C), all float64.
 
     Returns (output (N,), new worker errors, new server errors).
