@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from compcomm import ordering
+from . import ordering
 
 REDUCE_OPS = ("sum", "mean")
 
@@ -33,7 +33,7 @@ class Backend(ABC):
     (its own block excluded): (n-1) * L for an all-gather or all-to-all of L-byte blocks, and
     2 (n-1)/n * size for an uncompressed ring all-reduce. Subclasses implement the `_`-methods.
 
-    Every collective runs on this group's `channel` (see `compcomm.ordering`): a private
+    Every collective runs on this group's `channel` (see `compcomm.backends.ordering`): a private
     duplicate of the group, opened at the first collective, in one order per group shared by
     every backend object over it. So the caller's own collectives on the group, and compcomm
     calls still in flight, never pair with the wrong messages. The `_`-methods send on

@@ -14,11 +14,10 @@ from .base import Backend, Handle
 DIRECT_GATHER_BYTES = 128 * 1024
 """On gloo, an all-gather of at most this many bytes per rank goes as an all-to-all of n copies
 of the message, each rank sending it straight to every other: the same bytes per rank, (n - 1)
-messages, but one latency instead of the n - 1 steps of gloo's ring. On 4 simulated hosts
-(`bench/gather_latency.py`), 2-32 KiB took 2.0-3.5 ms through the ring against 0.8-0.9 ms as an
-all-to-all, at 1 and 10 Gbit/s (this carries phase 2 of a compressed call of up to 4 MiB of
-fp32 on 4 ranks); at 128 KiB and 1 Gbit/s they tie, and beyond it the ring wins at 1 Gbit/s
-while the copies would cost memory. NCCL keeps its own all-gather (not measured here)."""
+messages, but one latency instead of the n - 1 steps of gloo's ring, which is what a small
+message pays for. Beyond this size the ring wins (its steps are bandwidth-bound, and the copies
+would cost memory); the crossover was measured on a simulated cluster (bench/results/README.md).
+NCCL keeps its own all-gather."""
 
 
 class TorchDistBackend(Backend):

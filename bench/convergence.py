@@ -292,7 +292,7 @@ def run_one(
         "curve": curve,
         "skipped_steps": opt.skipped_steps,
         "params": sum(p.numel() for p in model.parameters()),
-        "buckets": len(opt._layout()),
+        "buckets": len(opt.error_feedback),
     }
 
 

@@ -59,7 +59,7 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
     """One record: every part's time for a `numel`-element fp32 tensor on this group."""
     import compcomm
     from compcomm import codec
-    from compcomm.allreduce import FOLD_BYTES, HEADER
+    from compcomm.agreement import FOLD_BYTES, HEADER
     from compcomm.layout import chunk_size, padded_size, real_count
 
     n, rank = be.world_size, be.rank

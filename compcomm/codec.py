@@ -28,6 +28,7 @@ phase-0 agreement stay as they are.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import warnings
@@ -36,6 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from . import _cuda, _native
 from ._abi import DTYPE_CODES, Arg, Kernels
 
 _BLOCK = {"cpu": 1 << 18}
@@ -285,8 +287,6 @@ def _choose(device: torch.device) -> Codec:
 
 
 def _choose_native() -> Codec:
-    from . import _native
-
     if os.environ.get("COMPCOMM_NATIVE", "1") == "0":
         return Codec(None, "torch kernels (COMPCOMM_NATIVE=0)")
     path = _native.library_path()
@@ -301,14 +301,10 @@ def _choose_native() -> Codec:
 
 
 def _choose_cuda(device: torch.device) -> Codec:
-    import importlib.util
-
     if os.environ.get("COMPCOMM_CUDA_KERNELS", "1") == "0":
         return Codec(None, "torch kernels (COMPCOMM_CUDA_KERNELS=0)")
     if importlib.util.find_spec("cupy") is None:
         return Codec(None, "torch kernels (cupy is not installed: pip install compcomm[cuda] for the fused ones)")
-    from . import _cuda
-
     try:
         return Codec(_cuda.CudaKernels(device))
     except Exception as exc:  # noqa: BLE001 - whatever cupy/NVRTC raises, the torch kernels remain

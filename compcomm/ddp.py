@@ -57,11 +57,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .allreduce import compressed_allreduce, gather_messages
-from .backends import Backend, get, resolve
-from .collective import all_gather_object
+from .agreement import raise_agreed
+from .allreduce import compressed_allreduce
+from .backends import Backend, check_backend_argument, get, resolve
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError, all_finite
+from .gather_objects import all_gather_object
 
 __all__ = ["OnebitHookState", "onebit_hook"]
 
@@ -96,8 +97,7 @@ class OnebitHookState:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
         if nonfinite not in _NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, _NONFINITE))}, got {nonfinite!r}")
-        if backend is not None and not isinstance(backend, (str, Backend)):
-            raise TypeError(f"backend must be a name, a compcomm Backend or None, got {type(backend).__name__}")
+        check_backend_argument(backend)
         self.process_group = process_group
         self.start_iter = start_iter
         self.nonfinite = nonfinite
@@ -204,14 +204,13 @@ class OnebitHookState:
         that holds no errors yet, saved during the first start_iter iterations, loads on any rank)."""
         be = self.backend()
         mine: tuple[int, int, list, dict[Key, ErrorFeedback]] | None = None
+        failure: Exception | None = None
         try:
-            mine, failure = self._check(state, be), ""
+            mine = self._check(state, be)
         except Exception as exc:  # reported to every rank, then raised everywhere
-            failure = f"{type(exc).__name__}: {exc}"
-        verdicts = gather_messages(failure, be)
-        bad = [r for r, v in enumerate(verdicts) if v]
-        if bad or mine is None:
-            raise ValueError(f"cannot load the hook state: rank {bad[0]}: {verdicts[bad[0]]}")
+            failure = ValueError(f"{type(exc).__name__}: {exc}")
+        raise_agreed(failure, be, context="cannot load the hook state: ")
+        assert mine is not None  # else raised on every rank
         iteration, start_iter, params, buckets = mine
         self.iter, self.start_iter, self._params = iteration, start_iter, params
         self._buckets, self._spares, self._pending = buckets, {}, []

@@ -108,7 +108,7 @@ def test_error_feedback_identity(pool, op):
 def test_large_call_with_signs_split_between_phases_zero_and_one_matches_reference(pool, numel):
     """From the second call on, phase 0 carries the first FOLD_BYTES / n sign bytes of each
     row and phase 1 the rest; the result is the reference's."""
-    from compcomm.allreduce import FOLD_BYTES
+    from compcomm.agreement import FOLD_BYTES
     from compcomm.layout import chunk_size
 
     assert chunk_size(numel, 4) // 8 > FOLD_BYTES // 4

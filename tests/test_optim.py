@@ -69,7 +69,7 @@ def train(name: str, dtype: str, steps: int, freeze_step: int, weight_decay: flo
         out.append(raw(model))
     assert opt.step_count == steps and opt.compressing == (steps >= freeze_step)
     if steps > freeze_step:
-        assert all(ef.initialized for ef in opt._error_feedback)
+        assert all(ef.initialized for ef in opt.error_feedback)
     return out
 
 
@@ -187,7 +187,7 @@ def straight_vs_resumed(name: str, steps: int, stop: int, freeze_step: int) -> t
     straight = raw(model)
     straight_ef = b"".join(
         ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
-        for ef in opt._error_feedback
+        for ef in opt.error_feedback
         if ef.initialized
     )
 
@@ -213,7 +213,7 @@ def straight_vs_resumed(name: str, steps: int, stop: int, freeze_step: int) -> t
         opt.step()
     resumed_ef = b"".join(
         ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
-        for ef in opt._error_feedback
+        for ef in opt.error_feedback
         if ef.initialized
     )
     return straight, raw(model), straight_ef, resumed_ef
@@ -280,7 +280,7 @@ def snapshot(model: torch.nn.Module, opt: OnebitOptimizer) -> bytes:
     for p in model.parameters():
         for k, v in sorted(opt.state[p].items()):
             parts.append(k.encode() + (v.numpy().tobytes() if torch.is_tensor(v) else repr(v).encode()))
-    for ef in opt._error_feedback:
+    for ef in opt.error_feedback:
         if ef.initialized:
             parts.append(ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes())
     return b"|".join(parts)
@@ -346,7 +346,7 @@ def count_collectives(name: str) -> list[dict]:
             sent = be.bytes_sent
             backward(model, rank, step)
             opt.step()
-            per_step.append(dict(counts, buckets=len(opt._layout()), bytes=be.bytes_sent - sent))
+            per_step.append(dict(counts, buckets=len(opt.error_feedback), bytes=be.bytes_sent - sent))
     finally:
         for op in counts:
             delattr(be, op)

@@ -29,7 +29,7 @@ def run(name: str, overlap: bool, steps: int, freeze_step: int) -> tuple[list[by
         torch.nn.functional.mse_loss(model(x), x[:, :4].sin()).backward()
         opt.step()
         out.append(raw(model))
-    return out, list(opt._order)
+    return out, list(opt._rounds.lay_out().order)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -52,9 +52,9 @@ def order_and_launches(name: str) -> tuple[list[int], list[int], list[int], int]
     started = []
     for step in range(4):
         backward(model, rank, step)
-        started.append(len(opt._round.launches) if opt._round is not None else 0)
+        started.append(len(opt._rounds.round.launches) if opt._rounds.round is not None else 0)
         opt.step()
-    return list(opt._order), list(opt._readiness.order), started, len(opt._layout())
+    return list(opt._rounds.lay_out().order), list(opt._rounds.readiness.order), started, len(opt.error_feedback)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -19,7 +19,7 @@ from rankpool import caught, group
 def error_bytes(opt: OnebitOptimizer) -> bytes:
     return b"".join(
         ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
-        for ef in opt._error_feedback
+        for ef in opt.error_feedback
         if ef.initialized
     )
 
@@ -172,18 +172,18 @@ def bad_second_bucket(name: str, how: str) -> tuple[bool, bool, list[bool], bool
     for step in range(4):
         backward(model, rank, step)
         opt.step()
-    second = [list(model.parameters())[opt._order[k]] for k in opt._layout().buckets[1].indices]
+    second = [list(model.parameters())[i] for i in opt._rounds.lay_out().parameters_of(1)]
     if how == "overflow":
         for p in second:
             opt.state[p]["exp_avg"].fill_(3e38)
     backward(model, rank, 4)
     if how == "nan" and rank == 2:
         second[0].grad.view(-1)[0] = math.nan
-    before, errors = snapshot(model, opt), [ef.worker_error.clone() for ef in opt._error_feedback]
+    before, errors = snapshot(model, opt), [ef.worker_error.clone() for ef in opt.error_feedback]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt.step()
-    same = [bool(torch.equal(a, ef.worker_error)) for a, ef in zip(errors, opt._error_feedback)]
+    same = [bool(torch.equal(a, ef.worker_error)) for a, ef in zip(errors, opt.error_feedback)]
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return opt.last_step_skipped, snapshot(model, opt) == before, same, finite
 

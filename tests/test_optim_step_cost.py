@@ -41,18 +41,18 @@ def error_buffers(name: str) -> tuple[list[set[int]], bool]:
         backward(model, rank, step)
         opt.step()
         if step >= 2:
-            seen = seen or [set() for _ in opt._error_feedback]
-            for addresses, ef in zip(seen, opt._error_feedback):
+            seen = seen or [set() for _ in opt.error_feedback]
+            for addresses, ef in zip(seen, opt.error_feedback):
                 addresses.add(ef.worker_error.data_ptr())
-    twin = compcomm.ErrorFeedback().copy_(opt._error_feedback[0])
+    twin = compcomm.ErrorFeedback().copy_(opt.error_feedback[0])
     same = all(
         torch.equal(a, b)
         for a, b in (
-            (twin.worker_error, opt._error_feedback[0].worker_error),
-            (twin.server_error, opt._error_feedback[0].server_error),
+            (twin.worker_error, opt.error_feedback[0].worker_error),
+            (twin.server_error, opt.error_feedback[0].server_error),
         )
     )
-    return seen, same and twin.tag == opt._error_feedback[0].tag
+    return seen, same and twin.tag == opt.error_feedback[0].tag
 
 
 @pytest.mark.parametrize("name", ["adam", "lamb"])

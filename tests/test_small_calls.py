@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import compcomm
-from compcomm.allreduce import FOLD_BYTES, HEADER, SERVER_SCALE_BYTES
+from compcomm.agreement import FOLD_BYTES, HEADER
 from compcomm.backends.torch_dist import DIRECT_GATHER_BYTES
 from compcomm.layout import chunk_size
+from compcomm.schedules.flat import SERVER_SCALE_BYTES
 
 from rankpool import caught, group
 

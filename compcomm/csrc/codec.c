@@ -18,11 +18,10 @@
 enum { F32 = CC_F32, F16 = CC_F16, BF16 = CC_BF16 };
 
 /* Outputs of at least this many bytes per call (a decode; an error update into another buffer)
- * are written with non-temporal stores, which skip reading each line before writing it. Measured
- * with 4 processes on the 2-core VM of bench/results: decoding 100 MiB of fp32 in 4 chunks took
- * 9-13 ms instead of 27-31, 16 MiB 0.9 ms instead of 1.4-1.6, and a 100 MiB error update into
- * another buffer 33 ms instead of 42-46. At 1 MiB per call plain stores are faster (the output
- * is still in cache when the caller reads it). */
+ * are written with non-temporal stores, which skip reading each line before writing it: for a
+ * large output that is not read again soon, that read is wasted memory traffic. Smaller outputs
+ * keep plain stores: they are still in cache when the caller reads them. The crossover was
+ * measured (bench/results/README.md, "codec"). */
 enum { STREAM_BYTES = 4 << 20 };
 
 static inline float load(const void *x, int64_t i, int dtype) {

@@ -40,9 +40,6 @@ class Channel:
         self._issued = 0
         self._serving = 0
         self._worker: ThreadPoolExecutor | None = None
-        self.agreed: dict[Hashable, int] = {}
-        """Values every rank sets alike from the agreed outcome of calls on this channel (calls
-        pair by position, so these stay equal across ranks even when the ranks' arguments differ)."""
 
     def worker(self) -> ThreadPoolExecutor:
         """The thread that runs this channel's async calls (made on first use)."""
@@ -179,15 +176,3 @@ def submit(channels: Sequence[Channel], fn: Callable, *args) -> Pending:
 def sequence_number(channel_: Channel) -> int:
     """The ticket of the call running now on `channel_` (the same on every rank for the same call)."""
     return channel_._serving
-
-
-def wait_all(handles: list[Pending]) -> None:
-    """Wait for every handle, even after one fails, then raise the first failure."""
-    failure: BaseException | None = None
-    for handle in handles:
-        try:
-            handle.wait()
-        except BaseException as exc:
-            failure = failure or exc
-    if failure is not None:
-        raise failure

@@ -1,0 +1,75 @@
+"""Backends by name, and the one rule that picks a backend when the caller names none."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from .base import Backend
+from .gloo import GlooBackend
+from .hierarchical import from_torch
+from .local import LocalBackend
+from .mpi import MPIBackend
+from .mpi_runtime import launched_by_mpi
+from .nccl import NcclBackend
+
+_REGISTRY: dict[str, Callable[..., Backend]] = {
+    "local": LocalBackend,
+    "gloo": GlooBackend,
+    "nccl": NcclBackend,
+    "mpi": MPIBackend,
+    "hierarchical": from_torch,
+}
+_defaults: dict[str, Backend] = {}
+
+
+def get(name: str, **options) -> Backend:
+    """A new backend by name ("gloo", "nccl", "mpi", "local", "hierarchical"); options go to its
+    constructor, e.g. `group=` (a torch.distributed sub-group) or `comm=` (an MPI communicator);
+    "hierarchical" is built from the default torch group and LOCAL_WORLD_SIZE (`local_world_size=`)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(_REGISTRY)} or pass a Backend")
+    return _REGISTRY[name](**options)
+
+
+def check_backend_argument(backend: object) -> None:
+    """TypeError unless `backend` is what every `backend=` parameter takes: a name, a Backend or None."""
+    if backend is not None and not isinstance(backend, (str, Backend)):
+        raise TypeError(f"backend must be a name, a compcomm Backend or None, got {type(backend).__name__}")
+
+
+def resolve(backend: Backend | str | None, tensor: torch.Tensor | None = None) -> Backend:
+    """The backend a collective on `tensor` uses.
+
+    An object is used as is; a name gives a cached default instance of that backend; None
+    picks: an initialized torch.distributed default group (nccl for CUDA tensors, gloo for
+    the rest), else MPI when launched by mpirun, else the single-process backend; but a process
+    that a launcher started as one of several (WORLD_SIZE > 1) without a process group is a
+    RuntimeError naming `init_process_group`, never a silent world of one.
+    """
+    check_backend_argument(backend)
+    if isinstance(backend, Backend):
+        return backend
+    name = backend if backend is not None else _auto_name(tensor)
+    if name not in _defaults:
+        _defaults[name] = get(name)
+    return _defaults[name]
+
+
+def _auto_name(tensor: torch.Tensor | None) -> str:
+    on_cuda = isinstance(tensor, torch.Tensor) and tensor.is_cuda
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "nccl" if on_cuda else "gloo"
+    if launched_by_mpi():
+        return "mpi"
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip() not in ("", "0", "1"):
+        raise RuntimeError(
+            f"this process was launched as one of WORLD_SIZE={world} ranks (torchrun or similar), but "
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() before "
+            "compcomm picks a backend (otherwise every rank would silently run as a world of one), or "
+            "pass backend='local' to reduce within this process on purpose"
+        )
+    return "local"

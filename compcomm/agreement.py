@@ -1,0 +1,482 @@
+"""Phase 0, shared by every schedule: whether a call goes ahead, decided alike on every rank.
+
+A compcomm call may only change a tensor or an error state once every rank knows that every
+rank's part of it is valid. So each schedule starts with this agreement, before anything is
+modified:
+
+1. This rank's own checks of its arguments (`check_arguments`: TypeError/ValueError) and the
+   schedule's local scan of each tensor (its scale, which is NaN/inf when the input or error
+   state is not finite). A failure is not raised at once, which would leave the other ranks
+   waiting: it travels as a code in the rank's `HEADER`.
+2. One exchange of every rank's headers: an all-to-all whose slot j also carries the first bytes
+   of this rank's data for rank j (`FOLD_BYTES`), or an all-gather.
+3. The verdict, computed from the same bytes on every rank, so raised alike everywhere: a rank's
+   own error (`ERRORS`, with that rank's message), ranks disagreeing on the call (`CALL`: count,
+   sequence number, numel, op, dtype, ErrorFeedback tag, exactness, schedule), non-finite values
+   (`NonFiniteError`), or sums that could leave fp32 or the result's dtype (`NonFiniteError`).
+
+Slots have the same size on every rank whatever the arguments (a header plus the room that the
+group's previous accepted call agreed on), so ranks passing different sizes are told so instead
+of hanging. `raise_agreed` is the same verdict for a single failure outside a payload call (a
+composite schedule's second level, checkpoint loading, the optimizers' small collectives).
+
+`CallSpec` is a call as every schedule reads it: the tensors, one ErrorFeedback each, where the
+errors after the call go (`into`), the op, which tensors go exact, and the dtype each result ends
+in. The error commit is the schedules' one rule: the error state is written only after the
+verdict, into `spec.into(i)`, which is the input ErrorFeedback itself unless the caller gave an
+`error_feedback_out` (the optimizers and the DDP hook keep the old state until a whole step
+succeeded).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import weakref
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .backends import Backend
+from .backends.ordering import Channel
+from .error_feedback import ErrorFeedback
+from .errors import NonFiniteError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+OPS = ("mean", "sum")
+SCHEDULES = ("allreduce", "hierarchical", "reduce_scatter")
+"""The schedules a call's header names, so that ranks running different collectives in the same
+turn on a group are told so."""
+
+CALL = np.dtype(
+    [
+        ("count", "<i8"),  # tensors in the call (coalesced calls carry several)
+        ("seq", "<i8"),  # the call's number on the group: equal on every rank unless out of step
+        ("numel", "<i8"),
+        ("tag", "<u4"),  # ErrorFeedback.fingerprint
+        ("op", "u1"),  # index in OPS
+        ("dtype", "u1"),  # index in FLOAT_DTYPES
+        ("exact", "u1"),  # 1 when reduced exactly (below min_compress_bytes)
+        ("schedule", "u1"),  # index in SCHEDULES
+    ]
+)
+"""What every rank must agree on, per tensor. Only its digest travels, unless the digests differ."""
+
+HEADER = np.dtype(
+    [
+        ("scale", "<f4"),  # the schedule's bound on this rank's contribution (inf/NaN when not finite)
+        ("server_max", "<f4"),  # max |e_s| of this rank's server error (bounds the server sums)
+        ("digest", "<u4"),  # crc32 of the tensor's CALL record
+        ("code", "<i4"),  # 0, or `error_code` of the error this rank's own checks raised
+    ]
+)
+"""Phase 0's per-tensor wire format (16 bytes per tensor and rank)."""
+
+FOLD_BYTES = 128 * 1024
+"""The most bytes per rank and slot that phase 0's all-to-all carries besides the header. Slots
+have the same size on every rank whatever the arguments: a HEADER plus the room of the group's
+previous accepted call (its first tensor's row width, at most FOLD_BYTES / n; none for a group's
+first call), which every rank knows alike. So a repeated call whose rows fit costs one collective
+latency fewer, a larger call sends the rest afterwards, and no call carries more padding than its
+predecessor's rows. FOLD_BYTES is about one latency's worth of bytes on a 10 Gbit/s link."""
+
+ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, NonFiniteError, RuntimeError)
+"""Errors carried by index (`error_code`); any other type travels as RuntimeError."""
+
+_MESSAGE_BYTES = 1024
+_HEADROOM = 1.0 - 2.0**-10  # fp32 rounding of the partial sums stays well inside this
+_LARGEST = {dtype: float(torch.finfo(dtype).max) for dtype in FLOAT_DTYPES}
+
+
+# ----------------------------------------------------------------------------------- the call
+
+
+class _NotASequence(list):
+    """Stands for an argument this rank could not read as a sequence: raising at once would
+    leave the other ranks waiting in phase 0, so the agreement raises `error` there instead,
+    where it reaches every rank."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+
+def as_list(values: object, name: str) -> list:
+    """`list(values)`, or a `_NotASequence` (an agreed TypeError in phase 0) when it is not one."""
+    if isinstance(values, (str, bytes, torch.Tensor, ErrorFeedback)) or not hasattr(values, "__iter__"):
+        return _NotASequence(TypeError(f"{name} must be a sequence (list or tuple), got {type(values).__name__}"))
+    return list(values)
+
+
+@dataclass
+class CallSpec:
+    """One call of a compressed collective, as every schedule reads it.
+
+    `exact` fixes which tensors go uncompressed (a composite's inner level, where the outer
+    level decided); otherwise `min_compress_bytes` decides, per tensor, during the local checks.
+    `result_dtypes` are the dtypes the results end in when not the tensors' own (a composite
+    reducing fp32 parts of a half-precision tensor), for the overflow verdict.
+    """
+
+    tensors: list[torch.Tensor]
+    error_feedbacks: list[ErrorFeedback]
+    op: str = "mean"
+    outs: list[ErrorFeedback] | None = None
+    min_compress_bytes: int | None = None
+    exact: list[bool] | None = None
+    result_dtypes: list[torch.dtype] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        tensors: object,
+        error_feedbacks: object,
+        op: str = "mean",
+        outs: object = None,
+        min_compress_bytes: int | None = None,
+    ) -> CallSpec:
+        """A call from a user's arguments, read leniently: what is not a sequence becomes an
+        agreed TypeError in phase 0 rather than a local one."""
+        return cls(
+            as_list(tensors, "tensors"),
+            as_list(error_feedbacks, "error_feedbacks"),
+            op,
+            None if outs is None else as_list(outs, "error_feedbacks_out"),
+            min_compress_bytes,
+        )
+
+    def into(self, i: int) -> ErrorFeedback:
+        """Where tensor i's errors after the call go: its output ErrorFeedback, or its own."""
+        return self.error_feedbacks[i] if self.outs is None else self.outs[i]
+
+    def reduced_exactly(self, i: int) -> bool:
+        """Whether tensor i goes uncompressed (ValueError for a bad `min_compress_bytes`)."""
+        if self.exact is not None:
+            return self.exact[i]
+        limit = self.min_compress_bytes
+        if limit is None:
+            return False
+        if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 0:
+            raise ValueError(f"min_compress_bytes must be None or a number of bytes >= 0, got {limit!r}")
+        tensor = self.tensors[i]
+        return tensor.numel() * tensor.element_size() < limit
+
+    def result_dtype(self, i: int) -> torch.dtype:
+        return self.tensors[i].dtype if self.result_dtypes is None else self.result_dtypes[i]
+
+    def check_pairs(self) -> None:
+        """The call's structure: one ErrorFeedback (and output) per tensor, none shared."""
+        for given in (self.tensors, self.error_feedbacks, self.outs):
+            if isinstance(given, _NotASequence):
+                raise given.error
+        tensors, efs, outs = self.tensors, self.error_feedbacks, self.outs
+        if len(tensors) != len(efs) or not tensors:
+            raise ValueError(
+                f"need one ErrorFeedback per tensor and at least one tensor, got "
+                f"{len(tensors)} tensors and {len(efs)} ErrorFeedbacks"
+            )
+        if len({id(ef) for ef in efs}) != len(efs):
+            raise ValueError("the same ErrorFeedback was passed for two tensors of one call; use one per tensor")
+        if outs is None:
+            return
+        if len(outs) != len(efs):
+            raise ValueError(f"need one output ErrorFeedback per tensor, got {len(outs)} for {len(efs)} tensors")
+        for out in outs:
+            if not isinstance(out, ErrorFeedback):
+                raise TypeError(f"error_feedback_out must be a compcomm.ErrorFeedback, got {type(out).__name__}")
+        sources = {id(ef) for ef in efs}
+        others = [id(out) for out, ef in zip(outs, efs) if out is not ef]
+        if len({id(out) for out in outs}) != len(outs) or sources.intersection(others):
+            raise ValueError(
+                "an output ErrorFeedback is also another tensor's input or output in this call; "
+                "give each tensor its own (or its input itself)"
+            )
+
+
+def check_arguments(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, serves: tuple[int, int]) -> None:
+    """This rank's own checks of one tensor of a call (TypeError/ValueError); `ef` must hold
+    errors of the (numel, world_size) `serves`, or none yet."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"compressed collectives take a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"compressed collectives take float32, float16 or bfloat16 tensors, got {tensor.dtype}")
+    if not isinstance(ef, ErrorFeedback):
+        raise TypeError(f"error_feedback must be a compcomm.ErrorFeedback, got {type(ef).__name__}")
+    if op not in OPS:
+        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+    if not be.serves(tensor.device):
+        raise ValueError(
+            f"the {be.name} backend cannot reduce tensors on {tensor.device} "
+            f"(it serves {be.device.type}); move the tensor or pick another backend"
+        )
+    if _overlaps(tensor):
+        raise ValueError(
+            f"the tensor's elements overlap in memory (shape {tuple(tensor.shape)}, strides "
+            f"{tensor.stride()}, e.g. from expand()); the result cannot be written back: "
+            "pass a tensor that owns its elements (.clone())"
+        )
+    why = ef.mismatch(*serves)
+    if why:
+        raise ValueError(why)
+
+
+def _overlaps(tensor: torch.Tensor) -> bool:
+    """Whether two indices of the tensor can address the same element (strides alone decide:
+    sorted by stride, each dimension must step past everything the smaller ones span)."""
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1)
+    span = 0
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+# ----------------------------------------------------------------------------------- phase 0
+
+
+@dataclass
+class Measured:
+    """What a schedule's local pass found of one tensor, for the headers."""
+
+    bound: float  # bounds what this rank adds to any output element (s_r, max |x|, ...); NaN/inf if not finite
+    server_max: float = 0.0  # max |e_s| this rank's served outputs carry on top (0 without server error)
+    rows: torch.Tensor | None = None  # (n, W) bytes for ranks 0..n-1, the first bytes of which phase 0 carries
+
+
+@dataclass
+class Agreement:
+    """The accepted call, as every rank sees it."""
+
+    headers: np.ndarray  # (n, count) HEADER records of every rank
+    early: torch.Tensor | None  # (n, e): the first e bytes rank r sent this one of tensor 0's rows
+
+    def bounds(self, i: int) -> np.ndarray:
+        """Every rank's `Measured.bound` of tensor i, as fp32 (the scales s_r of a 1-bit call)."""
+        return self.headers["scale"][:, i].astype(np.float32)
+
+
+class _GroupMemory:
+    """What every rank of a group sets alike from the accepted calls on it (calls pair by
+    position, so this stays equal across ranks even when their arguments differ)."""
+
+    def __init__(self) -> None:
+        self.fold_room = 0
+
+
+_memory: weakref.WeakKeyDictionary[Channel, _GroupMemory] = weakref.WeakKeyDictionary()
+
+
+def _group_memory(channel: Channel) -> _GroupMemory:
+    if channel not in _memory:
+        _memory[channel] = _GroupMemory()
+    return _memory[channel]
+
+
+def agree_on_call(
+    spec: CallSpec,
+    be: Backend,
+    schedule: str,
+    sequence: int,
+    measure: Callable[[int], Measured],
+    serves: Callable[[int], tuple[int, int]],
+    fold: bool = True,
+) -> Agreement:
+    """Phase 0 of `spec` over `be` for `schedule`, the call numbered `sequence` on the group.
+
+    `measure(i)` runs the schedule's local pass over tensor i (after `check_arguments`, with the
+    ErrorFeedback serving `serves(numel)`); with `fold`, the first tensor's rows travel in the
+    headers' all-to-all as far as the agreed room holds. Returns the agreement, or raises the
+    agreed error on every rank of `be` with nothing modified."""
+    count = len(spec.tensors) if isinstance(spec.tensors, list) else 0
+    calls = np.zeros(max(count, 1), dtype=CALL)  # one record at least: phase 0 always sends one
+    calls["count"], calls["seq"], calls["schedule"] = count, sequence, SCHEDULES.index(schedule)
+    headers = np.zeros(max(count, 1), dtype=HEADER)
+    first_rows: torch.Tensor | None = None
+    failure: Exception | None = None
+    try:
+        spec.check_pairs()
+        for i, (tensor, ef) in enumerate(zip(spec.tensors, spec.error_feedbacks)):
+            check_arguments(tensor, ef, be, spec.op, serves(tensor.numel()))
+            exact = spec.reduced_exactly(i)
+            calls["exact"][i] = exact
+            measured = measure(i)
+            headers["scale"][i], headers["server_max"][i] = measured.bound, measured.server_max
+            record = calls[i]
+            record["numel"], record["tag"], record["op"] = tensor.numel(), ef.fingerprint, OPS.index(spec.op)
+            record["dtype"] = FLOAT_DTYPES.index(spec.result_dtype(i))
+            if i == 0:
+                first_rows = measured.rows
+    except Exception as exc:  # reported to every rank below, then raised everywhere
+        failure, first_rows = exc, None
+        headers["code"] = error_code(exc)
+    headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
+    memory = _group_memory(be.channel)
+    everyone, early = _exchange(headers, be, first_rows, memory.fold_room if fold else None)
+    _raise_if_rejected(everyone, calls, failure, be)
+    if fold and first_rows is not None:  # accepted: every rank has the same width
+        memory.fold_room = min(FOLD_BYTES // be.world_size, first_rows.shape[1])
+    return Agreement(everyone, early)
+
+
+def error_code(exc: BaseException) -> int:
+    """The code of an error that travels: 1 + its index in ERRORS (RuntimeError for the rest)."""
+    return 1 + next((i for i, cls in enumerate(ERRORS) if type(exc) is cls), len(ERRORS) - 1)
+
+
+def _exchange(
+    headers: np.ndarray, be: Backend, rows: torch.Tensor | None, room: int | None
+) -> tuple[np.ndarray, torch.Tensor | None]:
+    """Exchange the headers: (n, count) records, and the first tensor's early rows. The first
+    record goes alone (in the folded all-to-all when `room` is given, or an all-gather), so that
+    ranks disagreeing on the count (part of the digest) are caught before sizes differ."""
+    if room is None:
+        first, early = _all_gather_records(headers[:1], be), None
+    else:
+        first, early = _folded(headers[:1], rows, room, be)
+    if len(headers) == 1 or (first["digest"] != first["digest"][:1]).any() or first["code"].any():
+        return first, early
+    return np.concatenate([first, _all_gather_records(headers[1:], be)], axis=1), early
+
+
+def _folded(
+    record: np.ndarray, rows: torch.Tensor | None, room: int, be: Backend
+) -> tuple[np.ndarray, torch.Tensor | None]:
+    """Phase 0's all-to-all: slot j carries `record` and the first bytes of rows[j], in the
+    `room` every rank agreed on (see FOLD_BYTES), so no argument can make sizes differ."""
+    n, head = be.world_size, HEADER.itemsize
+    send = torch.zeros(n, head + room, dtype=torch.uint8, device=be.device)
+    send[:, :head] = torch.from_numpy(record.view(np.uint8).copy()).to(be.device)
+    carried = 0 if rows is None else min(room, rows.shape[1])
+    if carried:
+        assert rows is not None
+        send[:, head : head + carried].copy_(rows[:, :carried])
+    recv = torch.empty_like(send)
+    be.all_to_all(send, recv)
+    records = recv[:, :head].cpu().numpy().view(HEADER).reshape(n, 1)
+    return records, recv[:, head : head + carried] if carried else None
+
+
+def _all_gather_records(records: np.ndarray, be: Backend) -> np.ndarray:
+    send = torch.from_numpy(records.view(np.uint8).copy()).to(be.device)
+    recv = torch.empty(be.world_size, send.numel(), dtype=torch.uint8, device=be.device)
+    be.all_gather(send, recv)
+    return recv.cpu().numpy().view(records.dtype).reshape(be.world_size, len(records))
+
+
+def _raise_if_rejected(headers: np.ndarray, calls: np.ndarray, failure: Exception | None, be: Backend) -> None:
+    """Raise the same error on every rank if any rank's call is invalid or would overflow."""
+    first = headers[:, 0]
+    bad = np.flatnonzero(first["code"])
+    if bad.size:
+        rank = int(bad[0])
+        message = gather_messages(str(failure) if failure else "", be)[rank]
+        raise ERRORS[int(first["code"][rank]) - 1](f"rank {rank}: {message}") from failure
+    if (headers["digest"] != headers["digest"][:1]).any():
+        raise ValueError(_disagreement(_all_gather_records(calls[:1] if headers.shape[1] == 1 else calls, be)))
+    finite = np.isfinite(headers["scale"]) & np.isfinite(headers["server_max"])
+    if not finite.all():
+        raise NonFiniteError(
+            f"non-finite values (NaN/Inf) in the input or error state of rank(s) "
+            f"{np.flatnonzero(~finite.all(axis=1)).tolist()}; nothing was reduced and no "
+            "error state changed"
+        )
+    for i in range(headers.shape[1]):
+        _check_headroom(headers[:, i], calls[i])
+
+
+def _disagreement(calls: np.ndarray) -> str:
+    """What the ranks disagree on, from everyone's CALL records (fetched on this failure path only)."""
+    if (calls["count"] != calls["count"][:1]).any():
+        return (
+            f"ranks disagree on the number of tensors in the call (per rank: {calls['count'][:, 0].tolist()}); "
+            "nothing was reduced"
+        )
+    for field in ("schedule", "seq", "numel", "op", "dtype", "exact", "tag"):
+        differs = np.flatnonzero((calls[field] != calls[field][:1]).any(axis=0))
+        if differs.size:
+            column = calls[field][:, int(differs[0])].tolist()
+            break
+    else:  # the digests differ but no field does: a corrupted header
+        return "the ranks' call headers differ; nothing was reduced"
+    if field == "numel":
+        return (
+            f"ranks passed tensors of different sizes (numel per rank: {column}); "
+            "every rank must reduce the same number of elements"
+        )
+    shown = {
+        "op": lambda v: OPS[v],
+        "dtype": lambda v: str(FLOAT_DTYPES[v]).replace("torch.", ""),
+        "schedule": lambda v: SCHEDULES[v],
+    }
+    values = [shown[field](v) for v in column] if field in shown else column
+    what = {
+        "schedule": "collective",
+        "seq": "call sequence numbers on this group",
+        "op": "op",
+        "dtype": "dtype",
+        "exact": "compression (1 = uncompressed)",
+        "tag": "ErrorFeedback tags",
+    }[field]
+    hint = {
+        "schedule": "; every rank must make the same compcomm calls on a group in the same order",
+        "seq": "; every rank must make the same compcomm calls on a group in the same order",
+        "exact": "; pass the same min_compress_bytes on every rank",
+        "tag": "; the ranks paired different ErrorFeedbacks (async calls submitted in different "
+        "orders?): submit calls in the same order on every rank",
+    }.get(field, "")
+    return f"ranks disagree on the call's {what} (per rank: {values}){hint}; nothing was reduced"
+
+
+def _check_headroom(headers: np.ndarray, call: np.void) -> None:
+    """NonFiniteError when the sums of this tensor could leave fp32 or the result's dtype: with
+    B = sum_r bound_r, partial sums stay below B and each output below B/n (mean) or B (sum),
+    plus max |e_s|."""
+    total = float(np.sum(headers["scale"].astype(np.float64)))
+    divisor = len(headers) if OPS[int(call["op"])] == "mean" else 1
+    largest = min(_LARGEST[torch.float32], _LARGEST[FLOAT_DTYPES[int(call["dtype"])]]) * _HEADROOM
+    peak = total / divisor + float(np.max(headers["server_max"].astype(np.float64)))
+    if total >= _LARGEST[torch.float32] * _HEADROOM or peak >= largest or not math.isfinite(peak):
+        raise NonFiniteError(
+            f"the reduction would overflow: the ranks' scales sum to {total:.3e} and the server values could "
+            f"reach {peak:.3e}, beyond the {largest:.3e} that fp32 and the tensor's dtype hold; nothing was "
+            "reduced and no error state changed (scale the tensor down)"
+        )
+
+
+# ----------------------------------------------------------------------------------- verdicts
+
+
+def gather_messages(text: str, be: Backend) -> list[str]:
+    """All-gather each rank's failure text (only on a failure path, so it costs nothing normally)."""
+    raw = text.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
+    out = torch.empty(be.world_size, _MESSAGE_BYTES, dtype=torch.uint8, device=be.device)
+    be.all_gather(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(be.device), out)
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out.cpu().numpy()]
+
+
+def raise_agreed(failure: BaseException | None, be: Backend, context: str = "") -> None:
+    """Raise on every rank of `be` if any rank has a `failure`: one small all-gather when none
+    has. Every rank raises the class of the lowest failed rank's error (as `ERRORS` carries it),
+    with that rank's message, `context` before it and the list of failed ranks when several."""
+    code = 0 if failure is None else error_code(failure)
+    codes = torch.empty(be.world_size, 1, dtype=torch.uint8, device=be.device)
+    be.all_gather(torch.tensor([code], dtype=torch.uint8, device=be.device), codes)
+    failed = [r for r, c in enumerate(codes.view(-1).tolist()) if c]
+    if not failed:
+        return
+    first = failed[0]
+    message = gather_messages(str(failure or ""), be)[first]
+    ranks = f"rank(s) {failed} failed; " if len(failed) > 1 else ""
+    raise ERRORS[int(codes[first, 0]) - 1](f"{context}{ranks}rank {first}: {message}") from failure
+
+
+def all_sum(values: Sequence[float], be: Backend) -> list[float]:
+    """Element-wise sum over ranks of a few float64 numbers (exact for small integers): the
+    optimizers' per-step verdicts (is some rank's gradient non-finite? did the order agree?)."""
+    flat = torch.tensor(list(values), dtype=torch.float64, device=be.device)
+    be.all_reduce(flat, "sum")
+    return flat.tolist()

@@ -1,0 +1,97 @@
+"""The part of an optimizer checkpoint that belongs to compcomm, and which rank it belongs to.
+
+A state dict carries, under "compcomm": the step count, the bucket layout, and the state of one
+rank alone (its rank, each bucket's error feedback, any other per-rank state). Saved per rank,
+it resumes only that rank; `gathered` holds every rank's part under "ranks", so that one file
+saved from rank 0 resumes every rank exactly; `drop_error_feedback` is the explicit reset that
+loads on any rank and world size. Loading another rank's or another layout's state is refused
+(the caller raises the refusal on every rank), never a silent wrong resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backends import Backend
+from ..gather_objects import all_gather_object
+from .buckets import BucketLayout
+
+EXTRA_KEY = "compcomm"
+PER_RANK = ("rank", "error_feedback", "rank_local")
+
+
+def compcomm_entry(
+    step: int, be: Backend, layout: BucketLayout, scalars: dict[str, Any], rank_local: dict[str, Any]
+) -> dict[str, Any]:
+    """This rank's "compcomm" entry of a state dict."""
+    return {
+        "step": step,
+        "rank": be.rank,
+        "world_size": be.world_size,
+        "bucket_order": list(layout.order),
+        "bucket_numels": layout.sizes(),
+        "scalars": scalars,
+        "error_feedback": [ef.state_dict() for ef in layout.error_feedback],
+        "rank_local": rank_local,
+    }
+
+
+def gathered(state_dict: dict[str, Any], be: Backend) -> dict[str, Any]:
+    """`state_dict` with every rank's per-rank part under "compcomm"/"ranks" (a collective)."""
+    extra = state_dict[EXTRA_KEY]
+    mine = {key: extra.pop(key) for key in PER_RANK}
+    extra["ranks"] = all_gather_object(mine, be)
+    return state_dict
+
+
+def saved_order(extra: dict[str, Any], count: int) -> list[int] | None:
+    """The bucket order a checkpoint was saved with, if it is one for `count` parameters."""
+    order = extra.get("bucket_order")
+    return order if isinstance(order, list) and sorted(order) == list(range(count)) else None
+
+
+def own_part(extra: dict[str, Any], be: Backend, layout: BucketLayout) -> tuple[dict[str, Any], str | None]:
+    """This rank's share of a checkpoint's "compcomm" entry, and why it cannot be loaded here
+    (None if it can)."""
+    world, rank = be.world_size, be.rank
+    saved_world = extra.get("world_size")
+    if saved_world is not None and saved_world != world:
+        return {}, (
+            f"this checkpoint was saved on {saved_world} ranks and cannot resume on {world}: "
+            "its error-feedback buffers belong to another split of the buckets. To resume "
+            "anyway with the errors reset to zero, load "
+            "OnebitOptimizer.drop_error_feedback(state_dict)"
+        )
+    numels = layout.sizes()
+    if list(extra.get("bucket_numels", [])) != numels or list(extra.get("bucket_order") or layout.order) != list(
+        layout.order
+    ):
+        return {}, (
+            f"the checkpoint's buckets ({extra.get('bucket_numels')} elements) do not match "
+            f"this optimizer's ({numels}): different parameters or bucket_bytes"
+        )
+    if "ranks" in extra:
+        return extra["ranks"][rank], None
+    saved_rank = extra.get("rank")
+    if saved_rank is not None and saved_rank != rank:
+        return {}, (
+            f"this checkpoint holds the state of rank {saved_rank}, not of rank {rank}: its "
+            "error feedback (and any local state) belongs to that rank. Save one file per "
+            "rank, or one file for all ranks with gathered_state_dict()"
+        )
+    return extra, None
+
+
+def drop_error_feedback(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `state_dict` without per-rank state, loadable on any rank and world size (a
+    documented reset: the compression errors carried so far are forgotten)."""
+    out = dict(state_dict)
+    extra = dict(out[EXTRA_KEY])
+    extra.pop("ranks", None)
+    extra["world_size"] = extra["rank"] = None
+    extra["rank_local"] = {}
+    extra["error_feedback"] = [
+        {"worker_error": None, "server_error": None, "numel": None, "world_size": None} for _ in extra["bucket_numels"]
+    ]
+    out[EXTRA_KEY] = extra
+    return out

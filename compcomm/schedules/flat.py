@@ -1,0 +1,228 @@
+"""The error-compensated 1-bit allreduce over one group of ranks, written once for every backend.
+
+For world size n, rank r and N elements padded to M = ceil(N / 8n) * 8n, chunk C = M / n (rank j
+serves elements [jC, (j+1)C), k_j = clamp(N - jC, 0, C) of them real):
+
+    worker r:   x' = pad(x as fp32) + e_w        s_r = ||x'[:N]|| / sqrt(N)
+                e_w <- x' - s_r sign(x')          (0 on padding)
+    phase 0:    the agreement (`compcomm.agreement`): every rank's header (s_r, max |e_s|, a
+                digest of the call, its own error if any), in an all-to-all whose slot j also
+                carries the first bytes of the packed signs for server j
+    phase 1:    all-to-all of the rest of the packed signs: rank j gets chunk j of each sign(x'_r)
+                (none when phase 0 carried them all: repeated small calls)
+    server j:   y = (1/n) sum_r s_r sign(x'_r)[chunk j] + e_s      (no 1/n for op="sum")
+                t_j = ||y[:k_j]|| / sqrt(k_j)  (0 when k_j = 0)
+                e_s <- y - t_j sign(y)             (0 beyond the k_j real elements)
+    phase 2:    all-gather of (t_j, packed sign(y_j)) in one collective
+    output:     chunk j of the result is t_j sign(y_j) on every rank, in the tensor's dtype
+
+sign(v) is +1 for v >= 0 (so for -0.0 too); bits are packed MSB-first, 1 meaning +1. Every rank
+decodes the same bytes, so the result is bitwise identical on every rank and every backend.
+Summed over calls, output + mean of the worker errors + the concatenated server errors equals
+the sum of the true means: what one call leaves out, the next ones carry.
+
+Phase 0 rejects a call on every rank alike before anything is modified; with B = sum_r s_r, the
+server's fp32 partial sums stay below B and |y| below B/n (B for "sum") + max |e_s|, so a call
+whose bound reaches the top of fp32 or of the output dtype is refused (NonFiniteError): a finite
+input never yields a non-finite output or error state.
+
+A tensor reduced exactly (below `min_compress_bytes`) takes the same phases and checks: phases
+0/1 carry fp32 chunk j of x to server j, which sums the rows in rank order (then divides by n
+for "mean"), and phase 2 all-gathers the sums. Its error feedback is neither used nor changed.
+
+Per rank on the wire: about 2 (n-1)/n * M/8 bytes plus a header and a scale per server, against
+2 (n-1)/n * 4N for a ring fp32 allreduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import codec
+from ..agreement import Agreement, CallSpec, Measured, agree_on_call
+from ..backends import Backend
+from ..error_feedback import ErrorFeedback
+from ..errors import largest_magnitude
+from ..layout import chunk_size, real_count
+
+SERVER_SCALE_BYTES = 4
+"""Phase 2's message of server j: t_j as fp32 bytes, then the packed signs of sign(y_j)."""
+
+
+def allreduce(spec: CallSpec, be: Backend) -> list[torch.Tensor]:
+    """Run `spec` over `be`: phase 0, then phases 1 and 2 and the decode of every tensor."""
+    for call in prepare(spec, be):
+        call.commit()
+    return spec.tensors
+
+
+def prepare(spec: CallSpec, be: Backend) -> list[FlatCall]:
+    """This rank's checks and worker scans, then phase 0 over `be`: the calls ready to
+    `commit()`, or the agreed error raised on every rank with nothing modified. A composite
+    schedule that must agree across another group before committing calls the two halves
+    itself, inside its own turn on the channels."""
+    scanned: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+
+    def measure(i: int) -> Measured:
+        tensor, ef = spec.tensors[i], spec.error_feedbacks[i]
+        if spec.reduced_exactly(i):
+            flat, rows, bound = _exact_rows(tensor, be.world_size)
+            scanned.append((flat, rows, bound))
+            return Measured(bound, 0.0, rows)
+        flat, rows, scale = _worker_scan(tensor, ef, be.world_size)
+        scanned.append((flat, rows, scale))
+        return Measured(scale, ef.server_error_max(), rows)
+
+    agreement = agree_on_call(
+        spec, be, "allreduce", be.sequence_number(), measure, lambda numel: (numel, be.world_size)
+    )
+    return [
+        FlatCall(spec, i, be, agreement, flat, rows, scale, spec.reduced_exactly(i))
+        for i, (flat, rows, scale) in enumerate(scanned)
+    ]
+
+
+def _worker_scan(tensor: torch.Tensor, ef: ErrorFeedback, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The flattened tensor (a view when contiguous), its packed worker signs (n, C/8) and s_r.
+    Nothing is modified."""
+    numel = tensor.numel()
+    signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
+    worker = ef.worker_error.to(tensor.device) if ef.worker_error is not None else None
+    flat = tensor.detach().reshape(-1)
+    sum_sq = codec.codec_for(tensor.device).worker_scan(flat, worker, signs.view(-1))
+    return flat, signs, codec.rms_scale(sum_sq, numel)
+
+
+def _exact_rows(tensor: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """For an exact call: the flattened tensor, its fp32 chunks as bytes (n, 4C) and max |x|,
+    which bounds the sums as s_r does (NaN/inf when x is not finite)."""
+    numel = tensor.numel()
+    flat = tensor.detach().reshape(-1)
+    rows = torch.zeros(n, chunk_size(numel, n), dtype=torch.float32, device=tensor.device)
+    rows.view(-1)[:numel].copy_(flat)
+    return flat, rows.view(torch.uint8), largest_magnitude(flat)
+
+
+@dataclass
+class FlatCall:
+    """One tensor of a call accepted by phase 0 on every rank: all that phases 1 and 2 need."""
+
+    spec: CallSpec
+    index: int  # the tensor's place in the call
+    be: Backend
+    agreement: Agreement
+    flat: torch.Tensor  # the tensor's flat view, or a contiguous copy
+    rows: torch.Tensor  # (n, W) bytes of phase 1, row j for server j: packed signs, or fp32 if exact
+    scale: float  # this rank's s_r (max |x| if exact)
+    exact: bool
+    result: torch.Tensor | None = None  # after commit: phase 2's bytes, see `decode_result`
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.spec.tensors[self.index].detach()
+
+    def commit(self) -> torch.Tensor:
+        """Phases 1 and 2 and the decode; writes the errors after the call; returns the tensor."""
+        with torch.no_grad():
+            return self.be.ordered(self._commit)
+
+    def _commit(self) -> torch.Tensor:
+        """Each error update runs while the collective that does not depend on it is in flight."""
+        if self.exact:
+            self.result = self._gather(self._exact_sum(self._phase1(lambda: None)), lambda: None)
+            into, ef = self.spec.into(self.index), self.spec.error_feedbacks[self.index]
+            if into is not ef:
+                into.copy_(ef)  # the errors after the call are those before it
+        else:
+            self.result = self._one_bit()
+        decode_result(self.result, self.flat, self.exact)
+        tensor = self.tensor
+        if self.flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            tensor.copy_(self.flat.view(tensor.shape))
+        return tensor
+
+    def _one_bit(self) -> torch.Tensor:
+        be, flat, numel = self.be, self.flat, self.flat.numel()
+        n, device = be.world_size, flat.device
+        into = self.spec.into(self.index)
+        worker, server, worker_out = into.follow(self.spec.error_feedbacks[self.index], numel, n, device)
+        coder = codec.codec_for(device)
+        received = self._phase1(lambda: coder.error_update_(worker, self.scale, numel, flat, worker_out))
+        served = real_count(be.rank, numel, n)
+        mine = torch.empty(SERVER_SCALE_BYTES + received.shape[1], dtype=torch.uint8, device=device)
+        divisor = n if self.spec.op == "mean" else 1
+        scales = torch.from_numpy(self.agreement.bounds(self.index)).to(device)
+        sum_sq = coder.server_scan_(received, scales, divisor, server, served, mine[SERVER_SCALE_BYTES:])
+        server_scale = codec.rms_scale(sum_sq, served)
+        mine[:SERVER_SCALE_BYTES].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
+
+        def server_update() -> None:
+            coder.error_update_(server, server_scale, served)
+            into.record_server_max()
+
+        return self._gather(mine, server_update)
+
+    def _phase1(self, meanwhile: Callable[[], None]) -> torch.Tensor:
+        """(n, W): row r is what rank r sent this one; the part phase 0 did not carry goes now,
+        while `meanwhile()` runs."""
+        early = self.agreement.early if self.index == 0 else None
+        done = 0 if early is None else early.shape[1]
+        if done == self.rows.shape[1]:
+            meanwhile()
+            received = early.contiguous() if early is not None else torch.empty_like(self.rows)
+        else:
+            rest = self.rows if done == 0 else self.rows[:, done:].contiguous()
+            got = torch.empty_like(rest)
+            in_flight = self.be.all_to_all(rest, got, async_op=True)
+            meanwhile()
+            in_flight.wait()
+            received = got if early is None else torch.cat([early, got], dim=1)
+        self.rows = received  # drop what was sent
+        return received
+
+    def _exact_sum(self, received: torch.Tensor) -> torch.Tensor:
+        """This server's chunk of the exact reduction: fp32 rows summed in rank order (/ n for mean)."""
+        parts = as_fp32(received)
+        total = parts[0].clone()
+        for row in parts[1:]:
+            total.add_(row)
+        if self.spec.op == "mean":
+            total.div_(self.be.world_size)
+        return total.view(torch.uint8)
+
+    def _gather(self, mine: torch.Tensor, meanwhile: Callable[[], None]) -> torch.Tensor:
+        """Phase 2: every server's message, (n, len(mine)), while `meanwhile()` runs."""
+        everyone = torch.empty(self.be.world_size, mine.numel(), dtype=torch.uint8, device=mine.device)
+        in_flight = self.be.all_gather(mine, everyone, async_op=True)
+        meanwhile()
+        in_flight.wait()
+        return everyone
+
+
+def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False) -> None:
+    """out (the N-element flat output, any float dtype) <- the call's result, from phase 2's bytes:
+    row j holds server j's t_j (fp32) and the packed signs of its chunk, or if `exact` its fp32 sums."""
+    n, numel = everyone.shape[0], out.numel()
+    if exact:
+        out.copy_(as_fp32(everyone).view(-1)[:numel])
+        return
+    c = chunk_size(numel, n)
+    coder = codec.codec_for(out.device)
+    server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
+    for j in range(n):
+        start, k = j * c, real_count(j, numel, n)
+        if k:
+            coder.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start : start + k])
+
+
+def result_bytes(numel: int, n: int, exact: bool) -> int:
+    """Bytes of phase 2's result of a `numel`-element call over n ranks (all servers' messages)."""
+    return n * 4 * chunk_size(numel, n) if exact else n * (SERVER_SCALE_BYTES + chunk_size(numel, n) // 8)
+
+
+def as_fp32(rows: torch.Tensor) -> torch.Tensor:
+    """(n, 4C) contiguous bytes as (n, C) fp32, also when C = 0 (an empty part)."""
+    return rows.reshape(-1).view(torch.float32).view(rows.shape[0], rows.shape[1] // 4)

@@ -1,0 +1,121 @@
+"""Hierarchical compression: exact inside a node, 1-bit only between nodes.
+
+Over a `HierarchicalBackend(intra, inter)` of n = k * H ranks (`intra`: the k ranks of this node,
+`inter`: the H ranks of this local index on every node; this rank is `inter.rank * k +
+intra.rank`), a call on a tensor of N elements runs:
+
+    parts:      S = ceil(N / 8k) * 8; local rank i owns elements [iS, iS + N_i), N_i = clamp(N - iS, 0, S)
+    agreement:  this rank's checks and phase 0 over all n ranks (count, sequence, numel, op, dtype,
+                ErrorFeedback tag, exactness), each ErrorFeedback serving its part (N_i, H)
+    reduce-scatter (exact, fp32): all-to-all of the fp32 parts inside the node, then on rank i
+                z_i = ((x_0 + x_1) + x_2) + ...   summed in local rank order over part i,
+                v_i = z_i / k for op="mean", z_i for op="sum"
+    across nodes: the flat 1-bit allreduce (`compcomm.schedules.flat`, same op) of v_i over
+                `inter`, with this rank's ErrorFeedback, which therefore holds part i: (N_i, H);
+                its phase-0 verdict (non-finite sums, overflow) is then agreed inside the node
+    all-gather: every part's phase-2 bytes (its servers' t_j and packed signs) inside the node;
+                every rank decodes every part from them, in the tensor's dtype
+
+so the output is the 1-bit mean over nodes of the node means (or the sum of the node sums for
+"sum"), bitwise identical on all n ranks, since all decode the same bytes. Only inter-node bytes
+are 1-bit: per rank about 2 (H-1)/H * N/(8k) bytes between nodes; inside the node (k-1)/k * 4N
+bytes of fp32 parts and about (k-1)/k * N/8 bytes of results. Each rank runs the worker and
+server codec on N/k elements instead of N, and decodes all N.
+
+A tensor below `min_compress_bytes` takes the same route with the exact path across nodes (fp32
+chunks summed in node order, / H for "mean"): the exact mean of the node means. Nothing (tensor,
+error state) changes before every verdict has passed on every rank.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..agreement import CallSpec, Measured, agree_on_call, raise_agreed
+from ..backends.hierarchical import HierarchicalBackend
+from ..backends.ordering import Channel
+from ..layout import chunk_size, real_count
+from . import flat
+
+_calls: weakref.WeakKeyDictionary[Channel, weakref.WeakKeyDictionary[Channel, int]] = weakref.WeakKeyDictionary()
+"""Each composite's count of compressed calls, by its (intra, inter) channels: the two groups'
+own tickets also count calls that one node or one local index makes on its own, so neither
+numbers a composite call alike on all n ranks."""
+
+
+def part_of(be: HierarchicalBackend, numel: int) -> tuple[int, int]:
+    """(elements, ranks) of the part of a `numel`-element tensor this rank reduces across nodes:
+    what its ErrorFeedback serves."""
+    return real_count(be.intra.rank, numel, be.intra.world_size), be.inter.world_size
+
+
+def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
+    """Run `spec` over the composite `be`; runs holding both levels' channels."""
+    k = be.intra.world_size
+    exact = _agree_over_all_ranks(spec, be)
+    parts = []
+    for i, tensor in enumerate(spec.tensors):
+        numel = tensor.numel()
+        part = be.reduce_scatter_in_node(tensor.detach().reshape(-1), chunk_size(numel, k), torch.float32, slot=i)
+        if spec.op == "mean":
+            part.div_(k)
+        parts.append(part[: part_of(be, numel)[0]])
+    across = CallSpec(
+        parts,
+        spec.error_feedbacks,
+        spec.op,
+        spec.outs,
+        exact=exact,
+        result_dtypes=[t.dtype for t in spec.tensors],
+    )
+    calls: list[flat.FlatCall] = []
+    failure: Exception | None = None
+    try:
+        calls = flat.prepare(across, be.inter)
+    except Exception as exc:  # agreed on this inter group: now agreed inside the node too
+        failure = exc
+    raise_agreed(failure, be.intra, context="across nodes: ")
+    for call, tensor in zip(calls, spec.tensors):
+        call.commit()
+        _share_result(be, call, tensor)
+    return spec.tensors
+
+
+def _agree_over_all_ranks(spec: CallSpec, be: HierarchicalBackend) -> list[bool]:
+    """Phase 0 over all n ranks, before any data moves: this rank's checks (each ErrorFeedback
+    serving its part) and which tensors go exact. Returns those flags."""
+    counts = _calls.setdefault(be.intra.channel, weakref.WeakKeyDictionary())
+    counts[be.inter.channel] = sequence = counts.get(be.inter.channel, -1) + 1
+    agree_on_call(
+        spec,
+        be,
+        "hierarchical",
+        sequence,
+        lambda i: Measured(0.0),  # the sums are bounded across nodes, after the reduce-scatter
+        lambda numel: part_of(be, numel),
+        fold=False,
+    )
+    return [spec.reduced_exactly(i) for i in range(len(spec.tensors))]
+
+
+def _share_result(be: HierarchicalBackend, call: flat.FlatCall, tensor: torch.Tensor) -> None:
+    """All-gather every part's phase-2 bytes (1 bit per element) inside the node, then every
+    rank decodes every part from the same bytes: the tensor, bitwise equal everywhere."""
+    assert call.result is not None
+    k, h, numel = be.intra.world_size, be.inter.world_size, tensor.numel()
+    size = chunk_size(numel, k)
+    longest = flat.result_bytes(size, h, call.exact)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=be.device)
+    mine[: call.result.numel()].copy_(call.result.view(-1))
+    everyone = torch.empty(k, longest, dtype=torch.uint8, device=be.device)
+    be.intra.all_gather(mine, everyone)
+    out = tensor.detach().reshape(-1)
+    for i in range(k):
+        real = real_count(i, numel, k)
+        if real:
+            rows = everyone[i, : flat.result_bytes(real, h, call.exact)].view(h, -1)
+            flat.decode_result(rows, out[i * size : i * size + real], call.exact)
+    if out.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        tensor.detach().copy_(out.view(tensor.shape))
