@@ -26,10 +26,12 @@ from .allreduce import compressed_allreduce, compressed_allreduce_coalesced
 from .codec import codec_info
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
+from .reduce_scatter import compressed_reduce_scatter
 
 __all__ = [
     "compressed_allreduce",
     "compressed_allreduce_coalesced",
+    "compressed_reduce_scatter",
     "ErrorFeedback",
     "NonFiniteError",
     "backends",

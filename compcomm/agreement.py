@@ -118,7 +118,8 @@ class CallSpec:
     `exact` fixes which tensors go uncompressed (a composite's inner level, where the outer
     level decided); otherwise `min_compress_bytes` decides, per tensor, during the local checks.
     `result_dtypes` are the dtypes the results end in when not the tensors' own (a composite
-    reducing fp32 parts of a half-precision tensor), for the overflow verdict.
+    reducing fp32 parts of a half-precision tensor), for the overflow verdict. `outputs` are
+    where a collective that does not work in place writes (a reduce-scatter's shards).
     """
 
     tensors: list[torch.Tensor]
@@ -128,6 +129,7 @@ class CallSpec:
     min_compress_bytes: int | None = None
     exact: list[bool] | None = None
     result_dtypes: list[torch.dtype] | None = None
+    outputs: list[torch.Tensor] | None = None
 
     @classmethod
     def of(
@@ -196,9 +198,11 @@ class CallSpec:
             )
 
 
-def check_arguments(tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, serves: tuple[int, int]) -> None:
+def check_arguments(
+    tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, serves: tuple[int, int, str]
+) -> None:
     """This rank's own checks of one tensor of a call (TypeError/ValueError); `ef` must hold
-    errors of the (numel, world_size) `serves`, or none yet."""
+    errors of the (numel, world_size, layout) `serves`, or none yet."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"compressed collectives take a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
@@ -282,16 +286,16 @@ def agree_on_call(
     schedule: str,
     sequence: int,
     measure: Callable[[int], Measured],
-    serves: Callable[[int], tuple[int, int]],
+    serves: Callable[[int], tuple[int, int, str]],
     fold: bool = True,
 ) -> Agreement:
     """Phase 0 of `spec` over `be` for `schedule`, the call numbered `sequence` on the group.
 
     `measure(i)` runs the schedule's local pass over tensor i (after `check_arguments`, with the
-    ErrorFeedback serving `serves(numel)`); with `fold`, the first tensor's rows travel in the
-    headers' all-to-all as far as the agreed room holds. Returns the agreement, or raises the
-    agreed error on every rank of `be` with nothing modified."""
-    count = len(spec.tensors) if isinstance(spec.tensors, list) else 0
+    ErrorFeedback serving `serves(numel)`: numel, world size and layout); with `fold`, the first
+    tensor's rows travel in the headers' all-to-all as far as the agreed room holds. Returns the
+    agreement, or raises the agreed error on every rank of `be` with nothing modified."""
+    count = len(spec.tensors)
     calls = np.zeros(max(count, 1), dtype=CALL)  # one record at least: phase 0 always sends one
     calls["count"], calls["seq"], calls["schedule"] = count, sequence, SCHEDULES.index(schedule)
     headers = np.zeros(max(count, 1), dtype=HEADER)
@@ -320,6 +324,24 @@ def agree_on_call(
     if fold and first_rows is not None:  # accepted: every rank has the same width
         memory.fold_room = min(FOLD_BYTES // be.world_size, first_rows.shape[1])
     return Agreement(everyone, early)
+
+
+def exchange_rows(
+    be: Backend, rows: torch.Tensor, early: torch.Tensor | None, meanwhile: Callable[[], None]
+) -> torch.Tensor:
+    """The rest of phase 0's folded all-to-all: (n, W), row r what rank r sent this one of
+    `rows` (row j for rank j), given the `early` bytes phase 0 carried; the part it did not
+    carry goes now, in one all-to-all, while `meanwhile()` runs."""
+    done = 0 if early is None else early.shape[1]
+    if done == rows.shape[1]:
+        meanwhile()
+        return early.contiguous() if early is not None else torch.empty_like(rows)
+    rest = rows if done == 0 else rows[:, done:].contiguous()
+    got = torch.empty_like(rest)
+    in_flight = be.all_to_all(rest, got, async_op=True)
+    meanwhile()
+    in_flight.wait()
+    return got if early is None else torch.cat([early, got], dim=1)
 
 
 def error_code(exc: BaseException) -> int:

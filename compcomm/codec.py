@@ -193,14 +193,15 @@ class Codec:
         out_bits: torch.Tensor,
     ) -> float:
         """error <- y = (sum_r scales[r] sign_r) / divisor + error, summed in rank order, where row r
-        of `bits` (n, C/8) holds rank r's signs of this chunk; out_bits <- sign(y).
-        Returns sum(y[:real]^2) in float64."""
+        of `bits` (n, C/8; rows may lie apart, each contiguous) holds rank r's signs of this
+        chunk; out_bits <- sign(y). Returns sum(y[:real]^2) in float64."""
         n, c = bits.shape[0], error.numel()
+        rows = bits if bits.stride(-1) != 1 or not n else bits[0]  # the kernel steps from row to row itself
         total = self._fused_sum(
             "cc_server_scan",
             error.device,
             c,
-            (bits, scales, error, out_bits),
+            (rows, scales, error, out_bits),
             (
                 bits.data_ptr(),
                 bits.stride(0),

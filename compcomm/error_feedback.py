@@ -14,16 +14,23 @@ from .errors import largest_magnitude
 from .layout import chunk_size, padded_size
 
 _KEYS = ("worker_error", "server_error", "numel", "world_size")
+ALLREDUCE, REDUCE_SCATTER = "allreduce", "reduce_scatter"
+LAYOUTS = (ALLREDUCE, REDUCE_SCATTER)
+"""How the worker error lines up with the tensor. An allreduce pads the N elements at the end to
+M = ceil(N / 8n) * 8n and keeps a server error of C = M / n; a reduce-scatter cuts the tensor into
+n rows of L = N / n elements, each padded to ceil(L / 8) * 8 (also M in all), and keeps no server
+error (each row has one owner, which decodes it exactly)."""
 
 
 class ErrorFeedback:
     """The worker and server compression errors carried from one call to the next.
 
     `worker_error` (fp32, (M,)) holds what this rank's 1-bit code of its input left out;
-    `server_error` (fp32, (C,)) what the code of its served chunk of the average left out.
-    Both are None until the first successful call, which sizes them for its (numel, world
-    size); using the instance for another numel or world size is a ValueError, because the
-    carried errors would belong to other elements. Checkpoint it with `state_dict()`.
+    `server_error` (fp32, (C,)) what the code of its served chunk of the average left out (None
+    for a reduce-scatter, which has no server side; see `LAYOUTS`). Both are None until the
+    first successful call, which sizes them for its (numel, world size) and records its
+    `layout`; using the instance for another numel, world size or collective is a ValueError,
+    because the carried errors would belong to other elements. Checkpoint it with `state_dict()`.
 
     `tag` names the reduced tensor in each call's header, so that ranks pairing different
     ErrorFeedbacks in one call (async calls submitted in different orders) raise a ValueError
@@ -37,6 +44,7 @@ class ErrorFeedback:
         self.server_error: torch.Tensor | None = None
         self.numel: int | None = None
         self.world_size: int | None = None
+        self.layout: str | None = None
         self._server_max: float | None = None
         self.tag = tag if tag is not None else _creation_site(sys._getframe(1))
 
@@ -49,10 +57,15 @@ class ErrorFeedback:
         """A 32-bit digest of `tag`, carried in every call's header."""
         return zlib.crc32(self.tag.encode())
 
-    def mismatch(self, numel: int, world_size: int) -> str | None:
-        """Why this state cannot serve a call of (numel, world_size), or None if it can."""
-        if not self.initialized or (self.numel, self.world_size) == (numel, world_size):
+    def mismatch(self, numel: int, world_size: int, layout: str = ALLREDUCE) -> str | None:
+        """Why this state cannot serve a call of (numel, world_size) with `layout`, or None if it can."""
+        if not self.initialized or (self.numel, self.world_size, self.layout) == (numel, world_size, layout):
             return None
+        if self.layout != layout:
+            return (
+                f"this ErrorFeedback holds the errors of a compressed {self.layout}, not of a {layout}; "
+                "use one ErrorFeedback per reduced tensor and collective (or reset() it)"
+            )
         return (
             f"this ErrorFeedback holds errors of a {self.numel}-element tensor over "
             f"{self.world_size} ranks, not {numel} elements over {world_size}; use one "
@@ -73,20 +86,23 @@ class ErrorFeedback:
         assert self.server_error is not None
         self._server_max = largest_magnitude(self.server_error)
 
-    def buffers(self, numel: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (worker, server) error tensors on `device`, allocated as zeros on first use."""
-        if self.worker_error is None or self.server_error is None:
+    def buffers(
+        self, numel: int, world_size: int, device: torch.device, layout: str = ALLREDUCE
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (worker, server) error tensors on `device`, allocated as zeros on first use (no
+        server error for a reduce-scatter)."""
+        if self.worker_error is None:
             self.worker_error = torch.zeros(padded_size(numel, world_size), dtype=torch.float32, device=device)
-            self.server_error = torch.zeros(chunk_size(numel, world_size), dtype=torch.float32, device=device)
-            self.numel, self.world_size, self._server_max = numel, world_size, 0.0
+            self.server_error = _server_zeros(numel, world_size, device, layout)
+            self.numel, self.world_size, self.layout, self._server_max = numel, world_size, layout, 0.0
         elif self.worker_error.device != device:
             self.worker_error = self.worker_error.to(device)
-            self.server_error = self.server_error.to(device)
+            self.server_error = None if self.server_error is None else self.server_error.to(device)
         return self.worker_error, self.server_error
 
     def follow(
-        self, source: ErrorFeedback, numel: int, world_size: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, source: ErrorFeedback, numel: int, world_size: int, device: torch.device, layout: str = ALLREDUCE
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Take over the errors of a call that starts from `source`'s and leaves `source` as it
         is: (worker error to read, server error to update in place, worker error to write).
         The call writes the worker error into this instance's buffer, reused when it fits (and
@@ -95,19 +111,23 @@ class ErrorFeedback:
         this instance held is replaced, its tag too (it takes `source`'s). With `source`
         itself, `buffers()`, in place."""
         if source is self:
-            worker, server = self.buffers(numel, world_size, device)
+            worker, server = self.buffers(numel, world_size, device, layout)
             return worker, server, worker
         old_worker, old_server = source.worker_error, source.server_error
-        self._own_buffers((padded_size(numel, world_size),), (chunk_size(numel, world_size),), device, source)
-        assert self.worker_error is not None and self.server_error is not None
-        if old_worker is None or old_server is None:  # source unused: the errors start at zero
+        server_shape = None if layout == REDUCE_SCATTER else (chunk_size(numel, world_size),)
+        self._own_buffers((padded_size(numel, world_size),), server_shape, device, source)
+        assert self.worker_error is not None
+        if old_worker is None:  # source unused: the errors start at zero
             self.worker_error.zero_()
-            self.server_error.zero_()
+            if self.server_error is not None:
+                self.server_error.zero_()
             old_worker = self.worker_error
         else:
-            self.server_error.copy_(old_server.to(device))
+            if self.server_error is not None and old_server is not None:
+                self.server_error.copy_(old_server.to(device))
             old_worker = old_worker.to(device)
-        self.tag, self.numel, self.world_size, self._server_max = source.tag, numel, world_size, None
+        self.tag, self.numel, self.world_size, self.layout = source.tag, numel, world_size, layout
+        self._server_max = None
         return old_worker, self.server_error, self.worker_error
 
     def clone(self) -> ErrorFeedback:
@@ -121,47 +141,64 @@ class ErrorFeedback:
         if source is self:
             return self
         self.tag = source.tag
-        if source.worker_error is None or source.server_error is None:
+        if source.worker_error is None:
             self.reset()
             return self
-        self._own_buffers(source.worker_error.shape, source.server_error.shape, source.worker_error.device, source)
-        assert self.worker_error is not None and self.server_error is not None
+        server_shape = None if source.server_error is None else tuple(source.server_error.shape)
+        self._own_buffers(tuple(source.worker_error.shape), server_shape, source.worker_error.device, source)
+        assert self.worker_error is not None
         self.worker_error.copy_(source.worker_error)
-        self.server_error.copy_(source.server_error)
-        self.numel, self.world_size, self._server_max = source.numel, source.world_size, source._server_max
+        if self.server_error is not None and source.server_error is not None:
+            self.server_error.copy_(source.server_error)
+        self.numel, self.world_size, self.layout = source.numel, source.world_size, source.layout
+        self._server_max = source._server_max
         return self
 
     def _own_buffers(
-        self, worker_shape: tuple[int, ...], server_shape: tuple[int, ...], device: torch.device, source: ErrorFeedback
+        self,
+        worker_shape: tuple[int, ...],
+        server_shape: tuple[int, ...] | None,
+        device: torch.device,
+        source: ErrorFeedback,
     ) -> None:
-        """fp32 error buffers of these shapes on `device` (contents unspecified): the present ones
-        where they fit and share no memory with `source`'s (e.g. after `copy.copy`), else new."""
+        """fp32 error buffers of these shapes on `device` (contents unspecified; no server error
+        when `server_shape` is None): the present ones where they fit and share no memory with
+        `source`'s (e.g. after `copy.copy`), else new."""
         theirs = {t.untyped_storage().data_ptr() for t in (source.worker_error, source.server_error) if t is not None}
-        wanted = zip((self.worker_error, self.server_error), (worker_shape, server_shape))
-        if not all(
-            t is not None
-            and t.shape == shape
-            and t.device == device
-            and t.dtype == torch.float32
-            and t.untyped_storage().data_ptr() not in theirs
-            for t, shape in wanted
-        ):
+
+        def fits(t: torch.Tensor | None, shape: tuple[int, ...] | None) -> bool:
+            if shape is None:
+                return t is None
+            return (
+                t is not None
+                and tuple(t.shape) == shape
+                and t.device == device
+                and t.dtype == torch.float32
+                and t.untyped_storage().data_ptr() not in theirs
+            )
+
+        if not (fits(self.worker_error, worker_shape) and fits(self.server_error, server_shape)):
             self.worker_error = torch.empty(worker_shape, dtype=torch.float32, device=device)
-            self.server_error = torch.empty(server_shape, dtype=torch.float32, device=device)
+            self.server_error = (
+                None if server_shape is None else torch.empty(server_shape, dtype=torch.float32, device=device)
+            )
 
     def reset(self) -> None:
         """Forget the carried errors (the next call starts from zero)."""
         self.worker_error = self.server_error = None
-        self.numel = self.world_size = None
+        self.numel = self.world_size = self.layout = None
         self._server_max = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state: dict[str, Any] = {
             "worker_error": self.worker_error,
             "server_error": self.server_error,
             "numel": self.numel,
             "world_size": self.world_size,
         }
+        if self.layout == REDUCE_SCATTER:
+            state["layout"] = REDUCE_SCATTER
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore errors saved by `state_dict()`; they are moved to the tensor's device on use.
@@ -179,13 +216,30 @@ class ErrorFeedback:
         if worker is None and server is None and numel is None and world is None:
             self.reset()
             return
+        layout = state.get("layout", ALLREDUCE)
+        if layout not in LAYOUTS:
+            raise ValueError(f"ErrorFeedback state: layout must be one of {LAYOUTS}, got {layout!r}")
         numel, world = _count("numel", numel, 0), _count("world_size", world, 1)
         worker = _error_tensor("worker_error", worker, padded_size(numel, world))
-        server = _error_tensor("server_error", server, chunk_size(numel, world))
-        if bool(worker[numel:].any()):
-            raise ValueError("ErrorFeedback state: worker_error is not zero on the padding beyond numel")
+        if layout == REDUCE_SCATTER:
+            if numel % world:
+                raise ValueError(f"ErrorFeedback state: a reduce-scatter's numel {numel} is not a multiple of {world}")
+            if server is not None:
+                raise ValueError("ErrorFeedback state: a reduce-scatter's state holds no server_error")
+            padding = worker.view(world, -1)[:, numel // world :]
+        else:
+            server = _error_tensor("server_error", server, chunk_size(numel, world))
+            padding = worker[numel:]
+        if bool(padding.any()):
+            raise ValueError("ErrorFeedback state: worker_error is not zero on the padding")
         self.worker_error, self.server_error = worker, server
-        self.numel, self.world_size, self._server_max = numel, world, None
+        self.numel, self.world_size, self.layout, self._server_max = numel, world, layout, None
+
+
+def _server_zeros(numel: int, world_size: int, device: torch.device, layout: str) -> torch.Tensor | None:
+    if layout == REDUCE_SCATTER:
+        return None
+    return torch.zeros(chunk_size(numel, world_size), dtype=torch.float32, device=device)
 
 
 def _creation_site(frame: Any) -> str:

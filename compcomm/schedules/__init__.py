@@ -5,6 +5,7 @@ codec (`compcomm.codec`); they differ in how the bytes travel:
 
 - `flat`: the 1-bit allreduce over one group (all-to-all of signs, server pass, all-gather);
 - `hierarchical`: exact inside a node, `flat` across nodes, over a `HierarchicalBackend`;
+- `reduce_scatter`: the 1-bit reduce-scatter (one all-to-all; each row decoded by its owner).
 
 `allreduce(spec, be)` picks the allreduce schedule from the backend's declared type.
 """
@@ -16,6 +17,7 @@ import torch
 from ..agreement import CallSpec
 from ..backends import Backend, HierarchicalBackend
 from . import flat, hierarchical
+from .reduce_scatter import reduce_scatter as _reduce_scatter
 
 
 def allreduce(spec: CallSpec, be: Backend) -> list[torch.Tensor]:
@@ -23,3 +25,13 @@ def allreduce(spec: CallSpec, be: Backend) -> list[torch.Tensor]:
     if isinstance(be, HierarchicalBackend):
         return hierarchical.allreduce(spec, be)
     return flat.allreduce(spec, be)
+
+
+def reduce_scatter(spec: CallSpec, be: Backend) -> list[torch.Tensor]:
+    """Run the compressed reduce-scatter `spec` over `be` (a flat group: two levels take HSDP)."""
+    if isinstance(be, HierarchicalBackend):
+        raise TypeError(
+            "the compressed reduce-scatter runs over one group; for nodes of several ranks, shard inside "
+            "each node and average across nodes (compcomm.fsdp.compress(model, replicate_group=...))"
+        )
+    return _reduce_scatter(spec, be)

@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import codec
-from ..agreement import Agreement, CallSpec, Measured, agree_on_call
+from ..agreement import Agreement, CallSpec, Measured, agree_on_call, exchange_rows
 from ..backends import Backend
-from ..error_feedback import ErrorFeedback
+from ..error_feedback import ALLREDUCE, ErrorFeedback
 from ..errors import largest_magnitude
 from ..layout import chunk_size, real_count
 
@@ -77,7 +77,7 @@ def prepare(spec: CallSpec, be: Backend) -> list[FlatCall]:
         return Measured(scale, ef.server_error_max(), rows)
 
     agreement = agree_on_call(
-        spec, be, "allreduce", be.sequence_number(), measure, lambda numel: (numel, be.world_size)
+        spec, be, "allreduce", be.sequence_number(), measure, lambda numel: (numel, be.world_size, ALLREDUCE)
     )
     return [
         FlatCall(spec, i, be, agreement, flat, rows, scale, spec.reduced_exactly(i))
@@ -149,6 +149,7 @@ class FlatCall:
         n, device = be.world_size, flat.device
         into = self.spec.into(self.index)
         worker, server, worker_out = into.follow(self.spec.error_feedbacks[self.index], numel, n, device)
+        assert server is not None  # an allreduce's errors have a server side
         coder = codec.codec_for(device)
         received = self._phase1(lambda: coder.error_update_(worker, self.scale, numel, flat, worker_out))
         served = real_count(be.rank, numel, n)
@@ -166,32 +167,15 @@ class FlatCall:
         return self._gather(mine, server_update)
 
     def _phase1(self, meanwhile: Callable[[], None]) -> torch.Tensor:
-        """(n, W): row r is what rank r sent this one; the part phase 0 did not carry goes now,
-        while `meanwhile()` runs."""
+        """(n, W): row r is what rank r sent this one, while `meanwhile()` runs."""
         early = self.agreement.early if self.index == 0 else None
-        done = 0 if early is None else early.shape[1]
-        if done == self.rows.shape[1]:
-            meanwhile()
-            received = early.contiguous() if early is not None else torch.empty_like(self.rows)
-        else:
-            rest = self.rows if done == 0 else self.rows[:, done:].contiguous()
-            got = torch.empty_like(rest)
-            in_flight = self.be.all_to_all(rest, got, async_op=True)
-            meanwhile()
-            in_flight.wait()
-            received = got if early is None else torch.cat([early, got], dim=1)
+        received = exchange_rows(self.be, self.rows, early, meanwhile)
         self.rows = received  # drop what was sent
         return received
 
     def _exact_sum(self, received: torch.Tensor) -> torch.Tensor:
-        """This server's chunk of the exact reduction: fp32 rows summed in rank order (/ n for mean)."""
-        parts = as_fp32(received)
-        total = parts[0].clone()
-        for row in parts[1:]:
-            total.add_(row)
-        if self.spec.op == "mean":
-            total.div_(self.be.world_size)
-        return total.view(torch.uint8)
+        """This server's chunk of the exact reduction, as bytes."""
+        return exact_sum(received, self.be.world_size if self.spec.op == "mean" else 1).view(torch.uint8)
 
     def _gather(self, mine: torch.Tensor, meanwhile: Callable[[], None]) -> torch.Tensor:
         """Phase 2: every server's message, (n, len(mine)), while `meanwhile()` runs."""
@@ -200,6 +184,17 @@ class FlatCall:
         meanwhile()
         in_flight.wait()
         return everyone
+
+
+def exact_sum(received: torch.Tensor, divisor: int) -> torch.Tensor:
+    """The exact reduction of fp32 rows ((n, 4C) bytes): summed in rank order, then / divisor."""
+    parts = as_fp32(received)
+    total = parts[0].clone()
+    for row in parts[1:]:
+        total.add_(row)
+    if divisor != 1:
+        total.div_(divisor)
+    return total
 
 
 def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False) -> None:

@@ -36,6 +36,7 @@ import torch
 from ..agreement import CallSpec, Measured, agree_on_call, raise_agreed
 from ..backends.hierarchical import HierarchicalBackend
 from ..backends.ordering import Channel
+from ..error_feedback import ALLREDUCE
 from ..layout import chunk_size, real_count
 from . import flat
 
@@ -45,10 +46,10 @@ own tickets also count calls that one node or one local index makes on its own, 
 numbers a composite call alike on all n ranks."""
 
 
-def part_of(be: HierarchicalBackend, numel: int) -> tuple[int, int]:
-    """(elements, ranks) of the part of a `numel`-element tensor this rank reduces across nodes:
-    what its ErrorFeedback serves."""
-    return real_count(be.intra.rank, numel, be.intra.world_size), be.inter.world_size
+def part_of(be: HierarchicalBackend, numel: int) -> tuple[int, int, str]:
+    """(elements, ranks, layout) of the part of a `numel`-element tensor this rank reduces
+    across nodes: what its ErrorFeedback serves."""
+    return real_count(be.intra.rank, numel, be.intra.world_size), be.inter.world_size, ALLREDUCE
 
 
 def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:

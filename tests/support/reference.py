@@ -44,3 +44,29 @@ def reference_allreduce(
         new_server[j, :k] = y[:k] - t * sign(y[:k])
         output[chunk] = t * sign(y)
     return output[:numel], new_worker, new_server
+
+
+def reference_reduce_scatter(
+    inputs: list[np.ndarray], worker_errors: np.ndarray, op: str = "mean"
+) -> tuple[np.ndarray, np.ndarray]:
+    """One reduce-scatter: inputs[r] (N = n L,), worker_errors (n, n, L8) float64 (rank, row,
+    padded row). Returns (outputs (n, L): row j is rank j's shard, new worker errors)."""
+    n, numel = len(inputs), inputs[0].size
+    length = numel // n
+    padded = math.ceil(length / 8) * 8
+    assert worker_errors.shape == (n, n, padded)
+    scales, signs = np.zeros((n, n)), np.zeros((n, n, padded))
+    new_worker = np.zeros((n, n, padded))
+    for r, x in enumerate(inputs):
+        for j in range(n):
+            xp = np.zeros(padded)
+            xp[:length] = x[j * length : (j + 1) * length]
+            xp += worker_errors[r, j]
+            scales[r, j] = np.linalg.norm(xp[:length]) / math.sqrt(length) if length else 0.0
+            signs[r, j] = sign(xp)
+            new_worker[r, j, :length] = xp[:length] - scales[r, j] * signs[r, j, :length]
+    outputs = np.zeros((n, length))
+    for j in range(n):
+        total = (scales[:, j, None] * signs[:, j, :length]).sum(0)
+        outputs[j] = total / n if op == "mean" else total
+    return outputs, new_worker
