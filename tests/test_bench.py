@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import bench_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "allreduce_bw.py"
@@ -31,12 +32,7 @@ WORLD = 4
 
 
 def _load_module():
-    if str(SCRIPT.parent) not in sys.path:  # as when run as a script: its helpers sit beside it
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("allreduce_bw", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("allreduce_bw")
 
 
 def test_size_parsing_and_sweep():

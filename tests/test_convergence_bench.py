@@ -1,21 +1,21 @@
-"""bench/convergence.py's settings for ZeroOneAdam: the local-step interval follows the learning rate."""
+"""bench/convergence.py: its settings for ZeroOneAdam (the local-step interval follows the learning rate),
+and a tiny run end to end."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
+
+import bench_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "convergence.py"
 
 
 def _load_module():
-    spec = importlib.util.spec_from_file_location("convergence_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("convergence")
 
 
 def intervals(args) -> list[tuple[int, int]]:
@@ -50,3 +50,24 @@ def test_a_constant_learning_rate_keeps_syncing_every_step():
 def test_an_explicit_scaler_is_kept():
     cv = _load_module()
     assert cv.parse_args(["--local-step-scaler", "40"]).local_step_scaler == 40
+
+
+def test_tiny_run_writes_every_run_and_its_bytes(tmp_path):
+    """bench/convergence.py end to end on 2 self-spawned ranks: every run reported, the
+    compressed one sending fewer bytes than its baseline."""
+    tiny = ["--task", "transformer", "--hidden", "16", "--context", "8", "--batch", "4", "--steps", "12"]
+    tiny += ["--eval-every", "6", "--val-windows", "64", "--world-size", "2", "--text-bytes", "50000"]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *tiny, "--runs", "lamb,onebit_lamb", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "convergence_transformer.json").read_text())
+    runs = {r["name"]: r for r in report["runs"]}
+    assert set(runs) == {"lamb", "onebit_lamb"} and report["world_size"] == 2
+    assert [c["step"] for c in runs["onebit_lamb"]["curve"]] == [6, 12]
+    assert 0 < runs["onebit_lamb"]["bytes_sent"] < runs["lamb"]["bytes_sent"]
+    assert "onebit_lamb_vs_lamb_gap_pct" in report["summary"]
