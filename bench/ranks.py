@@ -69,9 +69,9 @@ def run_ranks(
     timeout: datetime.timedelta = TIMEOUT,
 ) -> tuple[T | None, int]:
     """Run `rank_fn(args)` on every rank of a gloo group: here, when this process is one rank of
-    a torchrun-style launch, else on `world` local ranks spawned for it (`rank_fn` must then be
-    a module-level function, and `args` picklable). Returns rank 0's result (None on the other
-    ranks) and the world size."""
+    a torchrun-style launch, else on `world` local ranks spawned for it (`rank_fn` and `args`
+    must then pickle: a module-level function, or a functools.partial of one). Returns rank 0's
+    result (None on the other ranks) and the world size."""
     if launch.launcher() == "torchrun":
         result = _joined(rank_fn, args, timeout)
         return result, int(os.environ["WORLD_SIZE"])
