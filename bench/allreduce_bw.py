@@ -30,33 +30,20 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
-import re
 import sys
 import time
 
 import numpy as np
 import torch
 
-from netsim import parse_rate
 from peak_memory import PeakMemory, mmap_threshold_env
 from peak_memory import supported as memory_measurable
+from ranks import add_nprocs_argument, gather_floats, launch_label, set_threads
+from records import rel_error, write_json
+from units import human, parse_rate, parse_size
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1 << 10,
-    "KB": 1 << 10,
-    "KIB": 1 << 10,
-    "M": 1 << 20,
-    "MB": 1 << 20,
-    "MIB": 1 << 20,
-    "G": 1 << 30,
-    "GB": 1 << 30,
-    "GIB": 1 << 30,
-}
 OPS = ("compressed", "allreduce", "exact")
 DTYPES = {
     "float32": torch.float32,
@@ -68,21 +55,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-
-
-def parse_size(text: str) -> int:
-    """'1M' -> 1048576 (binary units, as nccl-tests); plain integers are bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4096, 64K, 1M, 256M, 1G")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def human(nbytes: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes:g} B"
 
 
 def sweep_sizes(lo: int, hi: int, factor: float, elem: int) -> list[int]:
@@ -113,9 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
     p.add_argument("-d", "--dtype", default="float32", choices=sorted(DTYPES), help="element type (default float32)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "mpi", "nccl"), help="transport (default gloo)")
-    p.add_argument(
-        "--nprocs", type=int, default=4, help="ranks to spawn locally when not launched by torchrun/mpirun (default 4)"
-    )
+    add_nprocs_argument(p)
     p.add_argument(
         "--ops",
         default="compressed,allreduce",
@@ -150,17 +120,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _gather_floats(be, values) -> np.ndarray:
-    """Every rank's `values` (a float or a list of k floats), as an (n,) or (n, k) array,
-    through the backend's own uint8 all_gather (works on any backend)."""
-    mine = np.atleast_1d(np.asarray(values, dtype=np.float64))
-    send = torch.from_numpy(mine.view(np.uint8).copy()).to(be.device)
-    recv = torch.empty(be.world_size, send.numel(), dtype=torch.uint8, device=be.device)
-    be.all_gather(send, recv)
-    out = recv.cpu().numpy().copy().view(np.float64).reshape(be.world_size, -1)
-    return out.reshape(-1) if np.ndim(values) == 0 else out
-
-
 def _time_calls(be, fn, iters: int) -> tuple[np.ndarray, float]:
     """(seconds of each call, as the slowest rank saw it; wire bytes per call on this rank).
 
@@ -176,13 +135,7 @@ def _time_calls(be, fn, iters: int) -> tuple[np.ndarray, float]:
         _sync(be.device)
         durations.append(time.perf_counter() - start)
     wire = (be.bytes_sent - sent) / iters
-    return _gather_floats(be, durations).max(axis=0), wire
-
-
-def _rel_error(out: torch.Tensor, exact: torch.Tensor) -> float:
-    diff = out.double() - exact.double()
-    norm = float(exact.double().norm())
-    return float(diff.norm()) / norm if norm > 0 else float(diff.norm())
+    return gather_floats(be, durations).max(axis=0), wire
 
 
 def check_args(args) -> list[str]:
@@ -248,7 +201,7 @@ def operation(op: str, be, x: torch.Tensor, exact: torch.Tensor, warmup: int):
             compcomm.compressed_allreduce(buf, ef, backend=be, op="mean", min_compress_bytes=threshold)
 
     call()
-    err = _rel_error(buf, exact)
+    err = rel_error(buf, exact)
     for _ in range(warmup - 1):
         buf.copy_(x)
         call()
@@ -263,7 +216,7 @@ def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int, 
     times, wire = _time_calls(be, call, args.iters)
     with PeakMemory(be.device) as probe:
         call()
-    peak = float(_gather_floats(be, probe.bytes).max()) if memory_measurable(be.device) else math.nan
+    peak = float(gather_floats(be, probe.bytes).max()) if memory_measurable(be.device) else math.nan
     t = float(times.mean())
     algbw = size / t / 1e9
     return {
@@ -360,13 +313,6 @@ def _summary(records: list[dict]) -> None:
         print(f"#   {human(h['size_bytes']):>10}: speedup {c['time_us'] / h['time_us']:6.2f}x")
 
 
-def write_json(records: list[dict], path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(records, f, indent=1)
-        f.write("\n")
-
-
 def link_rate(args) -> float | None:
     """The per-host link rate in GB/s to draw on the plot: --link-rate, else the simulated
     network's (NETSIM_RATE, set by bench/netsim.py), else None."""
@@ -423,19 +369,13 @@ def write_plot(records: list[dict], path: str, title: str, rate_GBps: float | No
 # launch modes (compcomm.launch: torchrun / netsim environment, mpirun, or self-spawned ranks)
 
 
-def _set_threads() -> None:
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
-
-
 def _torch_dist_rank(args, label: str) -> None:
     """One rank started with torchrun's environment: join the group, run, leave."""
     import torch.distributed as dist
 
     from compcomm import backends
 
-    _set_threads()
+    set_threads()
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             raise SystemExit("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
@@ -446,13 +386,6 @@ def _torch_dist_rank(args, label: str) -> None:
         run_rank(args, backends.get(args.backend), label, hier)
     finally:
         dist.destroy_process_group()
-
-
-def _launch_label() -> str:
-    if os.environ.get("NETSIM_RATE"):
-        delay = os.environ.get("NETSIM_DELAY")
-        return "netsim " + os.environ["NETSIM_RATE"] + (f" +{delay}" if delay else "")
-    return "torchrun"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,10 +413,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--backend mpi runs under an MPI launcher, e.g.: "
                 f"mpirun -n {args.nprocs} {sys.executable} {' '.join(sys.argv)}"
             )
-        _set_threads()
-        run_rank(args, backends.get("mpi"), "mpirun")
+        set_threads()
+        run_rank(args, backends.get("mpi"), launch_label(args.nprocs))
     elif how == "torchrun":
-        _torch_dist_rank(args, _launch_label())
+        _torch_dist_rank(args, launch_label(args.nprocs))
     else:
         if args.nprocs < 1:
             raise SystemExit("--nprocs must be >= 1")
@@ -491,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         # the peak-memory column) and an even share of the cores.
         os.environ.update(mmap_threshold_env())
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nprocs)))
-        launch.spawn(_torch_dist_rank, args.nprocs, args, f"{args.nprocs} local ranks (self-spawned)")
+        launch.spawn(_torch_dist_rank, args.nprocs, args, launch_label(args.nprocs))
     return 0
 
 

@@ -10,7 +10,8 @@ torchrun), each rank drawing its own minibatches of windows of text:
                          position) on the English prose of Python's help topics
                          (`pydoc_data.topics`, shipped with Python)
 
-Nothing is downloaded. Five runs with identical data and initial model:
+Nothing is downloaded (the tasks are bench/tasks.py's). Five runs with identical data and
+initial model:
 
     adam          OnebitAdam with freeze_step = steps  (never compresses: fp32 allreduce Adam)
     onebit_adam   OnebitAdam with freeze_step = warm-up fraction * steps
@@ -31,19 +32,21 @@ handed to the transport (backend.bytes_sent), and writes `convergence[_TASK].jso
 from __future__ import annotations
 
 import argparse
-import datetime
-import glob
-import json
 import math
 import os
 import platform
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from compcomm import launch
+from ranks import add_nprocs_argument, run_ranks
+from records import write_json
+from tasks import TASKS, load_text, random_windows, task_model
+
+if TYPE_CHECKING:
+    from compcomm.backends import Backend
 
 RUNS = {  # name: (optimizer, compressed, uncompressed baseline)
     "adam": ("adam", False, None),
@@ -52,14 +55,12 @@ RUNS = {  # name: (optimizer, compressed, uncompressed baseline)
     "onebit_lamb": ("lamb", True, "lamb"),
     "zeroone": ("zeroone", True, "adam"),
 }
-TASKS = ("char-mlp", "transformer")
-VOCAB = 128  # ids: ASCII codes compacted to the characters seen often (see load_text)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", choices=TASKS, default="char-mlp")
-    ap.add_argument("--world-size", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
+    ap.add_argument("--task", choices=list(TASKS), default="char-mlp")
+    add_nprocs_argument(ap, "--world-size")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--warmup", type=float, default=0.15, help="fraction of steps before compression")
     ap.add_argument("--batch", type=int, default=32, help="sequences per rank per step")
@@ -133,100 +134,13 @@ def lr_policy_scaler(args: argparse.Namespace) -> int:
     return max(1, round((args.steps - freeze) / halvings)) if halvings > 0 else args.steps + 1
 
 
-# ------------------------------------------------------------------ data and model
-
-
-def stdlib_sources(limit: int) -> bytes:
-    """The standard library's .py sources (sorted, deterministic)."""
-    root = os.path.dirname(os.__file__)
-    chunks, total = [], 0
-    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
-        with open(path, "rb") as f:
-            data = f.read()
-        chunks.append(data)
-        total += len(data)
-        if total >= limit:
-            break
-    return b"".join(chunks)[:limit]
-
-
-def help_topics(limit: int) -> bytes:
-    """The English text of Python's help topics (pydoc_data.topics), in sorted topic order."""
-    from pydoc_data.topics import topics
-
-    return "".join(topics[k] for k in sorted(topics)).encode("ascii", "replace")[:limit]
-
-
-def load_text(task: str, limit: int) -> torch.Tensor:
-    """The task's corpus as character ids."""
-    raw = stdlib_sources(limit) if task == "char-mlp" else help_topics(limit)
-    codes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
-    # Characters rarer than 1 in 10^4 (and non-ASCII bytes) share id 0, so that every id
-    # occurs in training.
-    counts = torch.bincount(codes, minlength=256)
-    keep = (counts >= max(1, len(codes) // 10_000)).nonzero().flatten()
-    keep = keep[keep < 128]
-    table = torch.zeros(256, dtype=torch.long)
-    table[keep] = torch.arange(1, len(keep) + 1)
-    return table[codes]
-
-
-def windows(text: torch.Tensor, starts: torch.Tensor, context: int) -> torch.Tensor:
-    """Sequences of context + 1 characters starting at `starts`."""
-    return text[starts[:, None] + torch.arange(context + 1)]
-
-
-class CharMLP(torch.nn.Module):
-    """Embed each of `context` characters, concatenate, two hidden layers, next-character logits."""
-
-    def __init__(self, context: int, embed: int, hidden: int) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, embed)
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(context * embed, hidden),
-            torch.nn.GELU(),
-            torch.nn.Linear(hidden, hidden),
-            torch.nn.GELU(),
-            torch.nn.Linear(hidden, VOCAB),
-        )
-
-    def loss(self, seq: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the last character given the others."""
-        logits = self.net(self.embed(seq[:, :-1]).flatten(1))
-        return torch.nn.functional.cross_entropy(logits, seq[:, -1])
-
-
-class CharTransformer(torch.nn.Module):
-    """A causal transformer encoder (pre-norm) predicting the next character at every position."""
-
-    def __init__(self, context: int, width: int, layers: int = 2, heads: int = 4) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, width)
-        self.position = torch.nn.Parameter(torch.randn(context, width) * 0.02)
-        block = torch.nn.TransformerEncoderLayer(
-            width, heads, 2 * width, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(width, VOCAB)
-        self.register_buffer("causal", torch.nn.Transformer.generate_square_subsequent_mask(context))
-
-    def loss(self, seq: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of every next character."""
-        x = self.embed(seq[:, :-1]) + self.position
-        h = self.blocks(x, mask=self.causal, is_causal=True)
-        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), seq[:, 1:].flatten())
-
-
-def make_model(args: argparse.Namespace) -> torch.nn.Module:
-    if args.task == "char-mlp":
-        return CharMLP(args.context, args.embed, args.hidden)
-    return CharTransformer(args.context, args.hidden)
-
-
 # ------------------------------------------------------------------ one rank
 
 
-def make_optimizer(name: str, model: torch.nn.Module, args: argparse.Namespace, backend) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str, model: torch.nn.Module, args: argparse.Namespace, backend: Backend
+) -> torch.optim.Optimizer:
+    """Run `name`'s optimizer: its baseline never leaves the fp32 warm-up (freeze at the last step)."""
     from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 
     kind, compressed, _ = RUNS[name]
@@ -251,13 +165,13 @@ def make_optimizer(name: str, model: torch.nn.Module, args: argparse.Namespace, 
     )
 
 
-def run_one(
-    name: str, args: argparse.Namespace, text: torch.Tensor, split: int, val: torch.Tensor, rank: int
-) -> dict[str, Any]:
+def run_one(name: str, args: argparse.Namespace, train: torch.Tensor, val: torch.Tensor, rank: int) -> dict[str, Any]:
+    """Train run `name` from the common initial model on this rank's minibatches of `train`;
+    its validation curve on `val`, bytes sent and what it ran with."""
     import compcomm
 
     torch.manual_seed(args.seed)  # the same initial model on every rank and in every run
-    model = make_model(args)
+    model = task_model(args.task, args.context, args.embed, args.hidden)
     backend = compcomm.backends.get("gloo")
     opt = make_optimizer(name, model, args, backend)
     if args.schedule == "cosine":
@@ -265,9 +179,9 @@ def run_one(
     gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)  # same batches in every run
     curve, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):
-        starts = torch.randint(0, split - args.context - 1, (args.batch,), generator=gen)
+        batch = random_windows(train, args.batch, args.context, gen)
         model.zero_grad(set_to_none=True)
-        loss = model.loss(windows(text, starts, args.context))
+        loss = model.loss(batch)
         loss.backward()
         opt.step()
         if args.schedule == "cosine":
@@ -298,20 +212,21 @@ def run_one(
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, val: torch.Tensor) -> float:
+    """The model's mean loss over the validation windows."""
     return float(model.loss(val))
 
 
 def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every requested run on this rank, one after the other: the first 90% of the corpus
+    trains, fixed windows of the rest validate."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
     text = load_text(args.task, args.text_bytes)
     split = int(len(text) * 0.9)
-    vgen = torch.Generator().manual_seed(12345)
-    val_starts = split + torch.randint(0, len(text) - split - args.context - 1, (args.val_windows,), generator=vgen)
-    val = windows(text, val_starts, args.context)
+    val = random_windows(text[split:], args.val_windows, args.context, torch.Generator().manual_seed(12345))
     results = []
     for name in args.runs.split(","):
-        res = run_one(name, args, text, split, val, rank)
+        res = run_one(name, args, text[:split], val, rank)
         if rank == 0:
             print(
                 f"  {name:12s} final val loss {res['final_val_loss']:.4f}  bytes/rank {res['bytes_sent']:>12,d}"
@@ -322,46 +237,12 @@ def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def _spawned(rank_fn, args: argparse.Namespace) -> Any:
-    """One self-spawned rank (compcomm.launch set torchrun's environment): rank 0's result."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    try:
-        results = rank_fn(args)
-        return results if dist.get_rank() == 0 else None
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(rank_fn, args: argparse.Namespace, world: int) -> tuple[Any, int]:
-    """Run `rank_fn(args)` on every rank: under torchrun (or bench/netsim.py) in this process,
-    else on `world` local gloo ranks spawned here. Returns rank 0's result (None on other
-    ranks) and the world size."""
-    if launch.launcher() == "torchrun":
-        dist.init_process_group("gloo")
-        try:
-            results = rank_fn(args)
-            return (results if dist.get_rank() == 0 else None), dist.get_world_size()
-        finally:
-            dist.destroy_process_group()
-    return launch.spawn(_spawned, world, rank_fn, args)[0], world
-
-
-def run_parsed(parser: argparse.ArgumentParser, rank_fn, argv: list[str] | None) -> tuple[Any, argparse.Namespace, str]:
-    """A small benchmark's command line: `parser` plus --nprocs, then `rank_fn(args)` on every
-    rank through `run_ranks`. Returns rank 0's result (None on other ranks), the arguments and
-    how the ranks were started, for the report's header."""
-    parser.add_argument("--nprocs", type=int, default=4, help="local ranks to spawn when not launched (default 4)")
-    args = parser.parse_args(argv)
-    result, world = run_ranks(rank_fn, args, args.nprocs)
-    rate = os.environ.get("NETSIM_RATE")
-    started = f"netsim {rate}" if rate else ("torchrun" if "RANK" in os.environ else f"{world} local ranks")
-    return result, args, f"{started}, world size {world}"
-
-
 # ------------------------------------------------------------------ report
 
 
 def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: int) -> dict[str, Any]:
+    """The report: every run, each compressed run's gap to its baseline, bytes against fp32
+    Adam's, and what it all ran with."""
     by = {r["name"]: r for r in results}
     summary: dict[str, Any] = {}
     for name, (_, _, base) in RUNS.items():
@@ -375,12 +256,8 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: in
         summary["onebit_adam_bytes_over_zeroone_bytes"] = by["onebit_adam"]["bytes_sent"] / by["zeroone"]["bytes_sent"]
     warm = args.warmup
     summary["expected_onebit_reduction_at_warmup"] = 1.0 / (warm + (1 - warm) / 32)
-    task = {
-        "char-mlp": "char-level LM (MLP) on Python stdlib sources",
-        "transformer": "char-level causal transformer on Python's help topics (pydoc_data)",
-    }[args.task]
     return {
-        "task": task,
+        "task": TASKS[args.task],
         "world_size": world,
         "backend": "gloo",
         "args": {k: v for k, v in vars(args).items() if k != "out"},
@@ -392,11 +269,11 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: in
 
 
 def write_outputs(report: dict[str, Any], out: str) -> None:
-    os.makedirs(out, exist_ok=True)
+    """convergence[_TASK][_TAG].json in `out`, and the loss curves beside it (.png) when
+    matplotlib is installed."""
     stem = "convergence" if report["args"]["task"] == "char-mlp" else f"convergence_{report['args']['task']}"
     stem += f"_{report['args']['tag']}" if report["args"]["tag"] else ""
-    with open(os.path.join(out, f"{stem}.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(report, os.path.join(out, f"{stem}.json"))
     print(f"wrote {os.path.join(out, stem + '.json')}")
     try:
         import matplotlib
@@ -432,6 +309,7 @@ def write_outputs(report: dict[str, Any], out: str) -> None:
 
 
 def print_report(report: dict[str, Any]) -> None:
+    """Final losses and bytes per run, then the summary's ratios."""
     print(f"{'run':12s} {'final val':>10s} {'bytes/rank':>14s} {'vs fp32 Adam':>13s}")
     for r in report["runs"]:
         red = r.get("bytes_reduction_vs_fp32_adam")

@@ -19,7 +19,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-from allreduce_bw import _rel_error, parse_size, write_json
+
+from ranks import set_threads
+from records import rel_error, write_json
+from units import parse_size
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import compcomm
     from compcomm import backends
 
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit():
-        torch.set_num_threads(int(threads))
+    set_threads()
     dist.init_process_group("gloo")
     flat, hier = backends.get("gloo"), backends.get("hierarchical")
     rank, world, numel = flat.rank, flat.world_size, args.size // 4
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             sums["exact"] += exact
             for name, (be, ef) in methods.items():
                 out = compcomm.compressed_allreduce(x.clone(), ef, backend=be)
-                errors[name].append(_rel_error(out, exact))
+                errors[name].append(rel_error(out, exact))
                 sums[name] += out
     finally:
         dist.destroy_process_group()
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in methods:
         result[f"{name}_mean_rel_error"] = sum(errors[name]) / len(errors[name])
-        result[f"{name}_rel_error_of_sum"] = _rel_error(sums[name], sums["exact"])
+        result[f"{name}_rel_error_of_sum"] = rel_error(sums[name], sums["exact"])
     result["ratio_hierarchical_to_flat"] = result["hierarchical_mean_rel_error"] / result["flat_mean_rel_error"]
     print(
         f"# {result['world_size']} ranks, {result['ranks_per_node']} per node, {args.calls} calls of "

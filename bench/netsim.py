@@ -34,20 +34,10 @@ import subprocess
 import sys
 import time
 
+from units import parse_rate
+
 DEFAULT_SUBNET = "10.77.0.0/24"
 NS_IFNAME = "eth0"  # the interface's name inside every namespace
-_RATE_UNITS = {
-    "bit": 1,
-    "kbit": 1e3,
-    "mbit": 1e6,
-    "gbit": 1e9,
-    "tbit": 1e12,
-    "bps": 8,
-    "kbps": 8e3,
-    "mbps": 8e6,
-    "gbps": 8e9,
-    "tbps": 8e12,
-}
 
 
 class NetsimError(RuntimeError):
@@ -56,20 +46,6 @@ class NetsimError(RuntimeError):
 
 class _Terminated(BaseException):
     """Raised from the SIGTERM/SIGHUP handler so that `finally` blocks clean up."""
-
-
-def parse_rate(text: str) -> float:
-    """A tc rate ("1gbit", "100mbit", "10gbit", "125mbps") in bits per second."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad rate {text!r}; use tc syntax such as 1gbit or 100mbit")
-    unit = (m.group(2) or "bit").lower()
-    if unit not in _RATE_UNITS:
-        raise argparse.ArgumentTypeError(f"bad rate unit {unit!r} in {text!r}; use one of {', '.join(_RATE_UNITS)}")
-    value = float(m.group(1)) * _RATE_UNITS[unit]
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"rate must be positive, got {text!r}")
-    return value
 
 
 def tbf_burst_bytes(rate_bps: float) -> int:

@@ -17,23 +17,21 @@ before backward ended over the time they ran, summed over the stage's steps, mea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from convergence import run_ranks  # noqa: E402  (the local-rank launcher beside this file)
+from ranks import add_nprocs_argument, run_ranks
+from records import write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
+    add_nprocs_argument(ap, "--world-size")
     ap.add_argument("--optimizer", choices=["adam", "lamb", "zeroone"], default="adam")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=1024)
@@ -150,8 +148,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['speedup']:7.2f}x | {hidden:>27s} | {r['bitwise_equal_all_ranks']}"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+        write_json(records, args.json)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,10 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from allreduce_bw import _gather_floats, parse_size, write_json
+
+from ranks import gather_floats, set_threads
+from records import write_json
+from units import parse_size
 
 PARTS = ("header", "scan", "a2a", "werr", "server", "gather", "serr", "decode", "call", "allreduce")
 NODE_PARTS = ("rs", "share", "hier")  # with several ranks per host (LOCAL_WORLD_SIZE > 1)
@@ -52,7 +55,7 @@ def _timed(be, fn) -> float:
     be.barrier()
     start = time.perf_counter()
     fn()
-    return float(_gather_floats(be, time.perf_counter() - start).max())
+    return float(gather_floats(be, time.perf_counter() - start).max())
 
 
 def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
@@ -149,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(parts) - set(PARTS) - set(NODE_PARTS)
     if unknown:
         raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit():
-        torch.set_num_threads(int(threads))
+    set_threads()
     from compcomm import backends
 
     dist.init_process_group("gloo")

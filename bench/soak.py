@@ -16,9 +16,7 @@ Runs plainly (self-spawned local gloo ranks) or under torchrun.
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
-import json
 import os
 import sys
 import threading
@@ -28,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 import compcomm
-from compcomm import launch
+
+from ranks import add_nprocs_argument, run_ranks
+from records import write_json
 
 
 def rss_mib() -> float:
@@ -118,28 +118,17 @@ def run_rank(args: argparse.Namespace) -> int:
                 )
         print("# result: " + ("clean" if not problems else "; ".join(problems)))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "calls": args.calls,
-                        "numel": args.numel,
-                        "world_size": dist.get_world_size(),
-                        "records": [r for recs in everyone for r in recs],
-                        "problems": problems,
-                    },
-                    f,
-                    indent=1,
-                )
+            write_json(
+                {
+                    "calls": args.calls,
+                    "numel": args.numel,
+                    "world_size": dist.get_world_size(),
+                    "records": [r for recs in everyone for r in recs],
+                    "problems": problems,
+                },
+                args.json,
+            )
     return 1 if problems else 0
-
-
-def _spawned(args: argparse.Namespace) -> int:
-    """One self-spawned rank (compcomm.launch set torchrun's environment); its exit code."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
-    try:
-        return run_rank(args)
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,19 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=10_000)
     p.add_argument("--numel", type=int, default=4096)
     p.add_argument("--every", type=int, default=1000, help="record RSS and threads every this many calls")
-    p.add_argument("--nprocs", type=int, default=4)
+    add_nprocs_argument(p)
     p.add_argument("--max-rss-growth-mib", type=float, default=20.0)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     if args.calls < args.every:
         p.error("--calls must be at least --every")
-    if launch.launcher() == "torchrun":
-        dist.init_process_group("gloo")
-        try:
-            return run_rank(args)
-        finally:
-            dist.destroy_process_group()
-    return max(launch.spawn(_spawned, args.nprocs, args))
+    code, _ = run_ranks(run_rank, args, args.nprocs)
+    return code or 0  # every rank checked every rank's records: rank 0's verdict is everyone's
 
 
 if __name__ == "__main__":

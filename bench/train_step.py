@@ -53,10 +53,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
+import functools
 import os
-import socket
 import statistics
 import sys
 import time
@@ -66,8 +64,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from convergence import CharMLP, load_text, windows
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ranks import add_nprocs_argument, launch_label, run_ranks, set_threads
+from records import write_json
+from tasks import CharMLP, load_text, random_windows
 
 RECORD_KEYS = ("method", "world_size", "step_time_ms", "bytes_per_step", "final_loss", "steps")
 SETTINGS = {  # name: (context, embed, hidden, batch per rank)
@@ -229,13 +230,6 @@ def available(name: str) -> bool:
 # one rank
 
 
-class Net(CharMLP):
-    """bench/convergence.py's character MLP with a forward() (logits), which DDP calls."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(self.embed(x).flatten(1))
-
-
 def make_model(args: argparse.Namespace) -> CharMLP:
     """The common initial model. Its embedding table is fixed (random, not trained): rows of
     characters that the warm-up never saw would have a frozen second moment of ~0, on which
@@ -243,7 +237,7 @@ def make_model(args: argparse.Namespace) -> CharMLP:
     parameter here gets a dense gradient."""
     context, embed, hidden, _ = args.shape
     torch.manual_seed(args.seed)
-    model = Net(context, embed, hidden)
+    model = CharMLP(context, embed, hidden)
     model.embed.weight.requires_grad_(False)
     return model
 
@@ -258,7 +252,7 @@ def train(builder: Builder, args: argparse.Namespace, text: torch.Tensor) -> dic
     times, losses, sent, comm = [], [], [], []
     with run.counting():
         for step in range(args.steps):
-            seq = windows(text, torch.randint(0, len(text) - context - 1, (batch,), generator=gen), context)
+            seq = random_windows(text, batch, context, gen)
             dist.barrier()  # a common start: a rank's late end of the last step is not this step's time
             start = time.perf_counter()
             run.optimizer.zero_grad(set_to_none=True)
@@ -273,7 +267,10 @@ def train(builder: Builder, args: argparse.Namespace, text: torch.Tensor) -> dic
 
 
 def rank_main(args: argparse.Namespace, label: str) -> None:
+    """Every method on this rank, one after the other; rank 0 reports (`label`: how the ranks
+    were started)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    set_threads(world)
     started = time.perf_counter()
     text = load_text("char-mlp", args.text_bytes)
     names = [n for n in args.methods.split(",") if n]
@@ -406,10 +403,7 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
     for line in ratios(by):
         print("# " + line)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-            f.write("\n")
+        write_json(records, args.json)
     if args.plot:
         plot(records, args.plot, label)
 
@@ -513,7 +507,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="DDP's bucket_cap_mb (default DDP's 25; PowerSGD always runs in one bucket)",
     )
     p.add_argument("--text-bytes", type=int, default=1_000_000, help="characters of stdlib source to train on")
-    p.add_argument("--nprocs", type=int, default=4, help="local ranks to spawn when not launched (default 4)")
+    add_nprocs_argument(p)
     p.add_argument("--no-baseline", action="store_true", help="skip the no-communication timing of DDP + AdamW")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write one record per method")
@@ -537,46 +531,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _set_threads(world: int) -> None:
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(
-        int(threads) if threads.isdigit() and int(threads) > 0 else max(1, (os.cpu_count() or 1) // world)
-    )
-
-
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    _set_threads(world)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(minutes=10),
-    )
-    try:
-        rank_main(args, f"{world} local ranks (self-spawned)")
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, bench/netsim.py
-        _set_threads(int(os.environ["WORLD_SIZE"]))
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
-        rate, delay = os.environ.get("NETSIM_RATE"), os.environ.get("NETSIM_DELAY")
-        label = f"netsim {rate}" + (f" +{delay}" if delay else "") if rate else "torchrun"
-        try:
-            rank_main(args, label)
-        finally:
-            dist.destroy_process_group()
-        return 0
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.nprocs, port, args), nprocs=args.nprocs, join=True)
+    run_ranks(functools.partial(rank_main, label=launch_label(args.nprocs)), args, args.nprocs)
     return 0
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import bench_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "allreduce_bw.py"
@@ -31,12 +32,7 @@ WORLD = 4
 
 
 def _load_module():
-    if str(SCRIPT.parent) not in sys.path:  # as when run as a script: its helpers sit beside it
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("allreduce_bw", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("allreduce_bw")
 
 
 def test_size_parsing_and_sweep():
@@ -135,29 +131,6 @@ def test_nccl_tests_summary_codec_and_wire_bandwidth(sweep):
         assert math.isclose(r["wire_busbw_GBps"], r["wire_bytes"] / (r["time_us"] * 1e-6) / 1e9, rel_tol=1e-2)
 
 
-def test_trace_call_stamps_every_kernel_and_collective_of_one_call_on_every_rank():
-    """bench/trace_call.py runs on its own spawned ranks and prints, per rank, the call's codec
-    kernels and collectives in the order the call runs them, each ending after it starts."""
-    script = ROOT / "bench" / "trace_call.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--nprocs", "2", "--size", "1M", "--warmup", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
-    assert [line.split()[1] for line in lines] == ["0", "1"]
-    for line in lines:
-        events = [part.split() for part in line.split(" | ")[1].split(", ")]
-        names = [name for name, _ in events]
-        assert names[0] == "scan" and "server" in names and names.count("decode") == 2, line
-        assert names.index("a2a") < names.index("server") < names.index("gather") < names.index("decode"), line
-        spans = [tuple(map(float, span.split("-"))) for _, span in events]
-        assert all(begin <= end for begin, end in spans), line
-
-
 def test_codec_micro_benchmarks_run_every_kernel():
     """bench/test_codec_speed.py (not collected by the suite: its own pytest run) runs every
     kernel through the codec chosen for the device; it had gone on calling module-level codec
@@ -182,20 +155,3 @@ def test_codec_micro_benchmarks_run_every_kernel():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "7 passed" in proc.stdout
-
-
-def test_gather_latency_times_both_primitives_at_every_size():
-    """bench/gather_latency.py (what sets the gloo backend's DIRECT_GATHER_BYTES) runs on its own
-    spawned ranks and prints one timed row per size."""
-    script = ROOT / "bench" / "gather_latency.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--nprocs", "2", "--iters", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines() if line.strip() and not line.startswith("#")]
-    assert len(rows) == 6
-    assert all(len(row) == 4 and all(float(v) > 0 for v in row) for row in rows)

@@ -8,7 +8,6 @@ build namespaces carry the `netns` marker (run them with `pytest -m netns`).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -18,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import bench_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "netsim.py"
@@ -37,10 +38,7 @@ dist.destroy_process_group()
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("netsim", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("netsim")
 
 
 def _why_skip() -> str | None:

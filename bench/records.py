@@ -1,0 +1,29 @@
+"""What the benchmarks report: their JSON files, and the relative error their tables show.
+
+One writer, so that every `--json PATH` of bench/ behaves alike: the directory is made, the
+records are indented one space (diffable in bench/results/), and the file ends with a newline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+
+def write_json(records: Any, path: str) -> None:
+    """Write `records` (a list of records, or one report) as JSON to `path`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+
+
+def rel_error(out: torch.Tensor, exact: torch.Tensor) -> float:
+    """||out - exact|| / ||exact|| in float64 (SPEC 7's rel_error; the plain norm of the
+    difference where exact is zero)."""
+    diff = out.double() - exact.double()
+    norm = float(exact.double().norm())
+    return float(diff.norm()) / norm if norm > 0 else float(diff.norm())

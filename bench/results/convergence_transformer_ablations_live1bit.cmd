@@ -1,1 +1,0 @@
-python bench/convergence_ablations.py --task transformer --hidden 64 --context 32 --batch 16 --lr-adam 6e-3 --lr-lamb 2e-2 --variants live-coefficient-1bit --json bench/results/convergence_transformer_ablations_live1bit.json

@@ -1,1 +1,0 @@
-python bench/convergence.py --task transformer --hidden 64 --context 32 --batch 16 --lr-adam 6e-3 --lr-lamb 2e-2 --runs zeroone --local-step-scaler 40 --var-update-scaler 1000 --tag zeroone_exact_variance

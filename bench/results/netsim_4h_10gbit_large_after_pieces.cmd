@@ -1,1 +1,0 @@
-git checkout 482e88a && pip install -e . && python bench/netsim.py --hosts 4 --rate 10gbit --subnet 10.77.31.0/24 -- python bench/allreduce_bw.py --backend gloo --min-bytes 25M --max-bytes 100M --factor 4 --iters 5 --warmup 2 --json bench/results/netsim_4h_10gbit_large_after_pieces.json -q

@@ -1,2 +1,0 @@
-# three rounds, each: the current code, then commit 2098043 (before the folded phase 0) in its own checkout
-for i in 1 2 3; do python bench/netsim.py --hosts 4 --rate 10gbit -- python bench/allreduce_bw.py --backend gloo --min-bytes 1M --max-bytes 4M --factor 2 --iters 10 --warmup 3 -q; (git checkout -q 2098043 && pip install -q -e . && python bench/netsim.py --hosts 4 --rate 10gbit -- python bench/allreduce_bw.py --backend gloo --min-bytes 1M --max-bytes 4M --factor 2 --iters 10 --warmup 3 -q; git checkout -q - && pip install -q -e .); done

@@ -1,1 +1,0 @@
-python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/allreduce_bw.py --backend gloo --min-bytes 1M --max-bytes 256M --iters 5 --warmup 2 --json bench/results/netsim_4h_1gbit_after.json --plot bench/results/netsim_4h_1gbit_after.png --title netsim\ 4\ hosts\,\ 1gbit\ links

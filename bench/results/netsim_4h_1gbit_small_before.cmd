@@ -1,1 +1,0 @@
-git checkout 2098043 && pip install -e . && python bench/netsim.py --hosts 4 --rate 1gbit --subnet 10.77.31.0/24 -- python bench/allreduce_bw.py --backend gloo --min-bytes 1M --max-bytes 4M --factor 2 --iters 10 --warmup 3 --json bench/results/netsim_4h_1gbit_small_before.json -q

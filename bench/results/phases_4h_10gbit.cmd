@@ -1,1 +1,0 @@
-python bench/netsim.py --hosts 4 --rate 10gbit --subnet 10.77.32.0/24 -- python bench/phases.py --sizes 1M,4M,25M,100M --iters 5 --parts header,scan,a2a,werr,server,gather,serr,decode,call,allreduce --json bench/results/phases_4h_10gbit.json

@@ -1,1 +1,0 @@
-python bench/netsim.py --hosts 4 --rate 10gbit --subnet 10.77.41.0/24 -- python bench/train_step.py --json bench/results/train_step_netsim_4h_10gbit_run2.json --plot bench/results/train_step_netsim_4h_10gbit_run2.png -q
