@@ -21,7 +21,7 @@ Any rank's bad input raises the same error on every rank with nothing changed: T
 ValueError, or `NonFiniteError` for NaN/Inf.
 """
 
-from . import backends, ddp, layout, optim
+from . import backends, ddp, fsdp, layout, optim
 from .allreduce import compressed_allreduce, compressed_allreduce_coalesced
 from .codec import codec_info
 from .error_feedback import ErrorFeedback
@@ -37,6 +37,7 @@ __all__ = [
     "backends",
     "codec_info",
     "ddp",
+    "fsdp",
     "layout",
     "optim",
 ]

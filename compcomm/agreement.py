@@ -78,10 +78,12 @@ HEADER = np.dtype(
 FOLD_BYTES = 128 * 1024
 """The most bytes per rank and slot that phase 0's all-to-all carries besides the header. Slots
 have the same size on every rank whatever the arguments: a HEADER plus the room of the group's
-previous accepted call (its first tensor's row width, at most FOLD_BYTES / n; none for a group's
-first call), which every rank knows alike. So a repeated call whose rows fit costs one collective
-latency fewer, a larger call sends the rest afterwards, and no call carries more padding than its
-predecessor's rows. FOLD_BYTES is about one latency's worth of bytes on a 10 Gbit/s link."""
+previous accepted 1-bit call (its first tensor's row width, at most FOLD_BYTES / n; none before
+the group's first one), which every rank knows alike. So a repeated call whose rows fit costs one
+collective latency fewer, a larger call sends the rest afterwards, and no 1-bit call carries more
+padding than its predecessor's rows. Exact calls (fp32 rows, 32x wider) leave the room as it was,
+so that a warm-up does not make the 1-bit calls after it carry padding. FOLD_BYTES is about one
+latency's worth of bytes on a 10 Gbit/s link."""
 
 ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, NonFiniteError, RuntimeError)
 """Errors carried by index (`error_code`); any other type travels as RuntimeError."""
@@ -321,7 +323,7 @@ def agree_on_call(
     memory = _group_memory(be.channel)
     everyone, early = _exchange(headers, be, first_rows, memory.fold_room if fold else None)
     _raise_if_rejected(everyone, calls, failure, be)
-    if fold and first_rows is not None:  # accepted: every rank has the same width
+    if fold and first_rows is not None and not calls["exact"][0]:  # accepted: every rank has the same width
         memory.fold_room = min(FOLD_BYTES // be.world_size, first_rows.shape[1])
     return Agreement(everyone, early)
 

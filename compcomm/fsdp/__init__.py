@@ -1,0 +1,129 @@
+"""1-bit error-feedback compression for FSDP2 (`fully_shard`) and HSDP, through FSDP2's own seams.
+
+    model = ...; fully_shard each layer and the model (a 1-D mesh)
+    state = compcomm.fsdp.compress(model, start_iter=1000)            # FSDP: the reduce-scatter
+    state = compcomm.fsdp.compress(model, replicate_group=G)          # HSDP: the all-reduce across replicas
+
+FSDP mode (`replicate_group=None`). Each FSDP module's gradient reduce-scatter becomes
+compcomm's (`compcomm.schedules.reduce_scatter`): exact (fp32 sums in rank order) for the first
+`start_iter` iterations, then with 1 bit per element. Rank r views its flat gradient x_r (N = n L
+elements, as FSDP lays it out: row j is rank j's shard) as n rows; with e_r its worker error (N
+elements, fp32, carried from step to step),
+
+    x'_r = x_r + e_r;   s_(r,j) = ||x'_r[row j]|| / sqrt(L);   e_r[row j] <- x'_r[row j] - s_(r,j) sign(x'_r[row j])
+    rank j's shard = (sum_r s_(r,j) sign(x'_r[row j])) / d      (rank order, fp32; d = n for FSDP's mean)
+
+one scale per row, one all-to-all: per rank (n-1)/n x (N/8 + 4n) bytes on the wire against
+(n-1)/n x 4N for fp32. There is no server error: each row has one owner. FSDP's parameter
+all-gathers stay fp32, which caps what the whole step can gain (see the benchmarks).
+
+HSDP mode (`replicate_group=G`). Each replica (e.g. a node) is sharded on a 1-D mesh of its own;
+FSDP's reduce-scatter inside the replica stays exact, and each rank's gradient shard is then
+averaged across the replicas in G (the ranks holding the same shard on other replicas) with
+`compressed_allreduce` (exact for the first `start_iter` iterations), one ErrorFeedback per FSDP
+module, the size of the shard. `compress` first makes the replicas' parameters equal (those of
+G's first rank). A model sharded on a 2-D mesh (FSDP's own HSDP, whose all-reduce no seam
+reaches) is a ValueError naming this fix.
+
+Memory. The FSDP worker error is the full (unsharded) gradient of each module, fp32, per rank:
+it gives back the 1/n that sharding saved on gradients, which is the price of error feedback on
+the sending side of a reduce-scatter. The HSDP error is the shard's size. With
+nonfinite="propagate" each holds a second copy (see below).
+
+Errors. Every rank raises the same error or none. NaN/Inf in any rank's gradients raises
+`NonFiniteError` on every rank from `backward()` (the failing module's error state unchanged;
+after catching it, call `reset_iter_state()` on the root FSDP module, as FSDP asks after any
+exception in backward), or, with `nonfinite="propagate"` (for a GradScaler), gives NaN gradients
+on every rank, so that the scaler skips the step; such a backward leaves no trace in any error
+state and does not count as an iteration: each module's new errors go into a spare that replaces
+its state only when every module of the backward succeeded.
+
+Gradient accumulation: `model.set_requires_gradient_sync(False)` on the micro-batches that only
+accumulate (FSDP then reduces nothing; the iteration counts the backward that reduces).
+`set_requires_all_reduce(False)` does not hold the HSDP hook back: use the former.
+
+Optimizers: any torch optimizer works on the sharded parameters (SGD with momentum above all,
+whose update is linear in the error-compensated gradients); `compcomm.optim.OnebitAdam` and
+`OnebitLamb` run sharded on them (their `freeze_step` must equal `start_iter`), with the
+variance frozen when the gradients turn 1-bit. Checkpoints: `CompressionState.state_dict()` /
+`gathered_state_dict()` / `load_state_dict()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..backends import Backend, check_backend_argument
+from .comms import CompressedReduceScatter, all_reduce_hook
+from .modules import group_ranks, sharded_modules
+from .state import NONFINITE, CompressionState, state_of
+
+__all__ = ["CompressionState", "compress", "state_of"]
+
+
+def compress(
+    model: torch.nn.Module,
+    start_iter: int = 1000,
+    replicate_group: dist.ProcessGroup | None = None,
+    backend: Backend | str | None = None,
+    nonfinite: str = "raise",
+) -> CompressionState:
+    """Compress the gradient communication of `model`, on which `fully_shard` was called (every
+    FSDP module in it is handled): in FSDP mode its reduce-scatters, in HSDP mode
+    (`replicate_group`) the average of each gradient shard across replicas. See the module
+    docstring for the numerics. Call it on every rank, before the first backward.
+
+    `backend`: the compcomm transport over the group that is compressed (a name or a Backend
+    over that group; default gloo for CPU parameters, nccl for CUDA ones). Returns the state to
+    checkpoint.
+    """
+    if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+        raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
+    check_backend_argument(backend)
+    if replicate_group is not None and not isinstance(replicate_group, dist.ProcessGroup):
+        raise TypeError(
+            f"replicate_group must be a torch.distributed ProcessGroup, got {type(replicate_group).__name__}"
+        )
+    modules = sharded_modules(model)
+    if any(state_of(p) is not None for m in modules for p in m.params):
+        raise ValueError("compcomm.fsdp.compress was already called on this model")
+    sizes = {dist.get_world_size(m.shard_group) for m in modules}
+    if len(sizes) != 1:
+        raise ValueError(f"the FSDP modules shard over groups of different sizes {sorted(sizes)}")
+    if replicate_group is not None:
+        _check_replicas(replicate_group, [group_ranks(m.shard_group) for m in modules])
+    state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite)
+    for m in modules:
+        if replicate_group is None:
+            m.module.set_custom_reduce_scatter(CompressedReduceScatter(state, m.name))
+        else:
+            m.module.set_all_reduce_hook(all_reduce_hook(state, m.name))
+    if replicate_group is not None:
+        _equalize_replicas(state.params, replicate_group)
+    return state
+
+
+def _check_replicas(replicas: dist.ProcessGroup, shard_groups: list[list[int]]) -> None:
+    """ValueError unless the replica group holds this rank and meets each shard group in this
+    rank alone (it joins the ranks that hold the same shard on different replicas)."""
+    me = dist.get_rank()
+    members = set(group_ranks(replicas))
+    if me not in members:
+        raise ValueError(f"replicate_group does not hold this rank ({me}): pass the group of this rank's replicas")
+    for shard in shard_groups:
+        if members & set(shard) != {me}:
+            raise ValueError(
+                f"replicate_group {sorted(members)} shares ranks {sorted(members & set(shard))} with the FSDP shard "
+                f"group {shard}: it must join the ranks that hold this rank's shard on the other replicas"
+            )
+
+
+def _equalize_replicas(params: list[torch.nn.Parameter], replicas: dist.ProcessGroup) -> None:
+    """Every replica starts from the first replica's parameters (as DDP does at construction)."""
+    source = dist.get_global_rank(replicas, 0)
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.to_local(), src=source, group=replicas)  # type: ignore[attr-defined]

@@ -1,0 +1,90 @@
+"""The FSDP2 modules of a model, and the checks that they are sharded the way compcomm can serve.
+
+compcomm plugs into FSDP2 through its public seams (`FSDPModule.set_custom_reduce_scatter`,
+`set_all_reduce_hook`), one FSDP module at a time. A module qualifies when `fully_shard` was
+called on it and it owns parameters, all sharded on one 1-D mesh: FSDP's own HSDP (a 2-D mesh)
+all-reduces across replicas inside FSDP, where no seam reaches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+TWO_D_MESH_FIX = (
+    "compcomm.fsdp compresses the cross-replica all-reduce of HSDP itself: shard each replica on a 1-D mesh "
+    "of its own ranks (fully_shard(..., mesh=init_device_mesh(device, (ranks_per_replica,)) built per replica, "
+    "or the shard dimension of your 2-D mesh, mesh['shard']) and pass the replica group: "
+    "compcomm.fsdp.compress(model, replicate_group=mesh['replicate'].get_group())"
+)
+
+
+@dataclass
+class ShardedModule:
+    """One FSDP module that owns parameters."""
+
+    name: str  # its name in the model ("" for the root)
+    module: FSDPModule
+    params: list[torch.nn.Parameter]  # the parameters it shards (DTensors)
+    shard_group: dist.ProcessGroup  # the group its gradients are reduce-scattered over
+
+
+def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
+    """The FSDP modules of `model` that own parameters, in the order of `named_modules()`.
+
+    ValueError for a model that `fully_shard` was not called on, for parameters that no FSDP
+    module shards, and for a 2-D (HSDP) mesh."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"compcomm.fsdp.compress takes the model (an nn.Module), got {type(model).__name__}")
+    fsdp = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not fsdp:
+        raise ValueError(
+            "the model holds no FSDP module: call torch.distributed.fsdp.fully_shard on its layers and on the "
+            "model first, then compcomm.fsdp.compress(model)"
+        )
+    owned: dict[int, str] = {}
+    found = []
+    for name, module in fsdp:
+        params = _own_parameters(module)
+        for p in params:
+            owned[id(p)] = name
+        if params:
+            found.append(ShardedModule(name, module, params, _shard_group(name, params)))
+    loose = [name for name, p in model.named_parameters() if id(p) not in owned]
+    if loose:
+        raise ValueError(
+            f"parameters {loose[:5]} are not sharded by any FSDP module: call fully_shard on the model itself too "
+            "(its root), so that every parameter's gradient goes through FSDP"
+        )
+    return found
+
+
+def _own_parameters(module: FSDPModule) -> list[torch.nn.Parameter]:
+    """The parameters this FSDP module manages: its own, less those of FSDP modules nested in it."""
+    assert isinstance(module, torch.nn.Module)
+    nested = {
+        id(p)
+        for child in module.modules()
+        if child is not module and isinstance(child, FSDPModule)
+        for p in child.parameters()
+    }
+    return [p for p in module.parameters() if id(p) not in nested]
+
+
+def _shard_group(name: str, params: list[torch.nn.Parameter]) -> dist.ProcessGroup:
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}
+    if len(meshes) != 1 or len(params) != sum(isinstance(p, DTensor) for p in params):
+        raise ValueError(f"the FSDP module {name or '<root>'!r} shards its parameters on several meshes")
+    mesh = next(iter(meshes.values()))
+    if mesh.ndim != 1:
+        raise ValueError(f"the FSDP module {name or '<root>'!r} is sharded on a {mesh.ndim}-D mesh. {TWO_D_MESH_FIX}")
+    return mesh.get_group()
+
+
+def group_ranks(group: dist.ProcessGroup) -> list[int]:
+    """The global ranks of a torch.distributed group."""
+    return dist.get_process_group_ranks(group)

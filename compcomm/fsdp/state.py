@@ -1,0 +1,286 @@
+"""What `compcomm.fsdp.compress` keeps: one error state per FSDP module, the iteration count,
+and the rule that a backward either changes them all or none.
+
+Every reduction of a backward (one per FSDP module) goes through `CompressionState`: the first
+one of a backward queues a callback that autograd runs once the backward is over (after FSDP's
+own), which counts the iteration. With nonfinite="propagate" each module's new errors go into a
+spare ErrorFeedback that replaces its state only there, when every module of the backward
+succeeded: a step that a GradScaler skips leaves no trace in any error state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import schedules
+from ..agreement import CallSpec, raise_agreed
+from ..backends import Backend, HierarchicalBackend, get
+from ..error_feedback import ErrorFeedback
+from ..errors import NonFiniteError
+from ..gather_objects import all_gather_object
+from .modules import ShardedModule
+
+FORMAT = "compcomm.fsdp.CompressionState/1"
+NONFINITE = ("raise", "propagate")
+
+_registry: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its CompressionState
+
+
+def state_of(param: torch.Tensor) -> CompressionState | None:
+    """The CompressionState whose FSDP module shards `param`, if `compress` was called on it."""
+    return _registry.get(param)
+
+
+@dataclass
+class _Module:
+    """One FSDP module's compression: its error state and the groups it reduces over."""
+
+    name: str
+    errors: ErrorFeedback
+    spare: ErrorFeedback | None  # where a backward's new errors go until it succeeds (propagate)
+    shard: Backend  # the group FSDP reduce-scatters over
+    replicas: Backend | None  # HSDP: the replicas of this rank's shard (None: FSDP mode)
+
+    def keep(self) -> None:
+        """The backward succeeded: the spare's errors become the state."""
+        if self.spare is not None:
+            self.errors, self.spare = self.spare, self.errors
+
+
+class CompressionState:
+    """compcomm's part of a compressed FSDP2 / HSDP model (see `compcomm.fsdp.compress`).
+
+    `iteration` counts the backward passes whose gradients were reduced, on every rank alike;
+    those numbered below `start_iter` are reduced exactly. `error_feedback` maps each FSDP
+    module's name to its ErrorFeedback. Checkpoints: `state_dict()` holds this rank's errors
+    (save one file per rank); `gathered_state_dict()` (a collective) every rank's, for one file
+    loaded by all ranks; `load_state_dict` raises the same ValueError on every rank when the
+    state cannot resume this rank exactly.
+    """
+
+    def __init__(
+        self,
+        modules: list[ShardedModule],
+        start_iter: int,
+        replicate_group: dist.ProcessGroup | None,
+        backend: Backend | str | None,
+        nonfinite: str,
+    ) -> None:
+        self.start_iter, self.nonfinite = start_iter, nonfinite
+        self.mode = "fsdp" if replicate_group is None else "hsdp"
+        self.iteration = 0
+        self.params = [p for m in modules for p in m.params]
+        device = self.params[0].device
+        shards: dict[int, Backend] = {}
+        replicas = None if replicate_group is None else _backend_over(replicate_group, backend, device)
+        self._modules: dict[str, _Module] = {}
+        for m in modules:
+            if id(m.shard_group) not in shards:
+                chosen = backend if replicate_group is None else None  # HSDP: FSDP's own group is the node's
+                shards[id(m.shard_group)] = _backend_over(m.shard_group, chosen, device)
+            self._modules[m.name] = _Module(
+                m.name,
+                ErrorFeedback(tag=f"compcomm.fsdp:{m.name}"),
+                ErrorFeedback(tag=f"compcomm.fsdp:{m.name}") if nonfinite == "propagate" else None,
+                shards[id(m.shard_group)],
+                replicas,
+            )
+        first = next(iter(self._modules.values()))
+        self.world: Backend = first.shard if replicas is None else HierarchicalBackend(first.shard, replicas)
+        """Every rank of the model: where verdicts that concern the whole step are agreed."""
+        self._backward: int | None = None  # autograd's id of the backward whose reductions are pending
+        self._pending: list[_Module] = []
+        self._failed = False
+        self._shard_of = {id(p): self._modules[m.name].shard for m in modules for p in m.params}
+        for p in self.params:
+            _registry[p] = self
+
+    @property
+    def error_feedback(self) -> dict[str, ErrorFeedback]:
+        """Each FSDP module's error feedback, by module name (with nonfinite="propagate" the
+        object alternates between two: look it up again after each backward)."""
+        return {name: m.errors for name, m in self._modules.items()}
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank handed to the transport for compcomm's reductions (and their small
+        agreements) so far; FSDP's own collectives (parameter all-gathers, HSDP's exact
+        reduce-scatter inside the replica) are not counted."""
+        used = {id(be): be for m in self._modules.values() for be in (m.shard, m.replicas) if be is not None}
+        return sum(be.bytes_sent for be in used.values())
+
+    def shard_backend(self, param: torch.Tensor) -> Backend:
+        """The backend over the ranks that share `param` out among themselves (its shard group)."""
+        return self._shard_of[id(param)]
+
+    # ----------------------------------------------------------------- reductions
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the current (or next) backward reduces with 1 bit."""
+        return self.iteration >= self.start_iter
+
+    def reduce_scatter(
+        self, name: str, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup, op: str
+    ) -> None:
+        """FSDP mode: module `name`'s gradient reduce-scatter over its shard group."""
+        module = self._modules[name]
+        self._enter()
+        be = module.shard
+        if dist.get_world_size(group) != be.world_size or dist.get_rank(group) != be.rank:
+            raise ValueError(
+                f"FSDP reduce-scatters module {name!r} over a group of {dist.get_world_size(group)} ranks, not the "
+                f"{be.world_size}-rank group compcomm.fsdp.compress found for it"
+            )
+        spec = CallSpec([tensor], [module.errors], op, self._outs(module), exact=[not self.compressing])
+        spec.outputs = [output]
+        self._run(module, output, lambda: be.ordered(lambda: schedules.reduce_scatter(spec, be)))
+
+    def all_reduce(self, name: str, shard: torch.Tensor) -> None:
+        """HSDP mode: module `name`'s reduced gradient shard, averaged across the replicas; the
+        verdict is then agreed among the shards, so that every rank raises alike."""
+        module = self._modules[name]
+        self._enter()
+        replicas = module.replicas
+        assert replicas is not None
+        spec = CallSpec([shard], [module.errors], "mean", self._outs(module), exact=[not self.compressing])
+        failure: Exception | None = None
+        try:
+            replicas.ordered(lambda: schedules.allreduce(spec, replicas))
+        except Exception as exc:  # agreed across these replicas: now agreed among the shards too
+            failure = exc
+        self._run(module, shard, lambda: raise_agreed(failure, module.shard, context="across replicas: "))
+
+    def _outs(self, module: _Module) -> list[ErrorFeedback] | None:
+        return None if module.spare is None else [module.spare]
+
+    def _run(self, module: _Module, output: torch.Tensor, reduce: Any) -> None:
+        """`reduce()`, then note the module for the end of the backward; a non-finite verdict
+        becomes NaN gradients with nonfinite="propagate"."""
+        try:
+            with torch.no_grad():
+                reduce()
+        except NonFiniteError:
+            self._failed = True
+            if self.nonfinite != "propagate":
+                self._backward = None  # the backward ends here: the next one starts afresh
+                raise
+            output.fill_(float("nan"))
+            return
+        except Exception:
+            self._failed, self._backward = True, None
+            raise
+        self._pending.append(module)
+
+    def _enter(self) -> None:
+        """The first reduction of a backward queues the commit at its end."""
+        task = torch._C._current_graph_task_id()
+        if task == self._backward and task is not None and task >= 0:
+            return
+        self._backward, self._pending, self._failed = task, [], False
+        if task >= 0:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Every reduction of the backward succeeded on every rank (or the step is skipped)."""
+        if not self._failed:
+            for module in self._pending:
+                module.keep()
+            self.iteration += 1
+        self._backward, self._pending, self._failed = None, [], False
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: the iteration, and each module's error feedback (a copy)."""
+        modules = {}
+        for name, m in self._modules.items():
+            saved = m.errors.state_dict()
+            modules[name] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()}
+        return {
+            "format": FORMAT,
+            "mode": self.mode,
+            "start_iter": self.start_iter,
+            "iteration": self.iteration,
+            "rank": self.world.rank,
+            "world_size": self.world.world_size,
+            "modules": modules,
+        }
+
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """Every rank's `state_dict()` in one dict, on every rank (a collective: call it on all
+        ranks, save it from one); `load_state_dict` of it gives each rank its own part."""
+        return {
+            "format": FORMAT,
+            "world_size": self.world.world_size,
+            "ranks": all_gather_object(self.state_dict(), self.world),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()` or `gathered_state_dict()` (a collective). The same
+        ValueError on every rank, with nothing changed, if any rank's state cannot resume it
+        exactly: another world size, mode or set of modules, or another rank's errors."""
+        loaded: dict[str, ErrorFeedback] = {}
+        mine: dict[str, Any] = {}
+        failure: Exception | None = None
+        try:
+            mine = self._own_part(state)
+            for name, saved in mine["modules"].items():
+                ef = ErrorFeedback(tag=f"compcomm.fsdp:{name}")
+                ef.load_state_dict(saved)
+                loaded[name] = ef
+        except Exception as exc:  # reported to every rank, then raised everywhere
+            failure = ValueError(f"{type(exc).__name__}: {exc}")
+        raise_agreed(failure, self.world, context="cannot load the compcomm.fsdp state: ")
+        self.iteration, self.start_iter = int(mine["iteration"]), int(mine["start_iter"])
+        for name, ef in loaded.items():
+            self._modules[name].errors = ef
+        self._backward, self._pending, self._failed = None, [], False
+
+    def _own_part(self, state: Any) -> dict[str, Any]:
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ValueError("not a compcomm.fsdp CompressionState state dict")
+        if state.get("world_size") != self.world.world_size:
+            raise ValueError(
+                f"the state was saved on {state.get('world_size')} ranks, this model runs on {self.world.world_size}: "
+                "its error feedback belongs to another sharding"
+            )
+        if "ranks" in state:
+            state = state["ranks"][self.world.rank]
+        if state.get("mode") != self.mode:
+            raise ValueError(f"the state is of {state.get('mode')} mode, this model is compressed in {self.mode} mode")
+        if set(state.get("modules", {})) != set(self._modules):
+            raise ValueError(
+                f"the state's FSDP modules {sorted(state.get('modules', {}))} are not this model's "
+                f"{sorted(self._modules)}"
+            )
+        if state.get("rank") != self.world.rank and any(
+            saved.get("worker_error") is not None for saved in state["modules"].values()
+        ):
+            raise ValueError(
+                f"this is rank {state.get('rank')}'s state, loaded on rank {self.world.rank}: its error feedback is "
+                "that rank's own. Save one file per rank, or one file with gathered_state_dict()"
+            )
+        if not isinstance(state.get("iteration"), int) or not isinstance(state.get("start_iter"), int):
+            raise ValueError("the state's iteration and start_iter must be integers")
+        return state
+
+
+def _backend_over(group: dist.ProcessGroup, backend: Backend | str | None, device: torch.device) -> Backend:
+    """The compcomm backend over `group`: gloo (CPU) or nccl (CUDA) by default; a given one must
+    have the group's size and this rank's place in it."""
+    if backend is None or backend in ("gloo", "nccl"):
+        name = backend or ("nccl" if device.type == "cuda" else "gloo")
+        return get(name, group=group)
+    be = get(backend) if isinstance(backend, str) else backend
+    if be.world_size != dist.get_world_size(group) or be.rank != dist.get_rank(group):
+        raise ValueError(
+            f"backend {be!r} does not match the group it must reduce over ({dist.get_world_size(group)} ranks, "
+            f"this one number {dist.get_rank(group)}): build it over that group"
+        )
+    return be

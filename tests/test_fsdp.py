@@ -1,0 +1,445 @@
+"""compcomm.fsdp on real FSDP2 models over spawned gloo ranks: FSDP mode on 2, 3 and 4 ranks and
+HSDP on 2 replicas x 2 shards, each sharded gradient against a float64 reference built from an
+unsharded copy of the model; warm-up, accumulation, non-finite gradients (raise and propagate),
+checkpoints and misuse, every error raised on every rank."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import compcomm
+
+from rankpool import caught, group
+from reference import reference_allreduce, reference_reduce_scatter
+
+SHARDS = {"2x2": ((0, 1), (2, 3))}  # HSDP: the shard groups (one per replica)
+REPLICAS = {"2x2": ((0, 2), (1, 3))}
+
+
+# ----------------------------------------------------------------- models on the ranks
+
+
+def _mesh(members: tuple[int, ...]):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group(members), "cpu")
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def shard(model: torch.nn.Module, members: tuple[int, ...]) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh(members)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 5, generator=g) * (1 + rank)
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).sum()
+
+
+def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def plain_grads(params: list[torch.Tensor], x: torch.Tensor) -> list[np.ndarray]:
+    """This rank's local (unreduced) gradients, from an unsharded copy of the model."""
+    model = make_model()
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), params):
+            p.copy_(value)
+    loss_of(model, x).backward()
+    return [p.grad.double().numpy() for p in model.parameters()]
+
+
+def local_grads(model: torch.nn.Module) -> list[np.ndarray]:
+    return [p.grad.to_local().double().numpy() for p in model.parameters()]
+
+
+def run_fsdp(members: tuple[int, ...], start_iter: int, steps: int) -> list[dict]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group(members))
+    model = shard(make_model(), members)
+    state = compcomm.fsdp.compress(model, start_iter=start_iter)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = []
+    for step in range(steps):
+        params, x = full_params(model), batch(rank, step)
+        loss_of(model, x).backward()
+        records.append({"plain": plain_grads(params, x), "sharded": local_grads(model), "iteration": state.iteration})
+        opt.step()
+        opt.zero_grad()
+    return records
+
+
+# ----------------------------------------------------------------- the reference
+
+
+MODULES = [[0, 1], [2, 3]]  # parameter indices of each FSDP module (Linear 0, Linear 2)
+
+
+def module_rows(grads: list[np.ndarray], indices: list[int], n: int) -> np.ndarray:
+    """FSDP's reduce-scatter input of one module on one rank: row j = every parameter's dim-0
+    chunk j (dim 0 padded to a multiple of n), flattened, one after the other."""
+    rows = [[] for _ in range(n)]
+    for i in indices:
+        g = grads[i].reshape(grads[i].shape[0], -1)
+        chunk = math.ceil(g.shape[0] / n)
+        padded = np.zeros((chunk * n, g.shape[1]))
+        padded[: g.shape[0]] = g
+        for j in range(n):
+            rows[j].append(padded[j * chunk : (j + 1) * chunk].reshape(-1))
+    return np.concatenate([np.concatenate(r) for r in rows])
+
+
+def sharded_values(grads: list[np.ndarray], indices: list[int]) -> np.ndarray:
+    """This rank's shards of one module's gradients, as laid out in its row (padding as zeros)."""
+    return np.concatenate([g.reshape(-1) for g in (grads[i] for i in indices)])
+
+
+def row_of(output: np.ndarray, grads_shapes: list[tuple[int, ...]], indices: list[int], n: int, rank: int):
+    """Cut the reference output row of `rank` into its parameters' real (unpadded) shards."""
+    parts, offset = [], 0
+    for i in indices:
+        shape = grads_shapes[i]
+        width = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        chunk = math.ceil(shape[0] / n)
+        real = max(0, min(shape[0] - rank * chunk, chunk))
+        parts.append(output[offset : offset + real * width])
+        offset += chunk * width
+    return np.concatenate(parts)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fsdp_mode_matches_reference(pool, world):
+    """Two exact iterations, then the 1-bit reduce-scatter with error feedback, each rank's
+    gradient shard against the float64 reference of the whole model's layout."""
+    members = tuple(range(world))
+    steps, start_iter = 4, 2
+    res = pool.run(run_fsdp, members, start_iter, steps, ranks=members)
+    shapes = [g.shape for g in res[0][0]["plain"]]
+    errors = {}
+    for step in range(steps):
+        assert all(r[step]["iteration"] == step + 1 for r in res)
+        for m, indices in enumerate(MODULES):
+            inputs = [module_rows(res[r][step]["plain"], indices, world) for r in range(world)]
+            length = inputs[0].size // world
+            if step < start_iter:
+                expected = np.stack(inputs).mean(0).reshape(world, length)
+            else:
+                padded = math.ceil(length / 8) * 8
+                worker = errors.get(m, np.zeros((world, world, padded)))
+                expected, errors[m] = reference_reduce_scatter(inputs, worker, "mean")
+            for r in range(world):
+                got = sharded_values(res[r][step]["sharded"], indices)
+                want = row_of(expected[r], shapes, indices, world, r)
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
+
+
+def run_hsdp(steps: int, start_iter: int, seed_per_rank: bool) -> list[dict]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    shard_members, replica_members = SHARDS["2x2"][rank // 2], REPLICAS["2x2"][rank % 2]
+    model = shard(make_model(seed=rank if seed_per_rank else 0), shard_members)
+    state = compcomm.fsdp.compress(model, start_iter=start_iter, replicate_group=group(replica_members))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    records = [{"after": [p.to_local().detach().clone().numpy().tobytes() for p in model.parameters()]}]
+    for step in range(steps):
+        params, x = full_params(model), batch(rank, step)
+        loss_of(model, x).backward()
+        plain = plain_grads(params, x)
+        sharded = local_grads(model)
+        opt.step()
+        opt.zero_grad()
+        records.append(
+            {
+                "plain": plain,
+                "sharded": sharded,
+                "after": [p.to_local().detach().clone().numpy().tobytes() for p in model.parameters()],
+                "errors": {
+                    k: v.worker_error.double().numpy() for k, v in state.error_feedback.items() if v.initialized
+                },
+            }
+        )
+    return records
+
+
+def test_hsdp_replicas_start_equal_stay_bitwise_equal_and_match_reference(pool):
+    """2 replicas x 2 shards, ranks seeded differently: compress makes the replicas equal;
+    each shard's gradient is the exact mean inside the replica, then the 1-bit mean across
+    replicas (reference_allreduce on the shard means), and replicas stay bitwise equal."""
+    steps, start_iter = 4, 1
+    res = pool.run(run_hsdp, steps, start_iter, True)
+    for step in range(steps + 1):
+        assert res[0][step]["after"] == res[2][step]["after"] and res[1][step]["after"] == res[3][step]["after"]
+    shapes = [g.shape for g in res[0][1]["plain"]]
+    errors: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    for step in range(1, steps + 1):
+        for m, indices in enumerate(MODULES):
+            for s in range(2):  # shard index: ranks s and s + 2 hold it
+                shard_means = []
+                for replica in range(2):
+                    members = SHARDS["2x2"][replica]
+                    rows = np.stack([module_rows(res[r][step]["plain"], indices, 2) for r in members]).mean(0)
+                    shard_means.append(rows.reshape(2, -1)[s])
+                if step <= start_iter:
+                    expected = np.mean(shard_means, axis=0)
+                else:
+                    numel = shard_means[0].size
+                    m_pad = math.ceil(numel / 16) * 16
+                    worker, server = errors.get((m, s), (np.zeros((2, m_pad)), np.zeros((2, m_pad // 2))))
+                    expected, worker, server = reference_allreduce(shard_means, worker, server, "mean")
+                    errors[(m, s)] = (worker, server)
+                for r in (s, s + 2):
+                    got = sharded_values(res[r][step]["sharded"], indices)
+                    want = row_of(expected, shapes, indices, 2, s)
+                    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
+
+
+# ----------------------------------------------------------------- accumulation, non-finite gradients
+
+
+def accumulate(start_iter: int) -> dict:
+    """Two micro-batches, the first without sync: one reduction of the summed gradients."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    state = compcomm.fsdp.compress(model, start_iter=start_iter)
+    params = full_params(model)
+    model.set_requires_gradient_sync(False)
+    loss_of(model, batch(rank, 0)).backward()
+    model.set_requires_gradient_sync(True)
+    loss_of(model, batch(rank, 1)).backward()
+    plain = [a + b for a, b in zip(plain_grads(params, batch(rank, 0)), plain_grads(params, batch(rank, 1)))]
+    return {"plain": plain, "sharded": local_grads(model), "iteration": state.iteration}
+
+
+def test_accumulation_without_sync_reduces_once(pool):
+    res = pool.run(accumulate, 0)
+    assert all(r["iteration"] == 1 for r in res)
+    shapes = [g.shape for g in res[0]["plain"]]
+    for indices in MODULES:
+        inputs = [module_rows(res[r]["plain"], indices, 4) for r in range(4)]
+        padded = math.ceil(inputs[0].size // 4 / 8) * 8
+        expected, _ = reference_reduce_scatter(inputs, np.zeros((4, 4, padded)), "mean")
+        for r in range(4):
+            got = sharded_values(res[r]["sharded"], indices)
+            np.testing.assert_allclose(got, row_of(expected[r], shapes, indices, 4, r), rtol=1e-5, atol=1e-6)
+
+
+def poisoned(nonfinite: str, hsdp: bool) -> dict:
+    """Two good iterations, then NaN in rank 1's input at the third, then a good one."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if hsdp:
+        model = shard(make_model(), SHARDS["2x2"][rank // 2])
+        replicas = group(REPLICAS["2x2"][rank % 2])
+    else:
+        model, replicas = shard(make_model(), (0, 1, 2, 3)), None
+    state = compcomm.fsdp.compress(model, start_iter=1, replicate_group=replicas, nonfinite=nonfinite)
+    for step in range(2):
+        loss_of(model, batch(rank, step)).backward()
+        model.zero_grad()
+    before = {k: v.state_dict()["worker_error"].clone() for k, v in state.error_feedback.items()}
+    x = batch(rank, 2)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    failure = caught(lambda: loss_of(model, x).backward())
+    if failure is not None:
+        model.reset_iter_state()
+    grads_nan = [bool(torch.isnan(p.grad.to_local()).all()) for p in model.parameters() if p.grad is not None]
+    after = {k: v.state_dict()["worker_error"] for k, v in state.error_feedback.items()}
+    unchanged = {k: bool(torch.equal(before[k], after[k])) for k in before}
+    iteration = state.iteration
+    model.zero_grad()
+    loss_of(model, batch(rank, 3)).backward()
+    return {
+        "failure": failure,
+        "nan": grads_nan,
+        "unchanged": unchanged,
+        "iteration": iteration,
+        "next": state.iteration,
+        "finite": all(bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters()),
+    }
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_nonfinite_raises_on_every_rank_and_training_goes_on(pool, hsdp):
+    res = pool.run(poisoned, "raise", hsdp)
+    for r in res:
+        assert r["failure"] is not None and r["failure"][0] == "NonFiniteError", r["failure"]
+        assert r["iteration"] == 2, "a failed backward is not counted"
+        assert r["next"] == 3 and r["finite"], "the next backward reduces normally"
+        assert all(r["unchanged"].values()), "the first module reduced failed: no error state changed"
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_nonfinite_propagate_gives_nan_everywhere_and_leaves_no_trace(pool, hsdp):
+    res = pool.run(poisoned, "propagate", hsdp)
+    for r in res:
+        assert r["failure"] is None
+        assert r["nan"] and any(r["nan"]), "the failing module's gradients come back as NaN"
+        assert all(r["unchanged"].values()), "a skipped backward leaves every error state as it was"
+        assert r["iteration"] == 2 and r["next"] == 3 and r["finite"]
+
+
+# ----------------------------------------------------------------- checkpoints
+
+
+def resume(gathered: bool) -> tuple[bytes, bytes]:
+    """Train 4 steps straight, and 2 + save + load into a fresh model and state + 2: the same bits."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def build():
+        model = shard(make_model(), (0, 1, 2, 3))
+        state = compcomm.fsdp.compress(model, start_iter=1)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def train(model, opt, steps):
+        for step in steps:
+            loss_of(model, batch(rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def raw(model):
+        return b"".join(p.to_local().detach().numpy().tobytes() for p in model.parameters())
+
+    model, state, opt = build()
+    train(model, opt, range(4))
+    straight = raw(model)
+    model, state, opt = build()
+    train(model, opt, range(2))
+    saved = io.BytesIO()
+    torch.save(
+        {
+            "model": {k: v.to_local().clone() for k, v in model.state_dict().items()},
+            "opt": opt.state_dict(),
+            "comm": state.gathered_state_dict() if gathered else state.state_dict(),
+        },
+        saved,
+    )
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    model, state, opt = build()
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.to_local().copy_(loaded["model"][k])
+    opt.load_state_dict(loaded["opt"])
+    state.load_state_dict(loaded["comm"])
+    train(model, opt, range(2, 4))
+    return straight, raw(model)
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_checkpoint_resumes_bit_for_bit(pool, gathered):
+    for straight, resumed in pool.run(resume, gathered):
+        assert straight == resumed
+
+
+def foreign_state() -> tuple[str, str] | None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    state = compcomm.fsdp.compress(model, start_iter=0)
+    loss_of(model, batch(rank, 0)).backward()
+    blob = [state.state_dict()]
+    dist.broadcast_object_list(blob, src=0, group=group(4))
+    return caught(state.load_state_dict, blob[0])
+
+
+def test_rank0_state_loaded_everywhere_raises_on_every_rank(pool):
+    for failure in pool.run(foreign_state):
+        assert failure is not None and failure[0] == "ValueError" and "rank 0's state" in failure[1], failure
+
+
+# ----------------------------------------------------------------- misuse
+
+
+def misuse(case: str) -> tuple[str, str] | None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    if case == "no_fsdp":
+        return caught(compcomm.fsdp.compress, make_model())
+    if case == "2d_mesh":
+        mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("replicate", "shard"))
+        model = make_model()
+        fully_shard(model, mesh=mesh)
+        return caught(compcomm.fsdp.compress, model)
+    if case == "overlapping_group":
+        model = shard(make_model(), (0, 1, 2, 3))
+        return caught(compcomm.fsdp.compress, model, replicate_group=group((0, 1) if rank < 2 else (2, 3)))
+    if case == "twice":
+        model = shard(make_model(), (0, 1, 2, 3))
+        compcomm.fsdp.compress(model)
+        return caught(compcomm.fsdp.compress, model)
+    if case == "bad_backend":
+        model = shard(make_model(), (0, 1, 2, 3))
+        return caught(
+            compcomm.fsdp.compress,
+            model,
+            backend=compcomm.backends.get("gloo", group=group((0, 2)) if rank in (0, 2) else group((1, 3))),
+        )
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case, error, words",
+    [
+        ("no_fsdp", "ValueError", "fully_shard"),
+        ("2d_mesh", "ValueError", "replicate_group=mesh['replicate']"),
+        ("overlapping_group", "ValueError", "shares ranks"),
+        ("twice", "ValueError", "already"),
+        ("bad_backend", "ValueError", "does not match"),
+    ],
+)
+def test_misuse_is_a_clear_error_on_every_rank(pool, case, error, words):
+    for failure in pool.run(misuse, case):
+        assert failure is not None and failure[0] == error and words in failure[1], failure
+
+
+def wire(world: int) -> tuple[int, int]:
+    """Bytes the compressed backend sent for one compressed backward, and the module sizes."""
+    model = shard(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)), tuple(range(world)))
+    state = compcomm.fsdp.compress(model, start_iter=1)
+    import torch.distributed as dist
+
+    x = batch(dist.get_rank(), 0).repeat(1, 52)[:, :256]
+    model(x).sum().backward()
+    model.zero_grad()
+    before = state.bytes_sent
+    model(x).sum().backward()
+    return state.bytes_sent - before, sum(p.numel() for p in model.parameters())
+
+
+def test_reduce_scatter_wire_bytes_within_5_percent_of_the_one_bit_ideal(pool):
+    for sent, numel in pool.run(wire, 4):
+        padded = numel  # every dim 0 here is a multiple of 4
+        ideal = 3 / 4 * padded / 8
+        assert ideal <= sent <= 1.05 * ideal, (sent, ideal)
