@@ -504,3 +504,11 @@ def all_sum(values: Sequence[float], be: Backend) -> list[float]:
     flat = torch.tensor(list(values), dtype=torch.float64, device=be.device)
     be.all_reduce(flat, "sum")
     return flat.tolist()
+
+
+def all_max(values: Sequence[float], be: Backend) -> list[float]:
+    """Element-wise maximum over ranks of a few numbers (NaN if any rank's is NaN)."""
+    mine = torch.tensor(list(values), dtype=torch.float64, device=be.device)
+    everyone = torch.empty(be.world_size, len(mine), dtype=torch.float64, device=be.device)
+    be.all_gather(mine.view(torch.uint8), everyone.view(torch.uint8))
+    return everyone.amax(dim=0).tolist()

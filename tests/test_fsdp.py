@@ -14,6 +14,7 @@ import torch
 
 import compcomm
 
+from fsdp_models import batch, full_params, loss_of, make_model, shard
 from rankpool import caught, group
 from reference import reference_allreduce, reference_reduce_scatter
 
@@ -22,41 +23,6 @@ REPLICAS = {"2x2": ((0, 2), (1, 3))}
 
 
 # ----------------------------------------------------------------- models on the ranks
-
-
-def _mesh(members: tuple[int, ...]):
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group(members), "cpu")
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
-
-
-def shard(model: torch.nn.Module, members: tuple[int, ...]) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = _mesh(members)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def batch(rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 5, generator=g) * (1 + rank)
-
-
-def loss_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).pow(2).sum()
-
-
-def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
 def plain_grads(params: list[torch.Tensor], x: torch.Tensor) -> list[np.ndarray]:

@@ -59,6 +59,9 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _kind(self, t: int) -> str:
         return EXACT if t <= self.freeze_step else COMPRESSED
 
+    def _switch_step(self) -> int | None:
+        return self.freeze_step
+
     def _payload_shows_nonfinite(self, kind: str) -> bool:
         return True  # the payload is g, or m_r = beta1 m + (1 - beta1) g (times s_l > 0)
 

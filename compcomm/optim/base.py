@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -19,14 +20,15 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from ..agreement import raise_agreed
+from ..agreement import all_max, raise_agreed
 from ..backends import Backend, check_backend_argument, resolve
 from ..error_feedback import ErrorFeedback
 from ..layout import DEFAULT_BUCKET_BYTES
 from . import checkpoints
 from .rounds import COMPRESSED, EXACT, LOCAL, GradientRounds
+from .sharded import ShardedSteps, is_sharded
 from .timing import CommTiming
-from .updates import PARAM_DTYPES, check_range
+from .updates import PARAM_DTYPES, check_range, local
 
 __all__ = ["COMPRESSED", "EXACT", "LOCAL", "OnebitOptimizer"]
 
@@ -72,12 +74,18 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._step_count = 0
         self.last_step_skipped = False
         self.skipped_steps = 0
-        self._rounds = GradientRounds(self, lambda: self.backend, type(self).__name__)
+        if is_sharded(self._params()):
+            self._check_sharded()
+            self._sharded: ShardedSteps | None = ShardedSteps(self)
+            self._gradient_rounds: GradientRounds | None = None
+        else:
+            self._sharded = None
+            self._gradient_rounds = GradientRounds(self, lambda: self.backend, type(self).__name__)
 
     # ----------------------------------------------------------------- parameters and layout
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_rounds", None) is not None:
+        if hasattr(self, "_sharded"):
             raise RuntimeError(
                 "add every parameter group when building the optimizer: the communication "
                 "buckets (and their error feedback) cover a fixed set of parameters"
@@ -113,13 +121,24 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     def _entries(self, values: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict, dict]]:
         """(parameter, its value, its group, its state) for every parameter that is trained:
-        one with requires_grad=False gets no update at all (no weight decay), as in torch.optim."""
+        one with requires_grad=False gets no update at all (no weight decay), as in torch.optim.
+        The value has the shape of the parameter's local part (`updates.local`)."""
         i = 0
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
-                    yield p, values[i].view_as(p), group, self.state[p]
+                    yield p, values[i].view_as(local(p)), group, self.state[p]
                 i += 1
+
+    @property
+    def _rounds(self) -> GradientRounds:
+        """The bucket collectives of a step (not on sharded parameters, which FSDP reduces)."""
+        if self._gradient_rounds is None:
+            raise RuntimeError(f"{type(self).__name__} on FSDP2-sharded parameters sends no gradients itself")
+        return self._gradient_rounds
+
+    def _check_sharded(self) -> None:
+        """ValueError where an optimizer cannot run on FSDP2-sharded parameters (subclasses)."""
 
     @property
     def backend(self) -> Backend:
@@ -133,6 +152,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """A reusable fp32 temporary shaped like `like` (its content is garbage): update rules
         take their temporaries from a few of these instead of allocating each step. Slots
         are independent; one slot serves one temporary at a time."""
+        like = local(like)
         key = (slot, like.device)
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < like.numel():
@@ -153,12 +173,20 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients in `.grad` without communicating (like
         DDP's `no_sync`); the first backward after the block communicates the accumulated sum."""
+        if self._sharded is not None:
+            raise RuntimeError(
+                "with FSDP2 the model decides when gradients are reduced: accumulate under "
+                "model.set_requires_gradient_sync(False) instead of the optimizer's no_sync()"
+            )
         with self._rounds.readiness.paused():
             yield
 
     @property
     def error_feedback(self) -> list[ErrorFeedback]:
-        """Each communication bucket's error feedback (this rank's), in bucket order."""
+        """Each communication bucket's error feedback (this rank's), in bucket order (none on
+        sharded parameters: FSDP's reductions keep theirs in `compcomm.fsdp`'s state)."""
+        if self._sharded is not None:
+            return []
         return self._rounds.lay_out().error_feedback
 
     # ----------------------------------------------------------------- the step
@@ -180,24 +208,33 @@ class OnebitOptimizer(torch.optim.Optimizer):
         scale = None if scale_tensor is None else float(scale_tensor)
         found_inf = bool(float(getattr(self, "found_inf", 0.0)))
         t = self._step_count + 1
-        rounds = self._rounds
-        with record_function("compcomm.optim.wait"):  # the verdict queues behind the collectives
-            nonfinite, rnd = rounds.agree(t, scale, found_inf)
-            rounds.last_scale = scale
-            rounds.launch_rest(rnd)
-            values, failure = rounds.collect(rnd)
-        if failure is not None or nonfinite:
-            self._skip(failure)
-            return loss
-        self.last_comm_timing = rounds.finish(rnd)
+        if self._sharded is not None:
+            if self._sharded.agree(t, found_inf):
+                self._skip(None)
+                return loss
+            kind = self._kind(t)
+            values = self._sharded.values(t, kind, scale)
+        else:
+            rounds = self._rounds
+            with record_function("compcomm.optim.wait"):  # the verdict queues behind the collectives
+                nonfinite, rnd = rounds.agree(t, scale, found_inf)
+                rounds.last_scale = scale
+                rounds.launch_rest(rnd)
+                values, failure = rounds.collect(rnd)
+            if failure is not None or nonfinite:
+                self._skip(failure)
+                return loss
+            self.last_comm_timing = rounds.finish(rnd)
+            kind = rnd.kind
         with record_function("compcomm.optim.update"):
-            self._apply(t, rnd.kind, values)
+            self._apply(t, kind, values)
         self._step_count = t
         self.last_step_skipped = False
         return loss
 
     def _skip(self, failure: Exception | None) -> None:
-        self._rounds.cancel()
+        if self._gradient_rounds is not None:
+            self._gradient_rounds.cancel()
         self.last_step_skipped = True
         self.skipped_steps += 1
         if self.skipped_steps == 1:
@@ -225,7 +262,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         for name in ("exp_avg", "exp_avg_sq", *self._HELD_FROM_START):
             if name not in state:
-                state[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                state[name] = torch.zeros_like(local(p), dtype=torch.float32, memory_format=torch.preserve_format)
         return state
 
     def _apply(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
@@ -233,6 +270,24 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     def _fresh_errors(self, t: int) -> bool:
         return False
+
+    def _switch_step(self) -> int | None:
+        """The last exact step, which sharded training's compression must match (None: none)."""
+        return None
+
+    def _norms(self, p: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[float]:
+        """The norms of whole tensors shaped like parameter p, from their parts on this rank
+        (reduced across p's shards when p is sharded)."""
+        norms = [float(torch.linalg.vector_norm(t)) for t in tensors]
+        if self._sharded is None:
+            return norms
+        return [math.sqrt(total) for total in self._sharded.all_sum(p, [x * x for x in norms])]
+
+    def _max(self, p: torch.Tensor, value: float) -> float:
+        """The largest of `value` over p's shards (value itself when p is not sharded)."""
+        if self._sharded is None:
+            return value
+        return all_max([value], self._sharded.state.shard_backend(p))[0]
 
     def _payload_shows_nonfinite(self, kind: str) -> bool:
         """Whether any non-finite gradient makes this step's payload non-finite, so that the
@@ -254,20 +309,26 @@ class OnebitOptimizer(torch.optim.Optimizer):
         count, the rank and world size, the bucket layout, each bucket's error feedback (which
         belongs to this rank) and any other state of this rank alone. Save it on every rank, or
         use `gathered_state_dict()` for one file that serves all ranks. (A step in flight is not
-        part of it: its collectives update copies that only the step itself keeps.)"""
+        part of it: its collectives update copies that only the step itself keeps.) On sharded
+        parameters the whole state is this rank's shards'."""
         sd = super().state_dict()
         scalars = {name: copy.deepcopy(getattr(self, name)) for name in self._SCALARS}
-        sd[checkpoints.EXTRA_KEY] = checkpoints.compcomm_entry(
-            self._step_count, self.backend, self._rounds.lay_out(), scalars, self._rank_local()
-        )
+        if self._sharded is not None:
+            entry = checkpoints.sharded_entry(self._step_count, self._sharded.state.world, scalars, self._rank_local())
+        else:
+            layout = self._rounds.lay_out()
+            entry = checkpoints.compcomm_entry(self._step_count, self.backend, layout, scalars, self._rank_local())
+        sd[checkpoints.EXTRA_KEY] = entry
         return sd
 
     def gathered_state_dict(self) -> dict[str, Any]:
         """A state dict for all ranks at once (collective: call it on every rank, save it from one).
 
-        The parts that differ across ranks (error feedback, local state) of every rank are
-        gathered under "compcomm"/"ranks"; `load_state_dict` on each rank picks its own, so the
-        file resumes every rank exactly."""
+        The parts that differ across ranks (error feedback, local state; on sharded parameters
+        everything) of every rank are gathered under "compcomm"/"ranks"; `load_state_dict` on
+        each rank picks its own, so the file resumes every rank exactly."""
+        if self._sharded is not None:
+            return checkpoints.gathered_sharded(self.state_dict(), self._sharded.state.world)
         return checkpoints.gathered(self.state_dict(), self.backend)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -278,7 +339,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         rank, with nothing loaded. `drop_error_feedback(sd)` gives a copy that loads on any rank
         and world size, with zero error buffers (a documented reset).
         """
-        self._rounds.cancel()
+        if self._gradient_rounds is not None:
+            self._gradient_rounds.cancel()
+        be = self.backend if self._sharded is None else self._sharded.state.world
         extra = state_dict.get(checkpoints.EXTRA_KEY) if isinstance(state_dict, dict) else None
         problem = (
             None
@@ -286,10 +349,13 @@ class OnebitOptimizer(torch.optim.Optimizer):
             else f"not a {type(self).__name__} state dict (no {checkpoints.EXTRA_KEY!r} entry)"
         )
         mine: dict[str, Any] = {}
-        if extra is not None:
+        if extra is not None and self._sharded is not None:
+            state_dict, problem = checkpoints.own_sharded(state_dict, be)
+            extra = mine = state_dict[checkpoints.EXTRA_KEY]
+        elif extra is not None:
             layout = self._rounds.lay_out(checkpoints.saved_order(extra, len(self._params())))
-            mine, problem = checkpoints.own_part(extra, self.backend, layout)
-        raise_agreed(None if problem is None else ValueError(problem), self.backend)
+            mine, problem = checkpoints.own_part(extra, be, layout)
+        raise_agreed(None if problem is None else ValueError(problem), be)
         assert extra is not None  # else raised on every rank
         plain = {k: v for k, v in state_dict.items() if k != checkpoints.EXTRA_KEY}
         super().load_state_dict(plain)
@@ -305,8 +371,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._step_count = int(extra["step"])
         for name, value in extra.get("scalars", {}).items():
             setattr(self, name, copy.deepcopy(value))
-        for ef, saved in zip(self._rounds.lay_out().error_feedback, mine["error_feedback"]):
-            ef.load_state_dict(saved)
+        if self._gradient_rounds is not None:
+            for ef, saved in zip(self._rounds.lay_out().error_feedback, mine["error_feedback"]):
+                ef.load_state_dict(saved)
         self._load_rank_local(mine.get("rank_local") or {})
 
     drop_error_feedback = staticmethod(checkpoints.drop_error_feedback)

@@ -82,6 +82,46 @@ def own_part(extra: dict[str, Any], be: Backend, layout: BucketLayout) -> tuple[
     return extra, None
 
 
+def sharded_entry(step: int, be: Backend, scalars: dict[str, Any], rank_local: dict[str, Any]) -> dict[str, Any]:
+    """This rank's "compcomm" entry of an optimizer on FSDP2-sharded parameters: its state is
+    its shards', so the whole state dict belongs to this rank."""
+    return {
+        "step": step,
+        "rank": be.rank,
+        "world_size": be.world_size,
+        "sharded": True,
+        "scalars": scalars,
+        "rank_local": rank_local,
+    }
+
+
+def gathered_sharded(state_dict: dict[str, Any], be: Backend) -> dict[str, Any]:
+    """Every rank's whole sharded state dict, under "compcomm"/"ranks" (a collective)."""
+    return {EXTRA_KEY: {"sharded": True, "world_size": be.world_size, "ranks": all_gather_object(state_dict, be)}}
+
+
+def own_sharded(state_dict: dict[str, Any], be: Backend) -> tuple[dict[str, Any], str | None]:
+    """This rank's sharded state dict (its own, or its part of a gathered one), and why it cannot
+    be loaded here (None if it can)."""
+    extra = state_dict[EXTRA_KEY]
+    if not extra.get("sharded"):
+        return state_dict, "this checkpoint is of an optimizer on whole parameters, not FSDP2-sharded ones"
+    if extra.get("world_size") != be.world_size:
+        return state_dict, (
+            f"this checkpoint was saved on {extra.get('world_size')} ranks and cannot resume on {be.world_size}: "
+            "its state holds other shards"
+        )
+    if "ranks" in extra:
+        state_dict = extra["ranks"][be.rank]
+        extra = state_dict[EXTRA_KEY]
+    if extra.get("rank") != be.rank:
+        return state_dict, (
+            f"this checkpoint holds the shards of rank {extra.get('rank')}, not of rank {be.rank}. Save one file per "
+            "rank, or one file for all ranks with gathered_state_dict()"
+        )
+    return state_dict, None
+
+
 def drop_error_feedback(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A copy of `state_dict` without per-rank state, loadable on any rank and world size (a
     documented reset: the compression errors carried so far are forgotten)."""

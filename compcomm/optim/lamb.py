@@ -31,6 +31,10 @@ m_hat = m / b1(t), denominators d(v, s) = sqrt(v / b2(s)) + eps, T0 = freeze_ste
 The momentum scales s_l equalize the layers' magnitudes so that one 1-bit scale per chunk of a
 bucket fits them all; they are computed once from the averaged momentum, so they are the same
 on every rank and the rescaled result stays bitwise identical everywhere.
+
+On FSDP2-sharded parameters (`compcomm.fsdp`) the gradients arrive reduced, 1-bit after the
+switch, so no momentum is compressed: s_l = 1, g_rec is that gradient, and the norms and the
+maximum above are taken over each parameter's shards (one small all-reduce each).
 """
 
 from __future__ import annotations
@@ -47,9 +51,8 @@ from .base import EXACT
 from .updates import adam_denominator, check_range, mask_, master_weight, store_, update_moments
 
 
-def trust_ratio(w: torch.Tensor, u: torch.Tensor) -> float | None:
+def trust_ratio(w_norm: float, u_norm: float) -> float | None:
     """||w|| / ||u||, or None when either norm is 0 (the ratio is undefined)."""
-    w_norm, u_norm = float(torch.linalg.vector_norm(w)), float(torch.linalg.vector_norm(u))
     if w_norm == 0.0 or u_norm == 0.0 or not math.isfinite(w_norm / u_norm):
         return None
     return w_norm / u_norm
@@ -71,14 +74,14 @@ def warmup_coefficient(
 
 
 def compressed_factor(
-    variance_ratio: float, last: float, u_pre: torch.Tensor | None, u: torch.Tensor | None, group: dict[str, Any]
+    variance_ratio: float, last: float, norms: tuple[float, float] | None, group: dict[str, Any]
 ) -> float:
     """The factor f of the compression stage (module docstring), from max(d(v, T0) / d(v_fresh, t));
-    u_pre and u are needed only with weight decay."""
+    `norms` = (||u_pre||, ||u||) are needed only with weight decay."""
     factor = variance_ratio
-    if group["weight_decay"] and u_pre is not None and u is not None:
-        u_norm = float(torch.linalg.vector_norm(u))
-        r = min(1.0, float(torch.linalg.vector_norm(u_pre)) / u_norm) if u_norm > 0 else 1.0
+    if group["weight_decay"] and norms is not None:
+        u_pre_norm, u_norm = norms
+        r = min(1.0, u_pre_norm / u_norm) if u_norm > 0 else 1.0
         factor = r * factor + (1.0 - r)
     factor = clamp(factor, group["factor_min"], group["factor_max"])
     thr = group["factor_threshold"]
@@ -162,9 +165,9 @@ class OnebitLamb(FrozenVarianceOptimizer):
         w = master_weight(p, state)
         if group["weight_decay"]:
             u = q.mul_(k).add_(w, alpha=group["weight_decay"])
-            ratio, step = trust_ratio(w, u), group["lr"]
+            ratio, step = trust_ratio(*self._norms(p, [w, u])), group["lr"]
         else:  # u = k q: ||w|| / ||u|| = (||w|| / ||q||) / k, and k goes into the step
-            u, ratio, step = q, trust_ratio(w, q), group["lr"] * k
+            u, ratio, step = q, trust_ratio(*self._norms(p, [w, q])), group["lr"] * k
             ratio = None if ratio is None else ratio / k
         c, state["coeff_avg"] = warmup_coefficient(ratio, state.get("coeff_avg"), group)
         w.add_(u, alpha=-step * c)
@@ -178,9 +181,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
 
     def _freeze(self) -> None:
         params = self._params()
-        rms = [
-            float(torch.linalg.vector_norm(self._moments(p)["exp_avg"])) / math.sqrt(max(p.numel(), 1)) for p in params
-        ]
+        rms = [self._norms(p, [self._moments(p)["exp_avg"]])[0] / math.sqrt(max(p.numel(), 1)) for p in params]
         positive = [r for r in rms if r > 0.0 and math.isfinite(r)]
         united = sum(positive) / len(positive) if positive else 1.0
         for p, r in zip(params, rms):
@@ -188,7 +189,8 @@ class OnebitLamb(FrozenVarianceOptimizer):
             state["coeff_frozen"] = state.get("coeff_avg") or 1.0
             state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])
             state["last_factor"] = 1.0
-            state["momentum_scale"] = united / r if r > 0.0 and math.isfinite(united / r) else 1.0
+            sendable = self._sharded is None and r > 0.0 and math.isfinite(united / r)
+            state["momentum_scale"] = united / r if sendable else 1.0
 
     def _compressed_update(
         self, t: int, p: torch.Tensor, m: torch.Tensor, group: dict[str, Any], state: dict[str, Any]
@@ -202,15 +204,17 @@ class OnebitLamb(FrozenVarianceOptimizer):
         fresh = state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(delta, delta, value=(1 - beta2) / (1 - beta1) ** 2)
         state["exp_avg"].copy_(m)
         fresh_denom = adam_denominator(fresh, beta2, t, group["eps"], out=scratch)
-        variance_ratio = float(torch.div(denom, fresh_denom, out=scratch).max())
+        ratios = torch.div(denom, fresh_denom, out=scratch)
+        variance_ratio = self._max(p, float(ratios.max()) if ratios.numel() else 0.0)  # a shard may be empty
         w = master_weight(p, state)
         if group["weight_decay"]:
             u_pre = torch.div(state["exp_avg"], 1 - beta1**t, out=self._scratch_like(p, 1)).div_(denom)
             u = self._weight_decayed(u_pre, w, group, out=scratch)
-            state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], u_pre, u, group)
+            norms = self._norms(p, [u_pre, u])
+            state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], (norms[0], norms[1]), group)
             w.add_(u, alpha=-group["lr"] * self._compressed_coefficient(state, group))
         else:  # u = m_hat / d in one pass, the bias correction folded into the step size
-            state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], None, None, group)
+            state["last_factor"] = compressed_factor(variance_ratio, state["last_factor"], None, group)
             step = group["lr"] * self._compressed_coefficient(state, group) / (1 - beta1**t)
             w.addcdiv_(state["exp_avg"], denom, value=-step)
         store_(p, w)

@@ -12,6 +12,7 @@ import numbers
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -127,22 +128,28 @@ class Denominators:
         self._entries.clear()
 
 
+def local(p: torch.Tensor) -> torch.Tensor:
+    """The part of `p` this rank holds: its local shard for an FSDP2 (DTensor) parameter, `p`
+    itself otherwise. The update rules work on it, and the optimizer state has its shape."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def master_weight(p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-    """The fp32 value of `p` to update in place: the parameter itself, or for a bfloat16
-    parameter its fp32 master copy `state["master"]` (made on first use, checkpointed with
-    the state), so that updates smaller than bf16's spacing accumulate instead of being lost.
-    `store_` writes it back."""
+    """The fp32 value of `p` (its local shard) to update in place: the parameter itself, or for
+    a bfloat16 parameter its fp32 master copy `state["master"]` (made on first use, checkpointed
+    with the state), so that updates smaller than bf16's spacing accumulate instead of being
+    lost. `store_` writes it back."""
     if p.dtype == torch.float32:
-        return p.detach()
+        return local(p).detach()
     if "master" not in state:
-        state["master"] = p.detach().float().clone()
+        state["master"] = local(p).detach().float().clone()
     return state["master"]
 
 
 def store_(p: torch.Tensor, w: torch.Tensor) -> None:
     """Write the updated fp32 value `w` (from `master_weight`) back into `p` (bf16: rounded)."""
     if p.dtype != torch.float32:
-        p.detach().copy_(w)
+        local(p).detach().copy_(w)
 
 
 def decoupled_step_(

@@ -95,6 +95,12 @@ class ZeroOneAdam(OnebitOptimizer):
         self.local_interval, self.local_counter = 1, 0
         self._denominators = Denominators()  # d changes only when v is refreshed
 
+    def _check_sharded(self) -> None:
+        raise ValueError(
+            "ZeroOneAdam does not run on FSDP2-sharded parameters: its local steps need whole parameters on "
+            "every rank. Use OnebitAdam or OnebitLamb with compcomm.fsdp.compress, or ZeroOneAdam without FSDP"
+        )
+
     def _kind(self, t: int) -> str:
         if t <= self.var_freeze_step:
             return EXACT if t % self.var_interval == 0 else COMPRESSED

@@ -1,0 +1,212 @@
+"""OnebitAdam and OnebitLamb on FSDP2-sharded parameters under compcomm.fsdp.compress, on real
+gloo ranks: each step's parameters (gathered from the shards) against the same update rules
+applied to whole tensors with FSDP's reduced gradients; replicas bitwise equal under HSDP;
+checkpoints; and the misuses that must be clear errors on every rank."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import compcomm
+from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
+from compcomm.optim.base import COMPRESSED
+
+from fsdp_models import batch, full_params, loss_of, make_model, shard
+from rankpool import caught, group
+
+OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}
+FREEZE = 2
+
+
+def _optimizer(name: str, params, **extra):
+    return OPTIMIZERS[name](params, lr=0.01, weight_decay=0.01, freeze_step=FREEZE, **extra)
+
+
+def sharded_run(name: str, steps: int) -> dict:
+    """The sharded run, and on every rank the same rules on whole tensors fed FSDP's reduced
+    gradients (gathered from the shards): warm-up steps through step(), and after the freeze
+    the momentum formed from the 1-bit gradient, then the optimizer's compressed update."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    compcomm.fsdp.compress(model, start_iter=FREEZE)
+    opt = _optimizer(name, model.parameters())
+    whole = make_model()
+    ref = _optimizer(name, whole.parameters(), backend="local")
+    gaps = []
+    for step in range(steps):
+        loss_of(model, batch(rank, step)).backward()
+        reduced = [p.grad.full_tensor() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        t = step + 1
+        with torch.no_grad():
+            if t <= FREEZE:
+                for p, g in zip(whole.parameters(), reduced):
+                    p.grad = g.clone()
+                ref.step()
+            else:
+                momenta = []
+                for p, g in zip(whole.parameters(), reduced):
+                    m = torch.empty_like(p)
+                    ref._payload(t, COMPRESSED, p, ref.param_groups[0], g, m)
+                    momenta.append(m)
+                ref._apply(t, COMPRESSED, momenta)
+                ref._step_count = t
+        got, want = full_params(model), [p.detach() for p in whole.parameters()]
+        gaps.append(max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-6)) for a, b in zip(got, want)))
+    return {"gaps": gaps, "steps": opt.step_count}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_sharded_steps_match_the_whole_tensor_rules(pool, name):
+    for r in pool.run(sharded_run, name, 5):
+        assert r["steps"] == 5
+        assert max(r["gaps"]) < 1e-5, r["gaps"]
+
+
+def hsdp_run(name: str, steps: int) -> list[bytes]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(seed=rank), ((0, 1), (2, 3))[rank // 2])
+    compcomm.fsdp.compress(model, start_iter=FREEZE, replicate_group=group(((0, 2), (1, 3))[rank % 2]))
+    opt = _optimizer(name, model.parameters())
+    out = []
+    for step in range(steps):
+        loss_of(model, batch(rank, step)).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(b"".join(p.to_local().detach().numpy().tobytes() for p in model.parameters()))
+    return out
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_hsdp_replicas_stay_bitwise_equal(pool, name):
+    res = pool.run(hsdp_run, name, 4)
+    assert res[0] == res[2] and res[1] == res[3]
+
+
+def resume(name: str, gathered: bool) -> tuple[bytes, bytes]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def build():
+        model = shard(make_model(), (0, 1, 2, 3))
+        state = compcomm.fsdp.compress(model, start_iter=FREEZE)
+        return model, state, _optimizer(name, model.parameters())
+
+    def train(model, opt, steps):
+        for step in steps:
+            loss_of(model, batch(rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def raw(model):
+        return b"".join(p.to_local().detach().numpy().tobytes() for p in model.parameters())
+
+    model, state, opt = build()
+    train(model, opt, range(5))
+    straight = raw(model)
+    model, state, opt = build()
+    train(model, opt, range(3))
+    blob = io.BytesIO()
+    torch.save(
+        {
+            "model": [p.to_local().detach().clone() for p in model.parameters()],
+            "opt": opt.gathered_state_dict() if gathered else opt.state_dict(),
+            "comm": state.state_dict(),
+        },
+        blob,
+    )
+    blob.seek(0)
+    saved = torch.load(blob, weights_only=False)
+    model, state, opt = build()
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), saved["model"]):
+            p.to_local().copy_(value)
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["comm"])
+    train(model, opt, range(3, 5))
+    return straight, raw(model)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("gathered", [False, True])
+def test_checkpoint_resumes_bit_for_bit(pool, name, gathered):
+    for straight, resumed in pool.run(resume, name, gathered):
+        assert straight == resumed
+
+
+def foreign(name: str) -> tuple[str, str] | None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    compcomm.fsdp.compress(model, start_iter=FREEZE)
+    opt = _optimizer(name, model.parameters())
+    loss_of(model, batch(rank, 0)).backward()
+    opt.step()
+    blob = [opt.state_dict()]
+    dist.broadcast_object_list(blob, src=0, group=group(4))
+    return caught(opt.load_state_dict, blob[0])
+
+
+def test_rank0_optimizer_state_loaded_everywhere_raises_on_every_rank(pool):
+    for failure in pool.run(foreign, "adam"):
+        assert failure is not None and failure[0] == "ValueError" and "shards of rank 0" in failure[1], failure
+
+
+def misuse(case: str) -> tuple[str, str] | None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    if case == "zeroone":
+        compcomm.fsdp.compress(model, start_iter=FREEZE)
+        return caught(ZeroOneAdam, model.parameters(), var_freeze_step=FREEZE)
+    if case == "no_compress":
+        opt = OnebitAdam(model.parameters(), freeze_step=FREEZE)
+        loss_of(model, batch(rank, 0)).backward()
+        return caught(opt.step)
+    if case == "freeze_mismatch":
+        compcomm.fsdp.compress(model, start_iter=FREEZE + 1)
+        opt = OnebitAdam(model.parameters(), freeze_step=FREEZE)
+        loss_of(model, batch(rank, 0)).backward()
+        return caught(opt.step)
+    if case == "two_backwards_per_step":
+        compcomm.fsdp.compress(model, start_iter=FREEZE)
+        opt = OnebitAdam(model.parameters(), freeze_step=FREEZE)
+        loss_of(model, batch(rank, 0)).backward()
+        loss_of(model, batch(rank, 1)).backward()
+        return caught(opt.step)
+    if case == "no_sync":
+        compcomm.fsdp.compress(model, start_iter=FREEZE)
+        opt = OnebitAdam(model.parameters(), freeze_step=FREEZE)
+
+        def enter():
+            with opt.no_sync():
+                pass
+
+        return caught(enter)
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case, error, words",
+    [
+        ("zeroone", "ValueError", "ZeroOneAdam does not run on FSDP2-sharded"),
+        ("no_compress", "ValueError", "compcomm.fsdp.compress"),
+        ("freeze_mismatch", "ValueError", "must equal the start_iter"),
+        ("two_backwards_per_step", "ValueError", "set_requires_gradient_sync(False)"),
+        ("no_sync", "RuntimeError", "set_requires_gradient_sync(False)"),
+    ],
+)
+def test_misuse_is_a_clear_error_on_every_rank(pool, case, error, words):
+    for failure in pool.run(misuse, case):
+        assert failure is not None and failure[0] == error and words in failure[1], failure
