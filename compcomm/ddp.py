@@ -32,11 +32,13 @@ same collectives, bit for bit, as the run that never stopped.
 
 Every collective goes through a compcomm backend in submission order, asynchronously: the hook
 returns at once and the bucket is reduced while backward computes the next ones. Errors are
-collective: a non-finite gradient (or another bad input) on any rank makes the hook's future fail
-on every rank with the same `compcomm.NonFiniteError` (or ValueError/TypeError) message, so
-`loss.backward()` raises on every rank alike and no rank hangs; the failed bucket's error
-feedback is unchanged. In the uncompressed iterations the hook checks the averaged bucket, which
-is identical on every rank, so the same holds there.
+collective: a non-finite gradient (or another bad input) on any rank makes `loss.backward()`
+raise on every rank alike, once the iteration's collectives are done, with the same
+`compcomm.NonFiniteError` (or ValueError/TypeError) and no rank hangs; `except
+compcomm.NonFiniteError` catches it, and its message names `nonfinite="propagate"`. The failed
+bucket's error feedback is unchanged. In the uncompressed iterations the hook checks the averaged
+bucket, which is identical on every rank, so the same holds there. The hook warns once if the
+optimizer that steps its parameters divides by a second moment (Adam-like): see above.
 
 Mixed precision: `torch.amp.GradScaler` expects an overflowing iteration's gradients to come back
 non-finite, so that `scaler.step` skips it and lowers the scale. With `nonfinite="propagate"` a
@@ -51,10 +53,12 @@ the scaled gradients, so a change of scale (rare: a back-off, or growth every `g
 steps) applies to the new gradients and not to what is carried.
 """
 
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .agreement import raise_agreed
@@ -65,6 +69,8 @@ from .errors import NonFiniteError, all_finite
 from .gather_objects import all_gather_object
 
 __all__ = ["OnebitHookState", "onebit_hook"]
+
+_ADAPTIVE = (torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta)
 
 _FORMAT = "compcomm.ddp.OnebitHookState/1"
 _NONFINITE = ("raise", "propagate")
@@ -111,6 +117,10 @@ class OnebitHookState:
         self._pending: list[Key] = []  # this iteration's errors in spares
         self._owner: dict[int, Key] = {}  # number -> its bucket's key
         self._in_flight: list[torch.futures.Future] = []  # this iteration's collectives
+        self._backward: int | None = None  # autograd's id of the backward being reduced
+        self._failure: Exception | None = None  # what that backward must raise when it ends
+        self._optimizer_check: Any = None  # the handle of the one-time look at the optimizer
+        self._optimizer_seen = False
 
     # ----------------------------------------------------------------- transport
 
@@ -251,13 +261,15 @@ class OnebitHookState:
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Start averaging `bucket` (as its known parts) and return a Future of its buffer.
 
-        DDP raises from backward as soon as one bucket's future fails, while later buckets may
-        still be in flight and would then write into buffers that the next iteration refills.
-        So a failure is reported by the iteration's last bucket, whose future completes after
-        every collective of the iteration (they run in submission order): backward raises only
-        once nothing of this iteration is left running.
+        A bucket's future never fails: DDP would wrap its error in a RuntimeError and raise it
+        while later buckets are still in flight. The iteration's last bucket waits for every
+        collective of the iteration (they run in submission order) and notes the first error;
+        a callback that the first bucket queued on the backward raises it, as itself (e.g.
+        `compcomm.NonFiniteError`), once DDP has finished the backward.
         """
         buffer, params, last = bucket.buffer(), bucket.parameters(), bucket.is_last()
+        self._watch_backward()
+        self._watch_optimizer(params)
         key, parts = self._parts(params)
         compress = self.iter >= self.start_iter
         if last:
@@ -300,10 +312,62 @@ class OnebitHookState:
                 self._keep(pending)
             first = next((f for f in failures if f is not None and not self._propagates(f)), None)
             if last and first is not None:
-                raise first  # the same error on every rank
+                self._failure = first  # the same error on every rank, raised when backward ends
             return buffer
 
         return torch.futures.collect_all(waited).then(finish)
+
+    def _watch_backward(self) -> None:
+        """At the first bucket of a backward, queue the callback that ends it. DDP queues its own
+        (which waits for every bucket's future) only when the last bucket is ready, so ours
+        queues the end from inside the queue: it then runs after DDP's."""
+        task = torch._C._current_graph_task_id()
+        if task >= 0 and task != self._backward:
+            self._backward, self._failure = task, None
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._end_of_backward))
+
+    def _end_of_backward(self) -> None:
+        """Raise the iteration's error, if it had one, from `backward()` on every rank."""
+        self._backward = None
+        failure, self._failure = self._failure, None
+        if isinstance(failure, NonFiniteError):
+            raise NonFiniteError(
+                f"{failure} [compcomm.ddp.onebit_hook: to skip such steps instead, as a GradScaler does, build "
+                'the hook state with OnebitHookState(..., nonfinite="propagate")]'
+            ) from failure
+        if failure is not None:
+            raise failure
+
+    def _watch_optimizer(self, params: list[torch.Tensor]) -> None:
+        """Look once at the optimizer that steps these parameters (through torch's global step
+        pre-hook, since DDP never tells the hook which one) and warn if it divides by a second
+        moment: 1-bit gradients have a second moment of their own, not the gradient's. The
+        global hook is removed at the next bucket once it has seen that optimizer (not inside
+        itself: torch is iterating over its hooks then)."""
+        if self._optimizer_check is None and params and not self._optimizer_seen:
+            watched = {id(p) for p in params}
+
+            def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                if self._optimizer_seen or not any(
+                    id(p) in watched for group in optimizer.param_groups for p in group["params"]
+                ):
+                    return
+                self._optimizer_seen = True
+                if "betas" in optimizer.defaults or isinstance(optimizer, _ADAPTIVE):
+                    warnings.warn(
+                        f"compcomm.ddp.onebit_hook feeds {type(optimizer).__name__} 1-bit gradients, whose second "
+                        "moment is not the gradient's: an optimizer that divides by it adapts to the compression "
+                        "noise. Use the hook with SGD (momentum), or compcomm.optim.OnebitAdam / OnebitLamb without "
+                        "DDP for Adam-like training",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+
+            self._optimizer_check = register_optimizer_step_pre_hook(check)
+        elif self._optimizer_seen and self._optimizer_check is not None:
+            self._optimizer_check.remove()
+            self._optimizer_check = None
 
     def _spare(self, key: Key) -> ErrorFeedback | None:
         """Where bucket `key`'s errors after this iteration go: a spare held until the iteration

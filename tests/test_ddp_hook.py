@@ -285,7 +285,8 @@ def nan_on_one_rank(start_iter: int) -> tuple:
 def test_nan_gradient_on_one_rank_fails_every_rank_alike(pool, start_iter):
     results = pool.run(nan_on_one_rank, start_iter)
     failures = [r[0] for r in results]
-    assert all(f is not None and "NonFiniteError" in f[1] and "NaN" in f[1] for f in failures), failures
+    assert all(f is not None and f[0] == "NonFiniteError" and "NaN" in f[1] for f in failures), failures
+    assert all('nonfinite="propagate"' in f[1] for f in failures), "the message names the GradScaler mode"
     assert len({f[1].split("\n")[0] for f in failures}) == 1, "ranks raised different errors"
     assert all(r[3] for r in results), "non-finite values reached the error feedback"
     if start_iter == 1:

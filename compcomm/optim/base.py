@@ -25,6 +25,7 @@ from ..backends import Backend, check_backend_argument, resolve
 from ..error_feedback import ErrorFeedback
 from ..layout import DEFAULT_BUCKET_BYTES
 from . import checkpoints
+from .guards import refuse_ddp
 from .rounds import COMPRESSED, EXACT, LOCAL, GradientRounds
 from .sharded import ShardedSteps, is_sharded
 from .timing import CommTiming
@@ -67,6 +68,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict[str, Any], backend: Backend | str | None) -> None:
         check_backend_argument(backend)
         super().__init__(params, defaults)
+        refuse_ddp(self._params(), type(self).__name__)
         self._backend_arg = backend
         self._backend: Backend | None = None
         self._scratch: dict[tuple[int, torch.device], torch.Tensor] = {}

@@ -1,0 +1,89 @@
+"""The misuses a new user falls into, each a clear error or warning on every rank: a compcomm
+optimizer given a DDP-wrapped model, and the 1-bit DDP hook behind an Adam-like optimizer."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import compcomm
+from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
+
+from rankpool import caught
+
+OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb, "zeroone": ZeroOneAdam}
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 2))
+
+
+def optimizer_on_ddp(name: str, unwrapped: bool) -> tuple[str, str] | None:
+    net = model()
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    params = net.parameters() if unwrapped else ddp.parameters()
+    return caught(OPTIMIZERS[name], params)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("unwrapped", [False, True])
+def test_compcomm_optimizer_on_a_ddp_wrapped_model_is_an_error(pool, name, unwrapped):
+    """The parameters are DDP's whether taken from the wrapper or from the module it wraps."""
+    for failure in pool.run(optimizer_on_ddp, name, unwrapped):
+        assert failure is not None and failure[0] == "ValueError" and "DistributedDataParallel" in failure[1]
+
+
+def optimizer_without_ddp() -> tuple[str, str] | None:
+    return caught(OnebitAdam, model().parameters())
+
+
+def test_the_same_model_without_ddp_is_fine(pool):
+    assert pool.run(optimizer_without_ddp) == [None] * 4
+
+
+def hook_behind(optimizer: str) -> list[str]:
+    """Three steps of DDP + the 1-bit hook + `optimizer`: the warnings the hook gave."""
+    import torch.distributed as dist
+
+    net = model()
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    ddp.register_comm_hook(compcomm.ddp.OnebitHookState(start_iter=1), compcomm.ddp.onebit_hook)
+    opt = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](ddp.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(3):
+            torch.manual_seed(dist.get_rank() * 10 + step)
+            ddp(torch.randn(4, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in seen if "onebit_hook" in str(w.message)]
+
+
+def test_hook_warns_once_behind_an_adam_like_optimizer(pool):
+    for messages in pool.run(hook_behind, "adamw"):
+        assert len(messages) == 1 and "AdamW" in messages[0] and "OnebitAdam" in messages[0]
+
+
+def test_hook_behind_sgd_says_nothing(pool):
+    assert pool.run(hook_behind, "sgd") == [[]] * 4
+
+
+def test_import_from_the_folder_above_a_checkout_named_compcomm(tmp_path):
+    """From the folder that holds a checkout named `compcomm`, Python finds the checkout's folder
+    first; `import compcomm` must still give the package, backends included."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "compcomm").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+    code = (
+        "import compcomm, torch; t = torch.ones(9); "
+        "compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(), backend=compcomm.backends.get('local')); "
+        "print(compcomm.__file__.endswith('compcomm/compcomm/__init__.py'), float(t.sum()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "9.0"]
