@@ -332,38 +332,23 @@ def test_delay_line_holds_each_packet_for_the_delay_in_order():
         sock.close()
 
 
+# bench/link_probe.py's TCP round trip, rank 0 serving, rank 1 measuring (the median, in seconds).
 PING = """
-def ping(n):  # median TCP round trip from rank 1 to rank 0, in seconds
-    import os, socket, statistics, time
+import os, statistics, sys
+sys.path.insert(0, "bench")
+import link_probe
+
+def ping(n):
     addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1)
     if os.environ["RANK"] == "0":
-        server = socket.create_server(addr)
-        conn, _ = server.accept()
-        for _ in range(n):
-            conn.sendall(conn.recv(1))
-        conn.recv(1)
-        return None
-    for _ in range(200):
-        try:
-            conn = socket.create_connection(addr)
-            break
-        except OSError:
-            time.sleep(0.02)
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    rtts = []
-    for _ in range(n):
-        start = time.perf_counter()
-        conn.sendall(b"x")
-        conn.recv(1)
-        rtts.append(time.perf_counter() - start)
-    conn.sendall(b"x")
-    return statistics.median(rtts)
+        return link_probe.serve(addr)
+    return statistics.median(link_probe.probe(addr, n, 0)[0])
 """
 
 EMULATED = (
     PING
     + """
-import os, subprocess, time
+import subprocess, time
 rank, host = os.environ["RANK"], os.environ["GROUP_RANK"]
 rtt = ping(8)
 start, cpu = time.perf_counter(), time.process_time()
@@ -379,6 +364,17 @@ os.write(1, f"rank {rank} cpu {cpu:.3f} cgroup {cgroup} rate {rate} env {env} rt
 )
 
 
+def _run(tag: str, script: str, extra: tuple[str, ...], subnet: str = "10.77.5.0/24") -> subprocess.CompletedProcess:
+    """`python -c script` on each of 2 hosts of a netsim cluster with `extra` options."""
+    return subprocess.run(
+        _netsim(tag, sys.executable, "-c", script, extra=extra, subnet=subnet),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def _rank_lines(out: str) -> dict[int, list[str]]:
     return {int(line.split()[1]): line.split() for line in out.splitlines() if line.startswith("rank ")}
 
@@ -390,13 +386,7 @@ def test_emulated_hosts_get_c_over_d_of_a_core_and_links_rate_over_d():
     the ranks are told d."""
     tag = TAG + "q"
     extra = ("--cpus-per-host", "1", "--dilate", "4", "--delay", "5ms")
-    proc = subprocess.run(
-        _netsim(tag, sys.executable, "-c", EMULATED, extra=extra, subnet="10.77.61.0/24"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _run(tag, EMULATED, extra, "10.77.61.0/24")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ranks = _rank_lines(proc.stdout)
     assert sorted(ranks) == [0, 1], proc.stdout + proc.stderr
@@ -422,13 +412,7 @@ os.write(1, f"rank {os.environ['RANK']} cores {allowed} d {os.environ['NETSIM_DI
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--pin of 2 one-core hosts needs 2 cores")
 def test_pin_puts_each_host_on_a_core_of_its_own():
     tag = TAG + "p"
-    proc = subprocess.run(
-        _netsim(tag, sys.executable, "-c", PINNED, extra=("--cpus-per-host", "1", "--pin"), subnet="10.77.62.0/24"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _run(tag, PINNED, ("--cpus-per-host", "1", "--pin"), "10.77.62.0/24")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cores = sorted(os.sched_getaffinity(0))
     ranks = _rank_lines(proc.stdout)
@@ -449,13 +433,7 @@ if os.environ["RANK"] == "1":  # a child that leaves the rank's process group, t
 def test_failed_rank_and_its_stray_child_leave_no_cgroup():
     """A failing rank's detached child would keep its host's cgroup alive: netsim kills it."""
     tag = TAG + "f"
-    proc = subprocess.run(
-        _netsim(tag, sys.executable, "-c", STRAY, extra=("--cpus-per-host", "1", "--dilate", "2")),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _run(tag, STRAY, ("--cpus-per-host", "1", "--dilate", "2"), "10.77.64.0/24")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     stray = int(proc.stdout.split("stray ")[1].split()[0])
     assert _leftovers(tag) == []
@@ -466,7 +444,7 @@ def test_failed_rank_and_its_stray_child_leave_no_cgroup():
 DELAYED = (
     PING
     + """
-import os, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 rtt = ping(10)
 dist.init_process_group("gloo")
 t = torch.full((1 << 18,), float(dist.get_rank() + 1))
@@ -484,13 +462,7 @@ def test_delay_line_adds_the_one_way_delay_and_carries_gloo():
     all_reduce of 1 MiB crosses the router and the delay line."""
     tag = TAG + "d"
     extra = ("--rate", "100mbit", "--delay", "10ms")
-    proc = subprocess.run(
-        _netsim(tag, sys.executable, "-c", DELAYED, extra=extra, subnet="10.77.63.0/24"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _run(tag, DELAYED, extra, "10.77.63.0/24")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ranks = _rank_lines(proc.stdout)
     assert sorted(ranks) == [0, 1] and ranks[0][2] == "ok", proc.stdout + proc.stderr
