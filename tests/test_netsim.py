@@ -328,6 +328,18 @@ def test_delay_line_holds_each_packet_for_the_delay_in_order():
     now[0] += 0.01
     line.release()
     assert dst_out.recv(100) == b"second" and (line.packets, line.bytes) == (2, 11)
+    for _ in range(100):  # timed waits that return 1 ms late: packets then leave 1 ms early
+        line.observe_lateness(0.001)
+    src_in.send(b"third")
+    line.take()
+    assert line.lateness == pytest.approx(0.001, rel=1e-3) and line.timeout() == pytest.approx(0.019, rel=1e-3)
+    now[0] += 0.0185
+    line.release()
+    with pytest.raises(BlockingIOError):
+        dst_out.recv(100)
+    now[0] += 0.001
+    line.release()
+    assert dst_out.recv(100) == b"third"
     for sock in (src_in, src, dst, dst_out):
         sock.close()
 
