@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass
@@ -215,3 +216,23 @@ def _kill_all(path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(this machine's busy CPU seconds, all its CPU seconds, those of this process's reaped
+    children) so far: two snapshots around a run tell what its ranks used and what else ran."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle = fields[3] + fields[4]  # idle, iowait (guest time is already inside user)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(fields) - idle) / tick, sum(fields) / tick, children.ru_utime + children.ru_stime
+
+
+def describe_cpu_use(before: tuple[float, float, float], after: tuple[float, float, float]) -> str:
+    """The ranks' CPU time beside the machine's: what the rest (other processes, the kernel's
+    own threads, netsim) took is CPU the emulated hosts could have lost to it."""
+    busy, total, ranks = (b - a for a, b in zip(before, after))
+    return (
+        f"ranks {ranks:.1f} s, the machine busy {busy:.1f} s of {total:.1f} s, "
+        f"{max(0.0, busy - ranks):.1f} s of it by anything else (other processes, kernel threads, netsim)"
+    )
