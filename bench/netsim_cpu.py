@@ -14,6 +14,12 @@ CPU-bound parts of a collective look slower (or faster) than on a cluster. Two r
   It only fits where hosts x C is at most this machine's cores; it is the reference the emulation
   is checked against.
 
+What a quota cannot hold: the kernel's interrupt and softirq work (tbf releasing packets, the
+veths' receive path) done while a core is otherwise idle is charged to no process, so dilated
+hosts, which leave idle time on every core, get it for free where pinned hosts pay for it on
+their own cores. At 10 Gbit/s that is about a fifth more CPU than the quota; netsim prints the
+machine's CPU time not charged to the ranks after each run (bench/results/netsim_validation.txt).
+
 The cgroups are named after the cluster (`<tag>-h<i>`, like its namespaces). A process must join
 its host's cgroup before it enters the namespace: `ip netns exec` remounts /sys, so it could not
 reach the cgroup files from inside. Its children inherit the membership.
