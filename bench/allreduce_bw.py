@@ -38,6 +38,7 @@ import time
 import numpy as np
 import torch
 
+import emulation
 from peak_memory import PeakMemory, mmap_threshold_env
 from peak_memory import supported as memory_measurable
 from ranks import add_nprocs_argument, gather_floats, launch_label, set_threads
@@ -158,6 +159,8 @@ def print_header(args, n: int, label: str) -> None:
         f"iters {args.iters}, warmup {args.warmup}, op mean"
     )
     print(f"# codec: {codecs}")
+    if emulation.label():
+        print(f"# times: {emulation.label()} (bench/netsim.py --cpus-per-host, time dilation)")
     if not memory_measurable(torch.device("cpu")):
         print(f"# peak(x): not measured on CPU here (start the ranks with {mmap_threshold_env()} to measure it)")
     print("#" + " " * 78 + "|  time across iterations (us)")
@@ -214,6 +217,7 @@ def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int, 
     n = be.world_size
     call, err = operation(op, be, x, exact, args.warmup)
     times, wire = _time_calls(be, call, args.iters)
+    times = times / emulation.dilation()
     with PeakMemory(be.device) as probe:
         call()
     peak = float(gather_floats(be, probe.bytes).max()) if memory_measurable(be.device) else math.nan
@@ -237,6 +241,7 @@ def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int, 
         "iters": args.iters,
         "warmup": args.warmup,
         "peak_transient_bytes": None if math.isnan(peak) else int(peak),
+        **emulation.record_fields(),
     }
 
 

@@ -1,30 +1,54 @@
 #!/usr/bin/env python3
 """A simulated Ethernet cluster on one machine, for benchmarking collectives over a slow link.
 
-    python bench/netsim.py --hosts 4 --rate 1gbit [--delay 0.1ms] -- python bench/allreduce_bw.py
+    python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/allreduce_bw.py
     python bench/netsim.py --hosts 2 --ranks-per-host 2 -- python bench/allreduce_bw.py
+    python bench/netsim.py --hosts 4 --rate 1gbit --cpus-per-host 1 -- python bench/allreduce_bw.py
+    python bench/netsim.py --hosts 4 --rate 100mbit --delay 20ms -- python bench/train_step.py
 
-creates `--hosts` network namespaces joined by one Linux bridge through veth pairs, shapes every
-link with tc (a tbf at `--rate`, plus a netem delay when `--delay` is given) on *both* ends of
-each veth, so that each host's link is limited in both directions, like a host on a switch port.
-It then starts the command `--ranks-per-host` times (K, default 1) per host inside its namespace
-with the torchrun environment (RANK = host * K + LOCAL_RANK, WORLD_SIZE = hosts * K, LOCAL_RANK,
-LOCAL_WORLD_SIZE = K, GROUP_RANK = host, MASTER_ADDR = host 0, MASTER_PORT, GLOO_SOCKET_IFNAME =
-the namespace's interface), waits for all of them and exits with the worst exit code.
-Namespaces, veths and the bridge are always removed: on success, failure, Ctrl-C or SIGTERM.
+creates `--hosts` network namespaces joined through veth pairs, shapes every link with a tc tbf
+at `--rate` on *both* ends of each veth, so that each host's link is limited in both directions,
+like a host on a switch port. It then starts the command `--ranks-per-host` times (K, default 1)
+per host inside its namespace with the torchrun environment (RANK = host * K + LOCAL_RANK,
+WORLD_SIZE = hosts * K, LOCAL_RANK, LOCAL_WORLD_SIZE = K, GROUP_RANK = host, MASTER_ADDR = host
+0, MASTER_PORT, GLOO_SOCKET_IFNAME = the namespace's interface), waits for all of them and exits
+with the worst exit code. Namespaces, veths, the bridge or router, the delay line and the cgroups
+are always removed: on success, failure, Ctrl-C or SIGTERM.
 
 Ranks of one host reach each other at the host's own address, which the kernel routes through
 the namespace's loopback: traffic inside a host is unshaped (the fast intra-node link), traffic
 between hosts crosses the shaped veths.
 
-Needs root and iproute2 (`ip`, `tc`). Traffic stays inside the namespaces this program creates,
-on a private /24 of its own (`--subnet`, default 10.77.0.0/24; the bridge has no address, so the
-host's own network is never involved).
+The network. Without `--delay` the hosts' veths hang on one Linux bridge. `--delay D` adds a
+one-way delay D to every packet from one host to another (so a round trip between two hosts
+takes 2D more than without it); it is the delay of the path between hosts, not of each link end.
+The hosts then hang on a router namespace instead of the bridge, whose policy routing passes
+every packet between hosts through a delay line (bench/netsim_delay.py: a process that holds
+each packet for D between two TUN devices), since kernels without sch_netem cannot delay
+packets otherwise. Links and TUN devices get an MTU of 64000 there, so packets are few.
+
+The CPU (bench/netsim_cpu.py). Without `--cpus-per-host` the hosts share this machine's cores
+freely (the plain, oversubscribed run). `--cpus-per-host C` emulates a cluster of hosts with C
+cores each by time dilation (SPEC section 7): each host's processes get C cores' worth of CPU
+time (a cgroup v1 CFS quota), and where hosts x C is more than this machine's cores the whole
+cluster is slowed by d = hosts x C / cores: each host gets C / d of a core, links run at rate / d
+and the delay lasts d times longer (`--dilate D` asks for a larger d). `--pin` instead puts each
+host on C cores of its own (cpuset), undilated, where hosts x C fits: the reference the
+emulation is measured against. Ranks get NETSIM_DILATION (d, 1 when not dilated) and
+NETSIM_CPUS_PER_HOST (C, empty without it), beside NETSIM_RATE and NETSIM_DELAY (the emulated
+cluster's rate and delay, as given): benchmarks report measured times divided by d as emulated
+times (bench/emulation.py); ratios of two times need no rescaling.
+
+Needs root and iproute2 (`ip`, `tc`); `--cpus-per-host` needs the cgroup v1 cpu (or, with
+`--pin`, cpuset) controller, `--delay` needs /dev/net/tun. Traffic stays inside the namespaces
+this program creates, on a private /24 of its own (`--subnet`, default 10.77.0.0/24; the bridge
+and the router have no address on it, so the host's own network is never involved).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import os
 import re
@@ -33,8 +57,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from units import parse_rate
+from netsim_cpu import CpuError, CpuPlan, HostCgroups, cpu_snapshot, describe_cpu_use, plan
+from units import parse_delay, parse_rate
 
 DEFAULT_SUBNET = "10.77.0.0/24"
 NS_IFNAME = "eth0"  # the interface's name inside every namespace
@@ -54,8 +80,17 @@ def tbf_burst_bytes(rate_bps: float) -> int:
     return max(256 * 1024, int(rate_bps / 8 * 1e-3))
 
 
+# With a delay: the router's TUN devices into and out of the delay line, the routing table that
+# sends hosts' packets into it, and the MTU of every link there (few, large packets).
+DELAY_LINE = Path(__file__).resolve().parent / "netsim_delay.py"
+DELAY_IN, DELAY_OUT, DELAY_TABLE = "dl-in", "dl-out", "100"
+ROUTED_MTU = 64000
+
+
 class Cluster:
-    """N namespaces on a bridge. Use as a context manager: exiting always tears it all down."""
+    """N namespaces on a bridge (or, with a delay, on a router with a delay line), each host's
+    processes in a cgroup of its own when its CPU is set. Use as a context manager: exiting
+    always tears it all down."""
 
     def __init__(
         self,
@@ -66,6 +101,7 @@ class Cluster:
         tag: str | None = None,
         verbose: bool = False,
         ranks_per_host: int = 1,
+        cpu: CpuPlan | None = None,
     ) -> None:
         if hosts < 1:
             raise NetsimError(f"--hosts must be at least 1, got {hosts}")
@@ -79,15 +115,55 @@ class Cluster:
             raise NetsimError(f"{subnet} has room for {len(usable)} hosts, not {hosts}")
         self.hosts, self.rate, self.delay, self.verbose = hosts, rate, delay, verbose
         self.ranks_per_host = ranks_per_host
+        self.cpu = cpu or plan(hosts, None)
+        if self.cpu.hosts != hosts:
+            raise NetsimError(f"the CPU plan is for {self.cpu.hosts} hosts, the cluster has {hosts}")
+        self.delay_s = _delay_seconds(delay)
         self.prefixlen = net.prefixlen
         self.addresses = [str(a) for a in usable[:hosts]]
         # Short, unique names: interface names are limited to 15 characters.
         self.tag = tag or f"cs{os.getpid() % 1000000}"
         self.bridge = f"{self.tag}br"
+        self.router = f"{self.tag}-r"
         self.namespaces = [f"{self.tag}-h{i}" for i in range(hosts)]
         self.host_veths = [f"{self.tag}v{i}" for i in range(hosts)]
+        self.cgroups = HostCgroups(self.cpu, self.namespaces)
         self._made_ns: list[str] = []
         self._made_links: list[str] = []
+        self._delay_line: subprocess.Popen | None = None
+
+    # -- what is emulated -----------------------------------------------------------------------
+    @property
+    def dilation(self) -> float:
+        return self.cpu.dilation
+
+    @property
+    def routed(self) -> bool:
+        """Whether the hosts hang on the router with the delay line (a delay was asked)."""
+        return self.delay_s > 0
+
+    @property
+    def shaped_rate(self) -> str | None:
+        """The rate tc shapes each link at: the emulated rate / d, in tc syntax."""
+        if self.rate is None or self.dilation == 1:
+            return self.rate
+        return f"{int(parse_rate(self.rate) / self.dilation)}bit"
+
+    @property
+    def line_delay(self) -> float:
+        """Seconds the delay line holds each packet: the emulated delay x d."""
+        return self.delay_s * self.dilation
+
+    def describe_network(self) -> str:
+        """The links as emulated and as shaped, for the banner."""
+        text = f"link {self.rate or 'unshaped'}"
+        if self.rate is not None and self.dilation != 1:
+            text += f" (shaped at {_rate_text(parse_rate(self.shaped_rate or ''))} = rate / d)"
+        if self.routed:
+            text += f", one-way delay {self.delay} between hosts (RTT +{2 * self.delay_s * 1e3:g} ms)"
+            if self.dilation != 1:
+                text += f" (held {self.line_delay * 1e3:g} ms = delay x d)"
+        return text
 
     # -- plumbing -------------------------------------------------------------------------------
     def _ip(self, *args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -98,6 +174,9 @@ class Cluster:
         cmd = (["ip", "netns", "exec", ns] if ns else []) + ["tc"] + list(args)
         return self._run(cmd, True)
 
+    def _sysctl(self, ns: str, *settings: str) -> None:
+        self._run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *settings], True)
+
     def _run(self, cmd: list[str], check: bool) -> subprocess.CompletedProcess:
         if self.verbose:
             print("[netsim] " + " ".join(cmd), file=sys.stderr)
@@ -105,7 +184,7 @@ class Cluster:
         if check and res.returncode != 0:
             why = res.stderr.strip() or res.stdout.strip()
             if "qdisc kind is unknown" in why:
-                why += " (this kernel lacks the qdisc module: sch_tbf for --rate, sch_netem for --delay)"
+                why += " (this kernel lacks the qdisc module: sch_tbf for --rate)"
             raise NetsimError(f"`{' '.join(cmd)}` failed: {why}")
         return res
 
@@ -121,66 +200,108 @@ class Cluster:
         self.teardown()
 
     def build(self) -> None:
+        try:
+            self.cgroups.create()
+        except (OSError, CpuError) as exc:
+            raise NetsimError(f"cannot set up the hosts' CPU: {exc}") from None
+        if self.routed:
+            self._make_router()
+        else:
+            self._make_bridge()
+        for host in range(self.hosts):
+            self._add_host(host)
+
+    def _make_bridge(self) -> None:
         self._ip("link", "add", self.bridge, "type", "bridge")
         self._made_links.append(self.bridge)
         self._ip("link", "set", self.bridge, "up")
-        for i, (ns, veth, addr) in enumerate(zip(self.namespaces, self.host_veths, self.addresses)):
-            peer = f"{self.tag}p{i}"
-            self._ip("netns", "add", ns)
-            self._made_ns.append(ns)
-            self._ip("link", "add", veth, "type", "veth", "peer", "name", peer)
-            self._made_links.append(veth)
-            self._ip("link", "set", peer, "netns", ns)
-            self._ip("link", "set", peer, "name", NS_IFNAME, ns=ns)
-            self._ip("addr", "add", f"{addr}/{self.prefixlen}", "dev", NS_IFNAME, ns=ns)
-            self._ip("link", "set", NS_IFNAME, "up", ns=ns)
-            self._ip("link", "set", "lo", "up", ns=ns)
+
+    def _make_router(self) -> None:
+        """The router namespace: forwarding on, and every packet from a host (rule per host,
+        added by _attach_to_router) routed into the delay line, whose output it routes normally."""
+        if not os.path.exists("/dev/net/tun"):
+            raise NetsimError("--delay needs TUN devices and this system has no /dev/net/tun")
+        r = self.router
+        self._ip("netns", "add", r)
+        self._made_ns.append(r)
+        self._ip("link", "set", "lo", "up", ns=r)
+        self._sysctl(r, "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0")
+        for dev in (DELAY_IN, DELAY_OUT):
+            self._ip("tuntap", "add", "dev", dev, "mode", "tun", ns=r)
+            self._ip("link", "set", dev, "mtu", str(ROUTED_MTU), "up", ns=r)
+        self._start_delay_line()
+        self._ip("route", "add", "default", "dev", DELAY_IN, "table", DELAY_TABLE, ns=r)
+
+    def _start_delay_line(self) -> None:
+        cmd = ["ip", "netns", "exec", self.router, sys.executable, str(DELAY_LINE)]
+        cmd += ["--src", DELAY_IN, "--dst", DELAY_OUT, "--delay", repr(self.line_delay)]
+        if self.verbose:
+            print("[netsim] " + " ".join(cmd), file=sys.stderr)
+        self._delay_line = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        assert self._delay_line.stdout is not None
+        if self._delay_line.stdout.readline().strip() != "ready":
+            raise NetsimError("the delay line (bench/netsim_delay.py) did not start; see its error above")
+
+    def _add_host(self, i: int) -> None:
+        ns, veth, addr, peer = self.namespaces[i], self.host_veths[i], self.addresses[i], f"{self.tag}p{i}"
+        self._ip("netns", "add", ns)
+        self._made_ns.append(ns)
+        self._ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+        self._made_links.append(veth)
+        self._ip("link", "set", peer, "netns", ns)
+        self._ip("link", "set", peer, "name", NS_IFNAME, ns=ns)
+        self._ip("addr", "add", f"{addr}/{self.prefixlen}", "dev", NS_IFNAME, ns=ns)
+        if self.routed:
+            self._ip("link", "set", NS_IFNAME, "mtu", str(ROUTED_MTU), ns=ns)
+        self._ip("link", "set", NS_IFNAME, "up", ns=ns)
+        self._ip("link", "set", "lo", "up", ns=ns)
+        if self.routed:
+            self._attach_to_router(veth, addr)
+        else:
             self._ip("link", "set", veth, "master", self.bridge)
             self._ip("link", "set", veth, "up")
-            self._shape(veth, None)  # bridge -> host (the host's download)
-            self._shape(NS_IFNAME, ns)  # host -> bridge (the host's upload)
-            self._check_loopback(ns)
+        self._shape(veth, self.router if self.routed else None)  # switch -> host (the host's download)
+        self._shape(NS_IFNAME, ns)  # host -> switch (the host's upload)
+        self._check_loopback(ns)
+
+    def _attach_to_router(self, veth: str, addr: str) -> None:
+        """Plug a host's veth into the router. The host keeps its /24 on eth0 and asks ARP for
+        its peers; the router answers for them (proxy ARP, at once) and routes to each host by a
+        /32 on its veth; what comes in from a host goes to the delay line (the rule)."""
+        r = self.router
+        self._ip("link", "set", veth, "netns", r)
+        self._ip("link", "set", veth, "mtu", str(ROUTED_MTU), "up", ns=r)
+        self._sysctl(r, f"net.ipv4.conf.{veth}.proxy_arp=1", f"net.ipv4.neigh.{veth}.proxy_delay=0")
+        self._ip("route", "add", f"{addr}/32", "dev", veth, ns=r)
+        self._ip("rule", "add", "iif", veth, "lookup", DELAY_TABLE, ns=r)
 
     def _shape(self, dev: str, ns: str | None) -> None:
-        if self.rate is None and self.delay is None:
+        """A tbf at the shaped rate. Bytes are the same in the emulated cluster and the dilated
+        one, times are d times longer: the bucket holds what the emulated link sends in 1 ms, the
+        queue what it sends in 100 ms."""
+        if self.rate is None:
             return
-        parent = ["root"]
-        if self.rate is not None:
-            burst = tbf_burst_bytes(parse_rate(self.rate))
-            self._tc(
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "handle",
-                "1:",
-                "tbf",
-                "rate",
-                self.rate,
-                "burst",
-                str(burst),
-                "latency",
-                "100ms",
-                ns=ns,
-            )
-            parent = ["parent", "1:1"]
-        if self.delay is not None:
-            self._tc(
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                *parent,
-                "handle",
-                "10:",
-                "netem",
-                "delay",
-                self.delay,
-                "limit",
-                "100000",
-                ns=ns,
-            )
+        burst = tbf_burst_bytes(parse_rate(self.rate))
+        latency = f"{100 * self.dilation:g}ms"
+        self._tc(
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "handle",
+            "1:",
+            "tbf",
+            "rate",
+            self.shaped_rate or self.rate,
+            "burst",
+            str(burst),
+            "latency",
+            latency,
+            ns=ns,
+        )
 
     def _check_loopback(self, ns: str) -> None:
         out = self._ip("-o", "link", "show", "lo", ns=ns).stdout
@@ -198,6 +319,10 @@ class Cluster:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def _teardown(self) -> None:
+        self._stop_delay_line()
+        self.cgroups.remove()  # kills what is left of the hosts' processes first
+        for path in self.cgroups.leftovers():
+            print(f"[netsim] could not remove cgroup {path}: remove it by hand (rmdir)", file=sys.stderr)
         for ns in reversed(self._made_ns):
             self._ip("netns", "del", ns, check=False)  # also destroys the veth pair inside
         for link in reversed(self._made_links):
@@ -206,14 +331,27 @@ class Cluster:
         self._made_ns.clear()
         self._made_links.clear()
 
+    def _stop_delay_line(self) -> None:
+        """Close the delay line's input (it then prints its totals and exits); report them."""
+        line, self._delay_line = self._delay_line, None
+        if line is None:
+            return
+        try:
+            totals, _ = line.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            _stop([line])
+            totals = ""
+        if totals.strip():
+            print(f"[netsim] delay line: {totals.strip().splitlines()[-1]}", file=sys.stderr)
+
     def leftovers(self) -> list[str]:
-        """Names of this cluster's namespaces/links that still exist (empty after teardown)."""
+        """Names of this cluster's namespaces/links/cgroups that still exist (empty after teardown)."""
         ns_list = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         present = {line.split()[0] for line in ns_list.splitlines() if line.strip()}
-        left = [ns for ns in self.namespaces if ns in present]
+        left = [ns for ns in [*self.namespaces, self.router] if ns in present]
         links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
         left += [name for name in [self.bridge, *self.host_veths] if re.search(rf":\s{re.escape(name)}[@:]", links)]
-        return left
+        return left + self.cgroups.leftovers()
 
     # -- running --------------------------------------------------------------------------------
     @property
@@ -221,7 +359,8 @@ class Cluster:
         return self.hosts * self.ranks_per_host
 
     def environment(self, rank: int, port: int, threads: int) -> dict[str, str]:
-        """torchrun's variables for global `rank` (host rank // K, local index rank % K)."""
+        """torchrun's variables for global `rank` (host rank // K, local index rank % K), and
+        what the ranks need to report emulated times."""
         k, world = self.ranks_per_host, self.world_size
         env = dict(os.environ)
         env.update(
@@ -241,9 +380,18 @@ class Cluster:
             MKL_NUM_THREADS=str(threads),
             NETSIM_RATE=self.rate or "",
             NETSIM_DELAY=self.delay or "",
+            NETSIM_DILATION=f"{self.dilation:g}",
+            NETSIM_CPUS_PER_HOST="" if self.cpu.cpus_per_host is None else f"{self.cpu.cpus_per_host:g}",
             PYTHONUNBUFFERED="1",
         )
         return env
+
+    def default_threads(self) -> int:
+        """Threads per rank: the host's emulated cores shared by its ranks, else this machine's
+        cores shared by all ranks; at least 1."""
+        if self.cpu.cpus_per_host is not None:
+            return max(1, int(self.cpu.cpus_per_host // self.ranks_per_host))
+        return max(1, (os.cpu_count() or 1) // self.world_size)
 
     def run(
         self, command: list[str], port: int, threads: int, timeout: float | None = None, grace: float = 30.0
@@ -251,17 +399,22 @@ class Cluster:
         """Start `command` K times on every host, wait for all; the worst exit code (0 if all succeeded).
 
         When one rank fails the others get `grace` seconds to finish before they are killed,
-        so that a crashed rank never leaves its peers hanging in a collective.
+        so that a crashed rank never leaves its peers hanging in a collective. Then it says how
+        much CPU the ranks used and how much went to anything else meanwhile: the emulation
+        holds only while the rest of the machine stays within the cores the hosts leave free.
         """
         procs: list[subprocess.Popen] = []
+        before = cpu_snapshot()
         try:
             for rank in range(self.world_size):
-                ns = self.namespaces[rank // self.ranks_per_host]
+                host = rank // self.ranks_per_host
                 procs.append(
                     subprocess.Popen(
-                        ["ip", "netns", "exec", ns, *command],
+                        ["ip", "netns", "exec", self.namespaces[host], *command],
                         env=self.environment(rank, port, threads),
                         start_new_session=True,
+                        # into the host's cgroup before `ip netns exec` remounts /sys
+                        preexec_fn=functools.partial(self.cgroups.enter, host) if self.cgroups.active else None,
                     )
                 )
             start, failed_at = time.monotonic(), None
@@ -278,7 +431,26 @@ class Cluster:
                 time.sleep(0.05)
         finally:
             _stop(procs)
+        print(f"[netsim] CPU over the run: {describe_cpu_use(before, cpu_snapshot())}", file=sys.stderr)
         return worst_exit_code([p.returncode for p in procs])
+
+
+def _delay_seconds(delay: str | None) -> float:
+    """--delay in seconds (0 for none), as a NetsimError where it cannot be read."""
+    if delay is None:
+        return 0.0
+    try:
+        return parse_delay(delay)
+    except ValueError as exc:
+        raise NetsimError(str(exc)) from None
+
+
+def _rate_text(bps: float) -> str:
+    """A rate for people: 500Mbit, 2.5Gbit."""
+    for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6), ("Kbit", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps:g}bit"
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -323,13 +495,7 @@ def preflight() -> None:
         raise NetsimError(f"netsim needs iproute2; missing: {', '.join(missing)} (e.g. apt-get install iproute2)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--" in argv:
-        split = argv.index("--")
-        argv, command = argv[:split], argv[split + 1 :]
-    else:
-        command = []
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="%(prog)s [options] -- command [args...]")
     p.add_argument("--hosts", type=int, default=4, help="simulated hosts (default 4)")
     p.add_argument(
@@ -344,15 +510,65 @@ def main(argv: list[str] | None = None) -> int:
         default="1gbit",
         help="link rate in tc syntax, e.g. 1gbit, 10gbit, 100mbit; 'none' for unshaped (default 1gbit)",
     )
-    p.add_argument("--delay", default=None, help="one-way netem delay per link end, e.g. 0.1ms (default none)")
+    p.add_argument(
+        "--delay",
+        default=None,
+        help="one-way delay between two hosts, e.g. 20ms (a round trip takes twice that more); through "
+        "a delay line in a router namespace (default none)",
+    )
+    p.add_argument(
+        "--cpus-per-host",
+        type=float,
+        default=None,
+        metavar="C",
+        help="emulate hosts of C cores each: a CPU quota per host, and time dilation d = hosts x C / "
+        "cores where that exceeds this machine's cores (default: no quota, cores shared freely)",
+    )
+    p.add_argument(
+        "--dilate",
+        type=float,
+        default=None,
+        metavar="D",
+        help="with --cpus-per-host: a dilation factor larger than needed (each host gets C / D of a core, "
+        "links rate / D, delays x D), e.g. to compare with --pin",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="with --cpus-per-host C: each host on C cores of its own, undilated (needs hosts x C <= cores)",
+    )
     p.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"private /24 for the hosts (default {DEFAULT_SUBNET})")
     p.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")
     p.add_argument(
-        "--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default: CPU cores / hosts, at least 1)"
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS per rank (default: the host's C cores / its ranks with --cpus-per-host, "
+        "else CPU cores / ranks; at least 1)",
     )
     p.add_argument("--timeout", type=float, default=None, help="kill all ranks after this many seconds")
-    p.add_argument("--tag", default=None, help="name prefix of the namespaces/links (default cs<pid>)")
+    p.add_argument("--tag", default=None, help="name prefix of the namespaces/links/cgroups (default cs<pid>)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every ip/tc command")
+    return p
+
+
+def banner(cluster: Cluster, subnet: str, threads: int) -> str:
+    """What is simulated, and how: addresses, links as emulated and as shaped, the CPU."""
+    return (
+        f"[netsim] {cluster.hosts} hosts x {cluster.ranks_per_host} rank(s) on {subnet} "
+        f"({', '.join(cluster.addresses)}), {cluster.describe_network()}, {threads} thread(s) per rank\n"
+        f"[netsim] CPU: {cluster.cpu.describe()}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1 :]
+    else:
+        command = []
+    p = build_parser()
     args = p.parse_args(argv)
     if not command:
         p.error("give the command to run after '--', e.g. -- python bench/allreduce_bw.py")
@@ -362,7 +578,11 @@ def main(argv: list[str] | None = None) -> int:
             parse_rate(rate)
         except argparse.ArgumentTypeError as exc:
             p.error(str(exc))
-    threads = args.threads or max(1, (os.cpu_count() or 1) // (args.hosts * args.ranks_per_host))
+    delay = None if args.delay is None or args.delay.lower() in ("none", "off", "0") else args.delay
+    try:
+        cpu = plan(args.hosts, args.cpus_per_host, args.pin, args.dilate)
+    except CpuError as exc:
+        p.error(str(exc))
 
     def on_signal(signum, frame):
         raise _Terminated(signum)
@@ -370,14 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         preflight()
-        with Cluster(args.hosts, rate, args.delay, args.subnet, args.tag, args.verbose, args.ranks_per_host) as cluster:
-            print(
-                f"[netsim] {args.hosts} hosts x {args.ranks_per_host} rank(s) on {args.subnet} "
-                f"({', '.join(cluster.addresses)}), "
-                f"link {rate or 'unshaped'}{', delay ' + args.delay if args.delay else ''}, "
-                f"{threads} thread(s) per rank",
-                file=sys.stderr,
-            )
+        with Cluster(args.hosts, rate, delay, args.subnet, args.tag, args.verbose, args.ranks_per_host, cpu) as cluster:
+            threads = args.threads or cluster.default_threads()
+            print(banner(cluster, args.subnet, threads), file=sys.stderr)
             return cluster.run(command, args.port, threads, args.timeout)
     except NetsimError as exc:
         print(f"netsim: error: {exc}", file=sys.stderr)

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import emulation
 from ranks import add_nprocs_argument, launch_label, run_ranks, set_threads
 from records import write_json
 from tasks import CharMLP, load_text, random_windows
@@ -259,7 +260,7 @@ def train(builder: Builder, args: argparse.Namespace, text: torch.Tensor) -> dic
             loss = torch.nn.functional.cross_entropy(run.model(seq[:, :-1]), seq[:, -1])
             loss.backward()
             run.optimizer.step()
-            times.append(time.perf_counter() - start)
+            times.append(emulation.emulated(time.perf_counter() - start))
             losses.append(loss.item())
             sent.append(run.bytes_sent() + run.fixed_bytes * (step + 1))
             comm.append(run.comm_timing())
@@ -371,7 +372,7 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
     base = by.get("ddp_adamw")
     window = max(1, args.steps // 10)
     for r in records:
-        r.update(setting=args.setting, params=params, batch_per_rank=batch, label=label)
+        r.update(setting=args.setting, params=params, batch_per_rank=batch, label=label, **emulation.record_fields())
         if base is not None:
             r["target_loss"] = base["final_loss"]
             r["time_to_target_s"] = time_to_target(r, base["final_loss"], window)
@@ -383,6 +384,8 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
         f"# compcomm train_step: {label}, world size {world}, gloo, CharMLP {params / 1e6:.1f}M trained params "
         f"({args.setting}), batch {batch}/rank, {args.steps} steps ({args.warmup_steps} warm-up)"
     )
+    if emulation.label():
+        print(f"# times: {emulation.label()} (bench/netsim.py --cpus-per-host, time dilation)")
     print(
         f"# {'method':<24} {'step(ms)':>9} {'warmup(ms)':>10} {'bytes/step':>12} {'warmup B/step':>13} "
         f"{'final_loss':>10} {'to_target(s)':>12} {'hidden%':>7} {'warmup hidden%':>14}"

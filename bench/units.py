@@ -1,4 +1,4 @@
-"""Sizes and link rates as they are written on the benchmarks' command lines ("64K", "1gbit").
+"""Sizes, link rates and delays as they are written on the benchmarks' command lines ("64K", "1gbit").
 
 No torch here: bench/netsim.py parses its `--rate` with this module before any rank exists,
 and stays a plain-Python tool.
@@ -67,3 +67,16 @@ def parse_rate(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"rate must be positive, got {text!r}")
     return value
+
+
+_TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
+
+
+def parse_delay(text: str) -> float:
+    """A delay with its unit ("20ms", "0.1ms", "500us", "1s") in seconds.
+
+    The unit is required: tc reads a bare number as microseconds, a reader would not."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
+    if not m or m.group(2).lower() not in _TIME_UNITS:
+        raise ValueError(f"bad delay {text!r}; give a number and a unit: s, ms or us (e.g. 20ms)")
+    return float(m.group(1)) * _TIME_UNITS[m.group(2).lower()]

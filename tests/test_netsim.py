@@ -1,6 +1,9 @@
 """bench/netsim.py: a 2-host shaped cluster runs a gloo all_reduce and leaves nothing behind;
 with several ranks per host, ranks of one host talk over its loopback and only traffic between
-hosts crosses the shaped interface.
+hosts crosses the shaped interface. The emulated cluster (--cpus-per-host): each host's CPU time
+is capped at C / d of a core, its links shaped at rate / d and the delay line's delay stretched
+by d; --pin puts each host on a core of its own; the delay line delays each packet between hosts
+by --delay; cgroups, namespaces and the delay line are gone afterwards, whatever happened.
 
 Needs root and iproute2 (ip, tc) with sch_tbf; skipped with the reason otherwise. The tests that
 build namespaces carry the `netns` marker (run them with `pytest -m netns`).
@@ -9,6 +12,7 @@ build namespaces carry the `netns` marker (run them with `pytest -m netns`).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +26,8 @@ import bench_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "netsim.py"
-TAG = f"cst{os.getpid() % 100000}"
+# NETSIM_TEST_TAG: the name prefix of what the tests build, so that runs side by side never meet.
+TAG = os.environ.get("NETSIM_TEST_TAG", "cst") + str(os.getpid() % 100000)
 
 ALLREDUCE = """
 import os, torch, torch.distributed as dist
@@ -68,7 +73,8 @@ def needs_netns(test):
 def _leftovers(tag: str) -> list[str]:
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    return [line for line in (ns + links).splitlines() if tag in line]
+    cgroups = [str(p) for c in ("cpu", "cpuset") for p in Path("/sys/fs/cgroup", c).glob(f"{tag}-*")]
+    return [line for line in (ns + links).splitlines() if tag in line] + cgroups
 
 
 def _netsim(tag: str, *command: str, extra=(), subnet: str = "10.77.5.0/24") -> list[str]:
@@ -183,17 +189,26 @@ def test_failure_gives_worst_code_and_cleans_up():
     assert _leftovers(tag) == []
 
 
+def _pids_in(ns: str) -> list[int]:
+    return [int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+
+
 @needs_netns
-def test_sigterm_cleans_up():
-    tag = TAG + "c"
+@pytest.mark.parametrize(
+    "extra", [(), ("--cpus-per-host", "1", "--dilate", "2", "--delay", "5ms")], ids=["plain", "emulated-delayed"]
+)
+def test_sigterm_cleans_up(extra):
+    """SIGTERM while the ranks run: namespaces, links, cgroups and the delay line all go."""
+    tag = TAG + "c" + str(len(extra))
     proc = subprocess.Popen(
-        _netsim(tag, "sleep", "60"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        _netsim(tag, "sleep", "60", extra=extra), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         deadline = time.monotonic() + 20
-        while len([x for x in _leftovers(tag) if "-h1" in x]) == 0 and time.monotonic() < deadline:
+        while not _pids_in(f"{tag}-h1") and time.monotonic() < deadline:  # the last rank runs
             time.sleep(0.1)
-        time.sleep(0.5)
+        delay_line = _pids_in(f"{tag}-r")
+        assert bool(delay_line) == bool(extra), delay_line
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     finally:
@@ -201,3 +216,264 @@ def test_sigterm_cleans_up():
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()
     assert _leftovers(tag) == []
+    assert not [pid for pid in delay_line if Path(f"/proc/{pid}").exists()], "the delay line still runs"
+
+
+# ---------------------------------------------------------------------------------------------
+# the emulated cluster: CPU quota and time dilation, pinning, the delay line
+
+
+def _cpu():
+    _load()  # puts bench/ on sys.path
+    import netsim_cpu
+
+    return netsim_cpu
+
+
+def test_cpu_plan_dilates_where_the_hosts_need_more_cores():
+    cpu = _cpu()
+    two = [0, 1]
+    fits = cpu.plan(2, 1, cores=two)
+    assert (fits.dilation, fits.quota_cores, fits.quota_us) == (1, 1, cpu.CFS_PERIOD_US)
+    four = cpu.plan(4, 1, cores=two)
+    assert (four.dilation, four.quota_cores, four.quota_us) == (2, 0.5, cpu.CFS_PERIOD_US // 2)
+    assert cpu.plan(3, 1, cores=two).dilation == 1.5 and cpu.plan(2, 2, cores=two).quota_cores == 1
+    forced = cpu.plan(2, 1, dilate=2, cores=two)
+    assert (forced.dilation, forced.quota_cores) == (2, 0.5)
+    pinned = cpu.plan(2, 1, pin=True, cores=[4, 6])
+    assert pinned.dilation == 1 and pinned.quota_us is None and pinned.host_cores(1) == [6]
+    assert cpu.plan(4, None, cores=two).quota_us is None and cpu.plan(4, None, cores=two).dilation == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, why",
+    [
+        (dict(hosts=2, cpus_per_host=0), "positive"),
+        (dict(hosts=2, cpus_per_host=-1), "positive"),
+        (dict(hosts=3, cpus_per_host=1, pin=True), "--pin needs hosts x C = 3 x 1 cores, this machine has 2"),
+        (dict(hosts=2, cpus_per_host=0.5, pin=True), "whole cores"),
+        (dict(hosts=2, cpus_per_host=1, pin=True, dilate=2), "drop --dilate"),
+        (dict(hosts=4, cpus_per_host=1, dilate=1.5), "at least 2"),
+        (dict(hosts=2, cpus_per_host=None, dilate=2), "need --cpus-per-host"),
+        (dict(hosts=2, cpus_per_host=None, pin=True), "need --cpus-per-host"),
+        (dict(hosts=2, cpus_per_host=0.01), "smallest quota"),
+    ],
+)
+def test_cpu_plan_refuses_impossible_settings(kwargs, why):
+    cpu = _cpu()
+    with pytest.raises(cpu.CpuError, match=re.escape(why)):
+        cpu.plan(cores=[0, 1], **kwargs)
+
+
+def test_cli_refuses_pin_beyond_this_machines_cores(capsys):
+    netsim = _load()
+    hosts = len(os.sched_getaffinity(0)) + 1
+    with pytest.raises(SystemExit) as exit_info:
+        netsim.main(["--hosts", str(hosts), "--cpus-per-host", "1", "--pin", "--", "true"])
+    assert exit_info.value.code == 2 and "--pin needs hosts x C" in capsys.readouterr().err
+
+
+def test_no_cgroup_v1_controller_is_a_clear_error(tmp_path, monkeypatch):
+    """Where /sys/fs/cgroup has no v1 cpu controller, the cluster refuses before building anything."""
+    netsim, cpu = _load(), _cpu()
+    monkeypatch.setattr(cpu, "CGROUP_ROOT", tmp_path)
+    cluster = netsim.Cluster(2, "1gbit", tag="nsenone", cpu=cpu.plan(2, 1, dilate=2))
+    with pytest.raises(netsim.NetsimError, match="cgroup v1 cpu controller"):
+        with cluster:
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parse_delay():
+    _load()
+    from units import parse_delay
+
+    assert parse_delay("20ms") == pytest.approx(0.02) and parse_delay("0.1ms") == pytest.approx(1e-4)
+    assert parse_delay("500us") == pytest.approx(5e-4) and parse_delay("1s") == 1.0
+    for bad in ("20", "ms", "20 parsecs", "-1ms"):
+        with pytest.raises(ValueError, match="unit"):
+            parse_delay(bad)
+
+
+def test_delay_line_holds_each_packet_for_the_delay_in_order():
+    """The forwarder's queue on a fake clock, with datagram sockets standing in for the TUNs."""
+    import socket
+
+    _load()
+    from netsim_delay import DelayLine
+
+    now = [100.0]
+    src_in, src = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    dst, dst_out = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for sock in (src, dst_out):
+        sock.setblocking(False)
+    line = DelayLine(src.fileno(), dst.fileno(), 0.02, clock=lambda: now[0])
+    assert line.timeout() is None
+    src_in.send(b"first")
+    line.take()
+    now[0] += 0.01
+    src_in.send(b"second")
+    line.take()
+    assert line.timeout() == pytest.approx(0.01)
+    line.release()
+    with pytest.raises(BlockingIOError):
+        dst_out.recv(100)
+    now[0] += 0.01
+    line.release()
+    assert dst_out.recv(100) == b"first" and line.timeout() == pytest.approx(0.01)
+    now[0] += 0.01
+    line.release()
+    assert dst_out.recv(100) == b"second" and (line.packets, line.bytes) == (2, 11)
+    for _ in range(100):  # timed waits that return 1 ms late: packets then leave 1 ms early
+        line.observe_lateness(0.001)
+    src_in.send(b"third")
+    line.take()
+    assert line.lateness == pytest.approx(0.001, rel=1e-3) and line.timeout() == pytest.approx(0.019, rel=1e-3)
+    now[0] += 0.0185
+    line.release()
+    with pytest.raises(BlockingIOError):
+        dst_out.recv(100)
+    now[0] += 0.001
+    line.release()
+    assert dst_out.recv(100) == b"third"
+    for sock in (src_in, src, dst, dst_out):
+        sock.close()
+
+
+# bench/link_probe.py's TCP round trip, rank 0 serving, rank 1 measuring (the median, in seconds).
+PING = """
+import os, statistics, sys
+sys.path.insert(0, "bench")
+import link_probe
+
+def ping(n):
+    addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1)
+    if os.environ["RANK"] == "0":
+        return link_probe.serve(addr)
+    return statistics.median(link_probe.probe(addr, n, 0)[0])
+"""
+
+EMULATED = (
+    PING
+    + """
+import subprocess, time
+rank, host = os.environ["RANK"], os.environ["GROUP_RANK"]
+rtt = ping(8)
+start, cpu = time.perf_counter(), time.process_time()
+while time.perf_counter() - start < 1.0:  # busy for a second of wall time
+    pass
+cpu = (time.process_time() - cpu) / (time.perf_counter() - start)
+cgroup = [line.split(":")[2].strip() for line in open("/proc/self/cgroup") if line.split(":")[1] == "cpu"][0]
+qdisc = subprocess.run(["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout.split()
+rate = qdisc[qdisc.index("rate") + 1]
+env = os.environ["NETSIM_DILATION"], os.environ["NETSIM_CPUS_PER_HOST"], os.environ["NETSIM_RATE"]
+os.write(1, f"rank {rank} cpu {cpu:.3f} cgroup {cgroup} rate {rate} env {env} rtt {rtt}\\n".encode())
+"""
+)
+
+
+def _run(tag: str, script: str, extra: tuple[str, ...], subnet: str = "10.77.5.0/24") -> subprocess.CompletedProcess:
+    """`python -c script` on each of 2 hosts of a netsim cluster with `extra` options."""
+    return subprocess.run(
+        _netsim(tag, sys.executable, "-c", script, extra=extra, subnet=subnet),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _rank_lines(out: str) -> dict[int, list[str]]:
+    return {int(line.split()[1]): line.split() for line in out.splitlines() if line.startswith("rank ")}
+
+
+@needs_netns
+def test_emulated_hosts_get_c_over_d_of_a_core_and_links_rate_over_d():
+    """2 hosts of 1 core dilated 4x: a busy rank gets a quarter of a core, the links are shaped at
+    250 Mbit/s for the emulated 1 Gbit/s, the 5 ms delay is held 20 ms (a 40 ms round trip), and
+    the ranks are told d."""
+    tag = TAG + "q"
+    extra = ("--cpus-per-host", "1", "--dilate", "4", "--delay", "5ms")
+    proc = _run(tag, EMULATED, extra, "10.77.61.0/24")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = _rank_lines(proc.stdout)
+    assert sorted(ranks) == [0, 1], proc.stdout + proc.stderr
+    for rank, words in ranks.items():
+        cpu = float(words[3])
+        assert 0.05 < cpu < 0.25 * 1.15, f"rank {rank} got {cpu:.3f} of a core, quota 0.25"
+        assert words[5] == f"/{tag}-h{rank}" and words[7] == "250Mbit", words
+        assert " ".join(words[9:12]) == "('4', '1', '1gbit')", words
+    rtt = float(ranks[1][13])
+    assert 0.040 <= rtt < 0.040 * 1.2 + 0.005, f"round trip {rtt * 1e3:.1f} ms, expected 40 ms (2 x 5 ms x d)"
+    assert "dilation d = 4" in proc.stderr and "shaped at 250Mbit" in proc.stderr
+    assert _leftovers(tag) == []
+
+
+PINNED = """
+import os
+allowed = [line.split()[1] for line in open("/proc/self/status") if line.startswith("Cpus_allowed_list")][0]
+os.write(1, f"rank {os.environ['RANK']} cores {allowed} d {os.environ['NETSIM_DILATION']}\\n".encode())
+"""
+
+
+@needs_netns
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--pin of 2 one-core hosts needs 2 cores")
+def test_pin_puts_each_host_on_a_core_of_its_own():
+    tag = TAG + "p"
+    proc = _run(tag, PINNED, ("--cpus-per-host", "1", "--pin"), "10.77.62.0/24")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cores = sorted(os.sched_getaffinity(0))
+    ranks = _rank_lines(proc.stdout)
+    assert {r: (w[3], w[5]) for r, w in ranks.items()} == {0: (str(cores[0]), "1"), 1: (str(cores[1]), "1")}
+    assert _leftovers(tag) == []
+
+
+STRAY = """
+import os, subprocess, sys
+if os.environ["RANK"] == "1":  # a child that leaves the rank's process group, then the rank fails
+    stray = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    os.write(1, f"stray {stray.pid}\\n".encode())
+    sys.exit(3)
+"""
+
+
+@needs_netns
+def test_failed_rank_and_its_stray_child_leave_no_cgroup():
+    """A failing rank's detached child would keep its host's cgroup alive: netsim kills it."""
+    tag = TAG + "f"
+    proc = _run(tag, STRAY, ("--cpus-per-host", "1", "--dilate", "2"), "10.77.64.0/24")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    stray = int(proc.stdout.split("stray ")[1].split()[0])
+    assert _leftovers(tag) == []
+    status = Path(f"/proc/{stray}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text(), "the stray child still runs"
+
+
+DELAYED = (
+    PING
+    + """
+import torch, torch.distributed as dist
+rtt = ping(10)
+dist.init_process_group("gloo")
+t = torch.full((1 << 18,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+assert t.eq(3).all(), t[:4]
+os.write(1, f"rank {dist.get_rank()} ok rtt {rtt}\\n".encode())
+dist.destroy_process_group()
+"""
+)
+
+
+@needs_netns
+def test_delay_line_adds_the_one_way_delay_and_carries_gloo():
+    """--delay 10ms: a TCP round trip between the hosts takes 20 ms (plus little), and a gloo
+    all_reduce of 1 MiB crosses the router and the delay line."""
+    tag = TAG + "d"
+    extra = ("--rate", "100mbit", "--delay", "10ms")
+    proc = _run(tag, DELAYED, extra, "10.77.63.0/24")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = _rank_lines(proc.stdout)
+    assert sorted(ranks) == [0, 1] and ranks[0][2] == "ok", proc.stdout + proc.stderr
+    rtt = float(ranks[1][4])
+    assert 0.020 <= rtt < 0.020 * 1.2 + 0.002, f"round trip {rtt * 1e3:.2f} ms, expected 20 ms"
+    assert "[netsim] delay line:" in proc.stderr and _leftovers(tag) == []
