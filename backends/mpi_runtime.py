@@ -66,7 +66,8 @@ def _probe_singleton() -> None:
         raise RuntimeError(
             "backend='mpi' needs an MPI launch: this process was not started by mpirun/mpiexec and "
             "the MPI library cannot start a single-process (singleton) world here. Run "
-            "`mpirun -n N python your_program.py`, or use backend='gloo' (torchrun) or backend='local' "
+            "`mpirun -n N python your_program.py` (Open MPI: add --oversubscribe for more ranks than cores, "
+            "--allow-run-as-root as root), or use backend='gloo' (torchrun) or backend='local' "
             f"for one process. MPI said: {detail or 'nothing'}"
         )
 

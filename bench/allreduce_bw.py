@@ -3,7 +3,7 @@
 
     python bench/allreduce_bw.py                                  # spawns 4 local gloo ranks
     torchrun --nproc-per-node 4 bench/allreduce_bw.py             # gloo (CPU) or --backend nccl
-    mpirun -n 4 python bench/allreduce_bw.py --backend mpi        # mpi4py, no torch.distributed
+    mpirun -n 4 --oversubscribe python bench/allreduce_bw.py --backend mpi   # mpi4py (as root: --allow-run-as-root)
     python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/allreduce_bw.py
 
 For every size, one row for `compcomm.compressed_allreduce` ("compressed") and one for the
@@ -39,6 +39,8 @@ import numpy as np
 import torch
 
 import emulation
+from codec_passes import time_passes
+from collective_model import flat_bytes, flat_parts
 from peak_memory import PeakMemory, mmap_threshold_env
 from peak_memory import supported as memory_measurable
 from ranks import add_nprocs_argument, gather_floats, launch_label, set_threads
@@ -281,6 +283,8 @@ def run_rank(args, be, label: str, hier=None) -> list[dict] | None:
     if not lead:
         return None
     _summary(records)
+    if args.backend != "nccl":
+        print_outlook(be.world_size, max(sizes) // elem, args)
     if args.json:
         write_json(records, args.json)
     if args.plot:
@@ -316,6 +320,62 @@ def _summary(records: list[dict]) -> None:
         print("# hierarchical speedup (flat compressed time / hierarchical time) per size:")
     for h, c in flat:
         print(f"#   {human(h['size_bytes']):>10}: speedup {c['time_us'] / h['time_us']:6.2f}x")
+
+
+OUTLOOK_RATES = ("1gbit", "10gbit", "25gbit", "100gbit")
+OUTLOOK_ALPHA = 50e-6
+"""Seconds per step of a collective over TCP between hosts (gloo, MPI): the latency the outlook assumes."""
+OUTLOOK_EFFICIENCY = 0.9
+"""The share of a link's rate a bulk TCP transfer achieves."""
+
+
+def print_outlook(n: int, numel: int, args) -> None:
+    """What 1-bit buys on a real network: the codec passes timed on this machine, turned by the
+    cost model (bench/collective_model.py, docs/cost_model.md) into predicted call times next to
+    an fp32 ring allreduce for the link rates that matter; then how to measure it for real."""
+    given = args.link_rate or os.environ.get("NETSIM_RATE") or None
+    rates = list(OUTLOOK_RATES) + ([given] if given and given not in OUTLOOK_RATES else [])
+    passes = time_passes(numel, n)
+    moved = flat_bytes(numel, n)
+    gamma = {name: moved[name] / seconds for name, seconds in passes.items()}
+    where = (
+        f"a simulated cluster ({os.environ.get('NETSIM_RATE')} links)"
+        if os.environ.get("NETSIM_RATE")
+        else "one machine over loopback: loopback is not a network, so the table above measures "
+        "this machine's memory and cores, not a link"
+    )
+    print("#")
+    print("# What 1-bit buys on your network")
+    print(f"#   these ranks ran on {where}.")
+    print(
+        f"#   codec passes of a {human(4 * numel)} call over {n} ranks, timed here on one core (GB/s): "
+        + ", ".join(f"{name} {g / 1e9:.1f}" for name, g in gamma.items())
+    )
+    print(
+        f"#   predicted by the cost model for {human(4 * numel)} fp32 over {n} hosts, one rank each "
+        f"({OUTLOOK_ALPHA * 1e6:.0f} us per collective step, {OUTLOOK_EFFICIENCY:.0%} of the link):"
+    )
+    print(f"#     {'link':>10} {'fp32 allreduce':>15} {'1-bit':>10} {'speedup':>8}")
+    for rate in rates:
+        link = parse_rate(rate) / 8 * OUTLOOK_EFFICIENCY
+        model = {"alpha": OUTLOOK_ALPHA, "burst": 0.0, "B": link, "gamma": gamma}
+        t = flat_parts(model, numel, n, 1.0)
+        mark = "  (this run's link)" if rate == given else ""
+        print(
+            f"#     {rate:>10} {t['allreduce'] * 1e3:>12.1f} ms {t['call'] * 1e3:>7.1f} ms "
+            f"{t['allreduce'] / t['call']:>7.1f}x{mark}"
+        )
+    print(
+        "#   rel_err is one call's error with no error feedback carried yet (~0.8 for random inputs): error "
+        "feedback carries it into the next calls, so sums over steps converge (bench/convergence.py)."
+    )
+    print("#   measure it on an emulated cluster with a core per host (root, Linux):")
+    print(f"#     python bench/netsim.py --hosts {n} --rate 10gbit --cpus-per-host 1 -- python bench/allreduce_bw.py")
+    print("#   or on your own nodes (one rank per node, run on every node):")
+    print(
+        f"#     torchrun --nnodes {n} --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 "
+        "bench/allreduce_bw.py"
+    )
 
 
 def link_rate(args) -> float | None:
@@ -414,10 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.backend == "mpi":
         if how != "mpirun":
-            raise SystemExit(
-                "--backend mpi runs under an MPI launcher, e.g.: "
-                f"mpirun -n {args.nprocs} {sys.executable} {' '.join(sys.argv)}"
-            )
+            try:
+                command = " ".join([*launch.mpirun(args.nprocs), *sys.argv])
+            except RuntimeError as exc:  # no mpirun here: say how to get one
+                raise SystemExit(f"--backend mpi runs under an MPI launcher: {exc}") from None
+            raise SystemExit(f"--backend mpi runs under an MPI launcher, e.g.:\n  {command}")
         set_threads()
         run_rank(args, backends.get("mpi"), launch_label(args.nprocs))
     elif how == "torchrun":

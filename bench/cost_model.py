@@ -23,74 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
-BURST = 256 * 1024  # netsim's tbf bucket: transfers below it leave at the veth's speed
-FOLD_BYTES = 128 * 1024  # compcomm.allreduce.FOLD_BYTES (not imported: the model runs without compcomm)
-CODEC = ("scan", "werr", "server", "serr", "decode")
-
-
-def chunk(numel: int, n: int) -> int:
-    return math.ceil(numel / (8 * n)) * 8
-
-
-def flat_bytes(numel: int, n: int) -> dict[str, float]:
-    """Bytes per rank of every part of the flat call over n ranks (comm: sent; codec: moved)."""
-    c = chunk(numel, n)
-    m, room = c * n, min(FOLD_BYTES // n, c // 8)
-    return {
-        "header": (n - 1) * (16.0 + room),
-        "a2a": (n - 1) * (c / 8 - room),
-        "gather": (n - 1) * (4 + c / 8),
-        "scan": 8.0 * numel + m / 8,
-        "werr": 12.0 * numel,
-        "server": n * c / 8 + 8.0 * c + c / 8,
-        "serr": 8.0 * c,
-        "decode": 4.0 * m + m / 8,
-        "allreduce": 2 * (n - 1) / n * 4 * numel,
-    }
-
-
-def comm_time(p: dict, bytes_: float, steps: int, share: float, bandwidth: float) -> float:
-    return p["alpha"] * steps * share + max(0.0, bytes_ - p["burst"]) / bandwidth
-
-
-def flat_parts(
-    p: dict, numel: int, n: int, share: float, k: int = 1, sharing_link: int | None = None
-) -> dict[str, float]:
-    """Predicted seconds of every part of the flat call over n ranks, k per host: the ranks
-    share the host's link (B/k each, or B/sharing_link) for the (n-k)/(n-1) of their blocks that
-    leave the host; the ring all-reduce, in rank order, sends one stream per host link."""
-    link = p["B"] / (sharing_link or k)
-    b = flat_bytes(numel, n)
-    t = {part: b[part] / p["gamma"][part] * share for part in CODEC}
-    crossing = (n - k) / (n - 1) if n > 1 else 0.0
-    t["header"] = comm_time(p, b["header"] * crossing, n - 1, share, link)
-    t["a2a"] = comm_time(p, b["a2a"] * crossing, n - 1, share, link) if b["a2a"] else 0.0
-    t["gather"] = comm_time(p, b["gather"] * crossing, n - 1, share, link)
-    t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, p["B"])
-    t["call"] = (
-        t["scan"] + t["header"] + max(t["a2a"], t["werr"]) + t["server"] + max(t["gather"], t["serr"]) + t["decode"]
-    )
-    return t
-
-
-def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float) -> dict[str, float]:
-    """The hierarchical call: exact reduce-scatter over the host's loopback (all-to-all, then a
-    sum and the mean's division over the part, at the werr pass's bandwidth), the flat call on the
-    N/k-element part across hosts (its k ranks sharing the host's link), the parts' results
-    shared, and every part decoded."""
-    part = chunk(numel, k)
-    inner = flat_parts(p, part, hosts, share, 1, sharing_link=k)
-    local = ((k + 1) * 4.0 + 8.0) * part / p["gamma"]["werr"] * share
-    t = {
-        "rs": comm_time(p, (k - 1) * 4.0 * part, k - 1, share, p["B_lo"]),
-        "share": comm_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k - 1, share, p["B_lo"]),
-        "agree": comm_time(p, 0.0, 2 * (k - 1) + (hosts - 1), share, p["B_lo"]),
-        "decode_all": flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share,
-    }
-    t["hier"] = t["agree"] + t["rs"] + local + inner["call"] + t["share"] + t["decode_all"]
-    return t
+from collective_model import BURST, CODEC, chunk, flat_bytes, flat_parts, hier_parts
 
 
 def calibrate(record: dict, cores: int, loopback: dict | None = None) -> dict:

@@ -42,6 +42,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from codec_passes import codec_passes
+from emulation import emulated, record_fields
 from ranks import gather_floats, set_threads
 from records import write_json
 from units import parse_size
@@ -55,27 +57,20 @@ def _timed(be, fn) -> float:
     be.barrier()
     start = time.perf_counter()
     fn()
-    return float(gather_floats(be, time.perf_counter() - start).max())
+    return emulated(float(gather_floats(be, time.perf_counter() - start).max()))
 
 
 def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
     """One record: every part's time for a `numel`-element fp32 tensor on this group."""
     import compcomm
-    from compcomm import codec
     from compcomm.agreement import FOLD_BYTES, HEADER
-    from compcomm.layout import chunk_size, padded_size, real_count
+    from compcomm.layout import chunk_size
 
     n, rank = be.world_size, be.rank
-    m, c = padded_size(numel, n), chunk_size(numel, n)
-    coder = codec.codec_for(torch.device("cpu"))
-    served = real_count(rank, numel, n)
+    c = chunk_size(numel, n)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-    buf, out = x.clone(), torch.empty(m)
-    worker, server = torch.zeros(m), torch.zeros(c)
+    buf = x.clone()
     ef = compcomm.ErrorFeedback()
-    signs = torch.zeros(n, c // 8, dtype=torch.uint8)
-    received = torch.empty_like(signs)
-    scales = torch.ones(n)
     mine = torch.zeros(4 + c // 8, dtype=torch.uint8)
     everyone = torch.zeros(n, mine.numel(), dtype=torch.uint8)
     room = min(FOLD_BYTES // n, c // 8)  # a repeated call's room in phase 0
@@ -84,19 +79,11 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
     rest = torch.zeros(n, c // 8 - room, dtype=torch.uint8)
     rest_received = torch.empty_like(rest)
 
-    def decode() -> None:
-        for j in range(n):
-            coder.decode(everyone[j, 4:], 1.0, out[j * c : (j + 1) * c])
-
     calls = {
+        **codec_passes(numel, n, rank),
         "header": lambda: be.all_to_all(header, headers),
-        "scan": lambda: coder.worker_scan(x, worker, signs.view(-1)),
         "a2a": lambda: rest.numel() and be.all_to_all(rest, rest_received),
-        "werr": lambda: coder.error_update_(worker, 1.0, numel, x),
-        "server": lambda: coder.server_scan_(received, scales, n, server, served, mine[4:]),
         "gather": lambda: be.all_gather(mine, everyone),
-        "serr": lambda: coder.error_update_(server, 1.0, served),
-        "decode": decode,
         "call": lambda: compcomm.compressed_allreduce(buf, ef, backend=be),
         "allreduce": lambda: be.all_reduce(buf, "mean"),
     }
@@ -125,6 +112,7 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
         "ranks_per_host": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         "rate": os.environ.get("NETSIM_RATE", ""),
         "threads": torch.get_num_threads(),
+        **record_fields(),
     }
     for part in parts:
         buf.copy_(x)

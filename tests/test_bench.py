@@ -155,3 +155,34 @@ def test_codec_micro_benchmarks_run_every_kernel():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "7 passed" in proc.stdout
+
+
+def test_main_job_says_what_one_bit_buys_on_real_links(sweep):
+    """After the table: the codec speed measured here, model predictions for 1-100 Gbit/s, what
+    rel_err is, and the commands that measure a real (or emulated) network."""
+    stdout, _, _ = sweep
+    outlook = stdout[stdout.index("# What 1-bit buys on your network") :]
+    assert "loopback is not a network" in outlook and "codec passes" in outlook
+    for rate in ("1gbit", "10gbit", "25gbit", "100gbit"):
+        assert any(line.split()[1:2] == [rate] and line.rstrip().endswith("x") for line in outlook.splitlines())
+    assert "rel_err is one call's error" in outlook
+    assert "bench/netsim.py --hosts 4 --rate 10gbit --cpus-per-host 1" in outlook and "torchrun --nnodes" in outlook
+
+
+@pytest.mark.mpi
+def test_the_mpirun_command_the_main_job_prints_runs():
+    """Without a launcher, --backend mpi prints the mpirun command to use; it must run as it is
+    (as root, and with more ranks than cores)."""
+    from compcomm.launch import find_mpirun
+
+    if find_mpirun() is None:
+        pytest.skip("no mpirun")
+    args = ["--backend", "mpi", "--nprocs", "4", "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "1", "-q"]
+    hint = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert hint.returncode != 0
+    command = hint.stderr.strip().splitlines()[-1].split()
+    assert command[0].endswith("mpirun") and "--oversubscribe" in command
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "WORLD_SIZE"))}
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "compressed" in run.stdout and "allreduce" in run.stdout
