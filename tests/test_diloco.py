@@ -606,3 +606,20 @@ def test_warm_up_then_local_steps_on_one_process():
         if step == 2:  # the end of the warm-up: theta taken from the parameters
             assert all(torch.equal(p, g) for p, g in zip(model.parameters(), opt.global_parameters()))
     assert opt.step_count == 7 and opt.skipped_steps == 0
+
+
+def test_sync_now_sends_only_fragments_that_moved():
+    model, inner = local_model()
+    opt = DiLoCo(model.parameters(), inner, sync_every=2, fragments=2, overlap_steps=1, bucket_bytes=200)
+    for step in range(4):  # fragment 1 sent at step 4, in flight
+        backward(model, 0, step)
+        opt.step()
+    theta = [g.clone() for g in opt.global_parameters()]
+    opt.sync()  # lands fragment 1 (sent at this step: not sent again), sends fragment 0
+    assert opt._sync.sent_at == [4, 4] and not opt._sync.in_flight
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), opt.global_parameters()))
+    moved = [not torch.equal(a, b) for a, b in zip(theta, opt.global_parameters())]
+    assert all(moved)
+    theta = [g.clone() for g in opt.global_parameters()]
+    opt.sync()  # nothing moved since
+    assert all(torch.equal(a, b) for a, b in zip(theta, opt.global_parameters()))

@@ -256,16 +256,21 @@ class DiLoCo(torch.optim.Optimizer):
         return loss
 
     def sync(self) -> None:
-        """Sync every fragment now (collective): apply the ones in flight, then send every fragment
-        and apply its outer step at once. Every rank then holds theta, bitwise the same: for the
-        end of training, or before using the model as the shared one. The schedule goes on
-        from the next step as before."""
+        """Sync now every fragment that took inner steps since it was last sent (collective):
+        apply the fragments in flight, then send those and apply their outer steps at once.
+        Every rank then holds theta, bitwise the same: for the end of training, or before using
+        the model as the shared one. The schedule goes on from the next step as before. In the
+        warm-up, where the ranks are in step anyway, theta is taken from the parameters."""
+        s = self._step_count - self.start_iter
         with torch.no_grad():
+            if s <= 0:
+                self._sync.reset_from_params()
+                return
             for entry in self._sync.due():
                 self._land(entry)
-            for f in range(len(self._sync.schedule)):
-                entry = self._sync.send(f, self._step_count - self.start_iter)
-                self._land(entry)
+            for f, sent_at in enumerate(self._sync.sent_at):
+                if sent_at != s:
+                    self._land(self._sync.send(f, s))
 
     def _average_gradients(self, skip: bool) -> bool:
         """A warm-up step's exact gradient average, written back into `.grad` (absent gradients
@@ -342,7 +347,11 @@ class DiLoCo(torch.optim.Optimizer):
             "skipped_steps": self.skipped_steps,
         }
         extra = checkpoints.compcomm_entry(
-            self._step_count, self._backend, sync.layout, {"skipped_syncs": self.skipped_syncs}, rank_local
+            self._step_count,
+            self._backend,
+            sync.layout,
+            {"skipped_syncs": self.skipped_syncs, "sent_at": list(sync.sent_at)},
+            rank_local,
         )
         return {
             "schedule": self._schedule(),
@@ -379,6 +388,7 @@ class DiLoCo(torch.optim.Optimizer):
         sync.load_in_flight(local["in_flight"])
         self._step_count = int(extra["step"])
         self.skipped_syncs = int(extra["scalars"]["skipped_syncs"])
+        sync.sent_at = list(extra["scalars"]["sent_at"])
         self.skipped_steps = int(local["skipped_steps"])
 
     def _own_part(self, state_dict: Any) -> tuple[dict[str, Any], str | None]:

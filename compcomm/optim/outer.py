@@ -62,6 +62,7 @@ class OuterSync:
         self.theta_views = [unflatten(t, [v.shape for v in b.views]) for t, b in zip(self.theta, layout.buckets)]
         self.outer = torch.optim.SGD(self.theta, **outer)
         self.in_flight: dict[int, InFlight] = {}
+        self.sent_at: list[int | None] = [None] * len(schedule)  # each fragment's last local step sent
 
     # ----------------------------------------------------------------- per-bucket views
 
@@ -109,6 +110,7 @@ class OuterSync:
             min_compress_bytes=None if self.compress else EXACT_BYTES,
         )
         assert isinstance(handle, Pending)
+        self.sent_at[f] = s
         entry = self.in_flight[f] = InFlight(f, s + self.schedule.overlap, handle, sent)
         return entry
 
