@@ -356,13 +356,15 @@ def test_other_world_size_is_refused_on_every_rank(pool):
 # ------------------------------------------------------------------ GradScaler, non-finite values
 
 
-def scaled_run(bad_step: int, bad_rank: int, use_scaler: bool = True) -> tuple[list[float], list[bool], bool, bytes]:
+def scaled_run(
+    bad_step: int, bad_rank: int, use_scaler: bool = True, start_iter: int = 0
+) -> tuple[list[float], list[bool], bool, bytes]:
     """Train with torch.amp.GradScaler (or without, `use_scaler` False); at `bad_step` one rank's
     scaled loss is inf. Returns the scales, which steps were skipped, whether the skipped steps
     left the parameters as they were, and the parameters at the end."""
     rank = rank_of(WORLD)
     model = make_model()
-    opt = make_diloco(model, sync_every=3, fragments=1, overlap_steps=0)
+    opt = make_diloco(model, sync_every=3, fragments=1, overlap_steps=0, start_iter=start_iter)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)  # powers of two: exact
     scales, skipped, unchanged = [], [], True
     for step in range(8):
@@ -388,9 +390,9 @@ def scaled_run(bad_step: int, bad_rank: int, use_scaler: bool = True) -> tuple[l
     return scales, skipped, unchanged, raw(model)
 
 
-@pytest.mark.parametrize("bad_step", [0, 4])  # the first backward, and a later one
-def test_grad_scaler_skips_everywhere_and_scales_stay_equal(pool, bad_step):
-    results = pool.run(scaled_run, bad_step, 1)
+@pytest.mark.parametrize("bad_step,start_iter", [(0, 0), (4, 0), (1, 3)])  # first backward, later, warm-up
+def test_grad_scaler_skips_everywhere_and_scales_stay_equal(pool, bad_step, start_iter):
+    results = pool.run(scaled_run, bad_step, 1, True, start_iter)
     for scales, skipped, unchanged, _ in results:
         assert scales == results[0][0]
         assert skipped == [s == bad_step for s in range(8)]
@@ -399,8 +401,9 @@ def test_grad_scaler_skips_everywhere_and_scales_stay_equal(pool, bad_step):
     assert results[0][0][bad_step] < before
 
 
-def test_grad_scaler_unscales_exactly(pool):
-    scaled, plain = pool.run(scaled_run, -1, 0), pool.run(scaled_run, -1, 0, False)
+@pytest.mark.parametrize("start_iter", [0, 3])
+def test_grad_scaler_unscales_exactly(pool, start_iter):
+    scaled, plain = pool.run(scaled_run, -1, 0, True, start_iter), pool.run(scaled_run, -1, 0, False, start_iter)
     assert [r[3] for r in scaled] == [r[3] for r in plain]
     assert len({r[3] for r in scaled}) == 4, "between syncs the ranks differ"
 
