@@ -344,8 +344,11 @@ def write_outputs(report: dict[str, Any], out: str) -> None:
     except ImportError:
         print("matplotlib not installed (pip install compcomm[plot]): no plot")
         return
-    families = [f for f in ("adam", "lamb", "diloco") if any(family(r["name"]) == f for r in report["runs"])]
-    fig, axes = plt.subplots(2, len(families), figsize=(5.5 * len(families), 8), sharey=True, squeeze=False)
+    present = [family(r["name"]) for r in report["runs"]]
+    families = [f for f in ("adam", "lamb", "diloco") if f in present]
+    if "diloco" in families and present.count("adam") == 1:
+        families.remove("adam")  # adam alone: it is drawn in the DiLoCo column
+    fig, axes = plt.subplots(2, len(families), figsize=(max(7.0, 5.5 * len(families)), 8), sharey=True, squeeze=False)
     for column, fam in enumerate(families):
         for r in report["runs"]:
             # the DiLoCo column repeats adam, the data-parallel run it is measured against
