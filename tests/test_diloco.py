@@ -356,6 +356,14 @@ def test_other_world_size_is_refused_on_every_rank(pool):
 # ------------------------------------------------------------------ GradScaler, non-finite values
 
 
+def loss_at(model: torch.nn.Module, rank: int, step: int, overflow: bool = False) -> torch.Tensor:
+    """The loss of rank `rank`'s batch at `step` (inf with `overflow`), gradients zeroed."""
+    model.zero_grad(set_to_none=True)
+    x, y = batch(rank, step)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    return loss * math.inf if overflow else loss
+
+
 def scaled_run(
     bad_step: int, bad_rank: int, use_scaler: bool = True, start_iter: int = 0
 ) -> tuple[list[float], list[bool], bool, bytes]:
@@ -368,11 +376,7 @@ def scaled_run(
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)  # powers of two: exact
     scales, skipped, unchanged = [], [], True
     for step in range(8):
-        model.zero_grad(set_to_none=True)
-        x, y = batch(rank, step)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        if step == bad_step and rank == bad_rank:
-            loss = loss * math.inf
+        loss = loss_at(model, rank, step, overflow=step == bad_step and rank == bad_rank)
         before = raw(model)
         if use_scaler:
             scaler.scale(loss).backward()
