@@ -20,6 +20,18 @@ initial model:
     zeroone       ZeroOneAdam (0/1 Adam), var_freeze_step = warm-up fraction * steps; its
                   uncompressed baseline is adam
 
+and, asked for by name (`--runs adam,diloco_h16,diloco_exact_h16,...`), DiLoCo around AdamW with
+the same learning rate and schedule as adam, whose every step is data-parallel AdamW over an fp32
+allreduce (what DDP + AdamW computes):
+
+    diloco_hH        compcomm.optim.DiLoCo, sync_every = H (8, 16 or 32), 1-bit error-feedback
+                     pseudo-gradients; baselines adam and diloco_exact_hH
+    diloco_exact_hH  the same with the exact mean of the pseudo-gradients
+
+A DiLoCo run is evaluated on its synced parameters (`opt.global_parameters()`, the same on every
+rank), and its last step is followed by `opt.sync()`, which syncs the inner steps taken since the
+last scheduled sync (its bytes are counted), so that the final model holds every step.
+
 It prints the final validation losses, the gaps to the baselines, and the bytes each rank
 handed to the transport (backend.bytes_sent), and writes `convergence[_TASK].json` and
 `.png` (matplotlib, optional) to --out.
@@ -55,6 +67,11 @@ RUNS = {  # name: (optimizer, compressed, uncompressed baseline)
     "onebit_lamb": ("lamb", True, "lamb"),
     "zeroone": ("zeroone", True, "adam"),
 }
+DEFAULT_RUNS = list(RUNS)
+DILOCO_H = (8, 16, 32)
+for _h in DILOCO_H:
+    RUNS[f"diloco_exact_h{_h}"] = ("diloco", False, "adam")
+    RUNS[f"diloco_h{_h}"] = ("diloco", True, "adam")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,7 +114,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--text-bytes", type=int, default=1_000_000, help="characters of text to use")
     ap.add_argument("--val-windows", type=int, default=4096)
     ap.add_argument("--eval-every", type=int, default=25)
-    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate (default 0.7)")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (default 0.9)")
+    ap.add_argument("--no-nesterov", dest="nesterov", action="store_false", help="DiLoCo's outer SGD without Nesterov")
+    ap.add_argument(
+        "--diloco-bucket-kb",
+        type=int,
+        default=None,
+        help="DiLoCo's communication buckets, KiB (default 25 MiB: one bucket for these models)",
+    )
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma-separated subset of " + ",".join(RUNS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default="", help="appended to the output files' names (e.g. for a variant)")
@@ -141,9 +167,23 @@ def make_optimizer(
     name: str, model: torch.nn.Module, args: argparse.Namespace, backend: Backend
 ) -> torch.optim.Optimizer:
     """Run `name`'s optimizer: its baseline never leaves the fp32 warm-up (freeze at the last step)."""
-    from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
+    from compcomm.layout import DEFAULT_BUCKET_BYTES
+    from compcomm.optim import DiLoCo, OnebitAdam, OnebitLamb, ZeroOneAdam
 
     kind, compressed, _ = RUNS[name]
+    if kind == "diloco":
+        inner = torch.optim.AdamW(model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay)
+        return DiLoCo(
+            model.parameters(),
+            inner,
+            sync_every=diloco_h(name),
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            nesterov=args.nesterov,
+            compress=compressed,
+            backend=backend,
+            bucket_bytes=DEFAULT_BUCKET_BYTES if args.diloco_bucket_kb is None else args.diloco_bucket_kb * 1024,
+        )
     freeze = freeze_step(args) if compressed else args.steps
     if kind == "adam":
         return OnebitAdam(
@@ -163,6 +203,11 @@ def make_optimizer(
         local_step_clipper=args.local_step_clipper,
         backend=backend,
     )
+
+
+def diloco_h(name: str) -> int:
+    """The sync interval H of a DiLoCo run's name (diloco_h16, diloco_exact_h16)."""
+    return int(name.rsplit("_h", 1)[1])
 
 
 def run_one(name: str, args: argparse.Namespace, train: torch.Tensor, val: torch.Tensor, rank: int) -> dict[str, Any]:
@@ -186,12 +231,14 @@ def run_one(name: str, args: argparse.Namespace, train: torch.Tensor, val: torch
         opt.step()
         if args.schedule == "cosine":
             sched.step()
+        if step == args.steps and hasattr(opt, "global_parameters"):
+            opt.sync()  # DiLoCo: the inner steps since the last scheduled sync
         if step % args.eval_every == 0 or step == args.steps:
             curve.append(
                 {
                     "step": step,
                     "train_loss": loss.item(),
-                    "val_loss": evaluate(model, val),
+                    "val_loss": evaluate(model, val, opt),
                     "bytes_sent": backend.bytes_sent,
                 }
             )
@@ -199,21 +246,33 @@ def run_one(name: str, args: argparse.Namespace, train: torch.Tensor, val: torch
         "name": name,
         "optimizer": type(opt).__name__,
         "freeze_step": getattr(opt, "freeze_step", getattr(opt, "var_freeze_step", None)),
+        "sync_every": getattr(opt, "sync_every", None),
         "lr": opt.defaults["lr"],
         "final_val_loss": curve[-1]["val_loss"],
         "bytes_sent": backend.bytes_sent,
         "seconds": time.perf_counter() - t0,
         "curve": curve,
         "skipped_steps": opt.skipped_steps,
+        "skipped_syncs": getattr(opt, "skipped_syncs", None),
         "params": sum(p.numel() for p in model.parameters()),
         "buckets": len(opt.error_feedback),
     }
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val: torch.Tensor) -> float:
-    """The model's mean loss over the validation windows."""
-    return float(model.loss(val))
+def evaluate(model: torch.nn.Module, val: torch.Tensor, opt: torch.optim.Optimizer) -> float:
+    """The model's mean loss over the validation windows; for DiLoCo, that of its synced
+    parameters (the shared model), put in the model for the evaluation only."""
+    if not hasattr(opt, "global_parameters"):
+        return float(model.loss(val))
+    local = [p.detach().clone() for p in model.parameters()]
+    for p, synced in zip(model.parameters(), opt.global_parameters()):
+        p.copy_(synced)
+    try:
+        return float(model.loss(val))
+    finally:
+        for p, mine in zip(model.parameters(), local):
+            p.copy_(mine)
 
 
 def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -229,7 +288,7 @@ def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
         res = run_one(name, args, text[:split], val, rank)
         if rank == 0:
             print(
-                f"  {name:12s} final val loss {res['final_val_loss']:.4f}  bytes/rank {res['bytes_sent']:>12,d}"
+                f"  {name:16s} final val loss {res['final_val_loss']:.4f}  bytes/rank {res['bytes_sent']:>12,d}"
                 f"  {res['seconds']:.1f}s",
                 flush=True,
             )
@@ -246,9 +305,11 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: in
     by = {r["name"]: r for r in results}
     summary: dict[str, Any] = {}
     for name, (_, _, base) in RUNS.items():
-        if base in by and name in by:
-            b, o = by[base]["final_val_loss"], by[name]["final_val_loss"]
-            summary[f"{name}_vs_{base}_gap_pct"] = 100.0 * (o - b) / b
+        bases = [base] + ([name.replace("diloco_h", "diloco_exact_h")] if name.startswith("diloco_h") else [])
+        for b_name in bases:
+            if b_name in by and name in by:
+                b, o = by[b_name]["final_val_loss"], by[name]["final_val_loss"]
+                summary[f"{name}_vs_{b_name}_gap_pct"] = 100.0 * (o - b) / b
     if "adam" in by:
         for r in results:
             r["bytes_reduction_vs_fp32_adam"] = by["adam"]["bytes_sent"] / r["bytes_sent"]
@@ -283,16 +344,21 @@ def write_outputs(report: dict[str, Any], out: str) -> None:
     except ImportError:
         print("matplotlib not installed (pip install compcomm[plot]): no plot")
         return
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey=True)
-    for column, family in enumerate(("adam", "lamb")):
+    present = [family(r["name"]) for r in report["runs"]]
+    families = [f for f in ("adam", "lamb", "diloco") if f in present]
+    if "diloco" in families and present.count("adam") == 1:
+        families.remove("adam")  # adam alone: it is drawn in the DiLoCo column
+    fig, axes = plt.subplots(2, len(families), figsize=(max(7.0, 5.5 * len(families)), 8), sharey=True, squeeze=False)
+    for column, fam in enumerate(families):
         for r in report["runs"]:
-            if (RUNS[r["name"]][2] or r["name"]) != family:
+            # the DiLoCo column repeats adam, the data-parallel run it is measured against
+            if family(r["name"]) != fam and not (fam == "diloco" and r["name"] == "adam"):
                 continue
-            label = f"{r['name']} (val {r['final_val_loss']:.3f}, {r['bytes_sent'] / 2**20:.1f} MiB/rank)"
-            style = "-" if RUNS[r["name"]][2] is None else "--"
+            label = f"{r['name']} (val {r['final_val_loss']:.3f}, {r['bytes_sent'] / 2**20:.2f} MiB/rank)"
+            style = "-" if RUNS[r["name"]][2] is None or "exact" in r["name"] else "--"
             for row, x in enumerate(([c["step"] for c in r["curve"]], [c["bytes_sent"] / 2**20 for c in r["curve"]])):
                 axes[row][column].plot(x, [c["val_loss"] for c in r["curve"]], style, label=label)
-        axes[0][column].set_title(f"{family.upper()} family ({report['world_size']} ranks)")
+        axes[0][column].set_title(f"{fam.upper()} family ({report['world_size']} ranks)")
         axes[0][column].set_xlabel("step")
         axes[1][column].set_xlabel("MiB sent per rank")
         axes[1][column].set_xscale("log")
@@ -308,13 +374,19 @@ def write_outputs(report: dict[str, Any], out: str) -> None:
     print(f"wrote {os.path.join(out, stem + '.png')}")
 
 
+def family(name: str) -> str:
+    """The plot column of a run: its optimizer's family (DiLoCo runs together)."""
+    kind, _, base = RUNS[name]
+    return "diloco" if kind == "diloco" else base or name
+
+
 def print_report(report: dict[str, Any]) -> None:
     """Final losses and bytes per run, then the summary's ratios."""
-    print(f"{'run':12s} {'final val':>10s} {'bytes/rank':>14s} {'vs fp32 Adam':>13s}")
+    print(f"{'run':16s} {'final val':>10s} {'bytes/rank':>14s} {'vs fp32 Adam':>13s}")
     for r in report["runs"]:
         red = r.get("bytes_reduction_vs_fp32_adam")
         print(
-            f"{r['name']:12s} {r['final_val_loss']:10.4f} {r['bytes_sent']:14,d} "
+            f"{r['name']:16s} {r['final_val_loss']:10.4f} {r['bytes_sent']:14,d} "
             f"{'' if red is None else f'{red:12.2f}x'}"
         )
     for k, v in report["summary"].items():

@@ -21,6 +21,10 @@ its own), one after the other in the same processes (METHODS below; `--methods` 
     onebit_adam          compcomm.optim.OnebitAdam (no DDP: the optimizer communicates)
     onebit_lamb          compcomm.optim.OnebitLamb
     zeroone_adam         compcomm.optim.ZeroOneAdam, when this build of compcomm has it (else skipped)
+    diloco               compcomm.optim.DiLoCo around AdamW: each rank steps alone, the ranks sync
+                         every --sync-every steps with 1-bit error-feedback pseudo-gradients (in
+                         --diloco-fragments staggered fragments; no warm-up: it starts syncing at once)
+    diloco_exact         the same with the exact mean of the pseudo-gradients
 
 The first --warmup-steps steps are the warm-up stage of the staged methods (PowerSGD's
 start_powerSGD_iter, the hook's start_iter, the optimizers' freeze_step); the others use them to
@@ -202,6 +206,31 @@ def compcomm_optimizer(name: str, stage_arg: str, lr_arg: str = "lr_adam") -> Bu
     return build
 
 
+def diloco_method(compress: bool) -> Builder:
+    """compcomm.optim.DiLoCo around AdamW (the model is not wrapped), every --sync-every steps."""
+
+    def build(model: torch.nn.Module, args: argparse.Namespace) -> Run:
+        import compcomm
+        from compcomm.layout import DEFAULT_BUCKET_BYTES
+        from compcomm.optim import DiLoCo
+
+        backend = compcomm.backends.get("gloo")
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt = DiLoCo(
+            trained,
+            adamw(trained, args),
+            sync_every=args.sync_every,
+            compress=compress,
+            fragments=args.diloco_fragments,
+            backend=backend,
+            bucket_bytes=DEFAULT_BUCKET_BYTES if args.bucket_mb is None else int(args.bucket_mb * 2**20),
+        )
+        return Run(model, opt, lambda: float(backend.bytes_sent))
+
+    build.requires = "DiLoCo"  # type: ignore[attr-defined]
+    return build
+
+
 def alone(model: torch.nn.Module, args: argparse.Namespace) -> Run:
     """DDP + AdamW's step without any communication (each rank on its own): its compute time."""
     return Run(model, adamw(model.parameters(), args))
@@ -217,6 +246,8 @@ METHODS: dict[str, Builder] = {
     "onebit_adam": compcomm_optimizer("OnebitAdam", "freeze_step"),
     "onebit_lamb": compcomm_optimizer("OnebitLamb", "freeze_step", "lr_lamb"),
     "zeroone_adam": compcomm_optimizer("ZeroOneAdam", "var_freeze_step"),
+    "diloco": diloco_method(compress=True),
+    "diloco_exact": diloco_method(compress=False),
 }
 
 
@@ -343,6 +374,7 @@ def summarize(name: str, res: dict[str, list], args: argparse.Namespace, world: 
         "steps": steps,
         "warmup_steps": w,
         "step_time_ms": 1e3 * statistics.median(times[i] for i in compressed),
+        "mean_step_time_ms": 1e3 * statistics.fmean(times[i] for i in compressed),
         "warmup_step_time_ms": 1e3 * statistics.median(times[i] for i in warm) if warm else None,
         "bytes_per_step": statistics.fmean(per_step[i] for i in compressed),
         "warmup_bytes_per_step": statistics.fmean(per_step[i] for i in warm) if warm else None,
@@ -373,6 +405,8 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
     window = max(1, args.steps // 10)
     for r in records:
         r.update(setting=args.setting, params=params, batch_per_rank=batch, label=label, **emulation.record_fields())
+        if r["method"].startswith("diloco"):
+            r.update(sync_every=args.sync_every, fragments=args.diloco_fragments)
         if base is not None:
             r["target_loss"] = base["final_loss"]
             r["time_to_target_s"] = time_to_target(r, base["final_loss"], window)
@@ -425,6 +459,8 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
         ("onebit_adam", "ddp_adamw_bf16"),
         ("onebit_lamb", "ddp_adamw"),
         ("zeroone_adam", "ddp_adamw"),
+        ("diloco", "ddp_adamw"),
+        ("diloco_exact", "ddp_adamw"),
         ("ddp_sgd_onebit", "ddp_sgd"),
         ("ddp_sgd_onebit", "ddp_adamw_powersgd"),
         ("ddp_adamw_powersgd", "ddp_adamw"),
@@ -440,6 +476,13 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
         if r is not None and base is not None and r["warmup_step_time_ms"]:
             lines.append(
                 f"{name} warm-up step: {r['warmup_step_time_ms'] / base['step_time_ms']:.2f}x ddp_adamw's step"
+            )
+    for name in ("diloco", "diloco_exact"):
+        r = by.get(name)
+        if r is not None and base is not None:
+            lines.append(
+                f"{name} mean step with its syncs (every {r['sync_every']} steps): {r['mean_step_time_ms']:.1f} ms, "
+                f"{base['mean_step_time_ms'] / r['mean_step_time_ms']:.2f}x faster than ddp_adamw's mean step"
             )
     if "ddp_sgd" in by and "ddp_sgd_onebit" in by:
         a, b = by["ddp_sgd"]["final_loss"], by["ddp_sgd_onebit"]["final_loss"]
@@ -503,11 +546,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-lamb", type=float, default=1e-2, help="1-bit LAMB (default 1e-2)")
     p.add_argument("--eps", type=float, default=1e-4, help="eps of every Adam/LAMB method (default 1e-4: see above)")
     p.add_argument("--lr-sgd", type=float, default=0.1, help="SGD with momentum 0.9 (default 0.1)")
+    p.add_argument("--sync-every", type=int, default=8, help="DiLoCo's inner steps per sync, H (default 8)")
+    p.add_argument("--diloco-fragments", type=int, default=1, help="DiLoCo's streaming fragments (default 1)")
     p.add_argument(
         "--bucket-mb",
         type=float,
         default=None,
-        help="DDP's bucket_cap_mb (default DDP's 25; PowerSGD always runs in one bucket)",
+        help="DDP's bucket_cap_mb and DiLoCo's bucket size (default 25; PowerSGD always runs in one bucket)",
     )
     p.add_argument("--text-bytes", type=int, default=1_000_000, help="characters of stdlib source to train on")
     add_nprocs_argument(p)

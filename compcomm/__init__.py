@@ -21,7 +21,10 @@ Any rank's bad input raises the same error on every rank with nothing changed: T
 ValueError, or `NonFiniteError` for NaN/Inf.
 """
 
-from . import backends, ddp, fsdp, layout, optim
+import importlib
+from types import ModuleType
+
+from . import backends, ddp, layout, optim
 from .allreduce import compressed_allreduce, compressed_allreduce_coalesced
 from .codec import codec_info
 from .error_feedback import ErrorFeedback
@@ -42,3 +45,11 @@ __all__ = [
     "optim",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> ModuleType:
+    """`compcomm.fsdp` loads on first use: it imports FSDP2, which costs more than the rest of
+    compcomm and which only sharded training needs."""
+    if name == "fsdp":
+        return importlib.import_module(".fsdp", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -87,3 +87,30 @@ def test_import_from_the_folder_above_a_checkout_named_compcomm(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "9.0"]
+
+
+def unequal_start(name: str) -> tuple[bytes, list[str]]:
+    """Ranks seeded differently (a forgotten seed): after the first step every rank holds the
+    same parameters, and every rank was told."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 2))
+    opt = OPTIMIZERS[name](net.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(2):
+            torch.manual_seed(100 + rank * 10 + step)
+            net(torch.randn(4, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    raw = b"".join(p.detach().numpy().tobytes() for p in net.parameters())
+    return raw, [str(w.message) for w in seen if "differed" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_ranks_started_from_different_parameters_are_made_equal_with_a_warning(pool, name):
+    res = pool.run(unequal_start, name)
+    assert len({r[0] for r in res}) == 1, "parameters differ across ranks after the first steps"
+    assert all(len(r[1]) == 1 for r in res), [r[1] for r in res]

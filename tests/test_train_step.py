@@ -31,6 +31,8 @@ TINY = [
     "2",
     "--text-bytes",
     "20000",
+    "--sync-every",
+    "2",
     "-q",
 ]
 DDP_METHODS = {
@@ -45,7 +47,7 @@ DDP_METHODS = {
 
 def check_records(records: list[dict], world: int) -> None:
     by = {r["method"]: r for r in records}
-    assert DDP_METHODS | {"onebit_adam", "onebit_lamb"} <= set(by), sorted(by)
+    assert DDP_METHODS | {"onebit_adam", "onebit_lamb", "diloco", "diloco_exact"} <= set(by), sorted(by)
     for r in records:
         assert SPEC_KEYS <= set(r), SPEC_KEYS - set(r)
         assert r["world_size"] == world and r["steps"] == 4
@@ -63,6 +65,10 @@ def check_records(records: list[dict], world: int) -> None:
         for key in ("comm_hidden_fraction", "warmup_comm_hidden_fraction"):
             assert 0 <= by[name][key] <= 1, (name, key)
     assert all(by[name]["comm_hidden_fraction"] is None for name in DDP_METHODS)
+    # DiLoCo syncs every 2 steps: in the last two steps, one 1-bit or one exact sync
+    assert 0 < by["diloco"]["bytes_per_step"] < fp32 / 16
+    assert by["diloco_exact"]["bytes_per_step"] == pytest.approx(fp32 / 2, rel=0.01)
+    assert by["diloco"]["sync_every"] == 2
 
 
 def test_tiny_run_self_spawned(tmp_path):

@@ -55,9 +55,10 @@ import torch
 import torch.distributed as dist
 
 from ..backends import Backend, check_backend_argument
+from ..optim.shards import compression_of as state_of
 from .comms import CompressedReduceScatter, all_reduce_hook
 from .modules import group_ranks, sharded_modules
-from .state import NONFINITE, CompressionState, state_of
+from .state import NONFINITE, CompressionState
 
 __all__ = ["CompressionState", "compress", "state_of"]
 

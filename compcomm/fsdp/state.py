@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import schedules
 from ..agreement import CallSpec, raise_agreed
@@ -23,17 +22,11 @@ from ..backends import Backend, HierarchicalBackend, get
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import all_gather_object
+from ..optim.shards import register
 from .modules import ShardedModule
 
 FORMAT = "compcomm.fsdp.CompressionState/1"
 NONFINITE = ("raise", "propagate")
-
-_registry: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its CompressionState
-
-
-def state_of(param: torch.Tensor) -> CompressionState | None:
-    """The CompressionState whose FSDP module shards `param`, if `compress` was called on it."""
-    return _registry.get(param)
 
 
 @dataclass
@@ -98,7 +91,7 @@ class CompressionState:
         self._failed = False
         self._shard_of = {id(p): self._modules[m.name].shard for m in modules for p in m.params}
         for p in self.params:
-            _registry[p] = self
+            register(p, self)
 
     @property
     def error_feedback(self) -> dict[str, ErrorFeedback]:

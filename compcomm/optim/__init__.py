@@ -3,6 +3,8 @@
 - `OnebitAdam`: 1-bit Adam (Tang et al. 2021), in `adam.py`.
 - `OnebitLamb`: 1-bit LAMB (Li et al. 2021), in `lamb.py`.
 - `ZeroOneAdam`: 0/1 Adam (Lu et al. 2022), in `zeroone.py`.
+- `DiLoCo`: DiLoCo and Streaming DiLoCo (Douillard et al. 2023, 2025) around any torch inner
+  optimizer, with 1-bit error-feedback pseudo-gradients, in `diloco.py`.
 - `OnebitOptimizer`: what they share (buckets, overlap with backward, `no_sync`, NaN agreement,
   GradScaler support, checkpoints), in `base.py`.
 
@@ -29,7 +31,8 @@ Choices where the papers leave room:
 
 from .adam import OnebitAdam
 from .base import OnebitOptimizer
+from .diloco import DiLoCo
 from .lamb import OnebitLamb
 from .zeroone import ZeroOneAdam
 
-__all__ = ["OnebitAdam", "OnebitLamb", "OnebitOptimizer", "ZeroOneAdam"]
+__all__ = ["DiLoCo", "OnebitAdam", "OnebitLamb", "OnebitOptimizer", "ZeroOneAdam"]

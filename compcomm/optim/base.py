@@ -25,7 +25,7 @@ from ..backends import Backend, check_backend_argument, resolve
 from ..error_feedback import ErrorFeedback
 from ..layout import DEFAULT_BUCKET_BYTES
 from . import checkpoints
-from .guards import refuse_ddp
+from .replicas import equalize_from_rank0, refuse_ddp_wrapped
 from .rounds import COMPRESSED, EXACT, LOCAL, GradientRounds
 from .sharded import ShardedSteps, is_sharded
 from .timing import CommTiming
@@ -48,8 +48,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
     Instance attributes named in `_SCALARS` are checkpointed; per-parameter state named in
     `_HELD_FROM_START` is allocated (zeros) with the moments.
 
-    The optimizer performs all gradient communication: do not wrap the model in DDP, start
-    every rank from the same parameters, and run backward and `step()` on every rank together.
+    The optimizer performs all gradient communication: do not wrap the model in DDP (a
+    ValueError), and run backward and `step()` on every rank together. Ranks whose parameters
+    differ at the first step are made equal to rank 0's there, with a warning.
     `bucket_bytes` (25 MiB, as DDP) and `overlap` (True) are class attributes; set them on an
     instance before its first backward to change them. After each step, `last_comm_timing`
     says how long its collectives ran and how much of that was hidden behind backward.
@@ -68,7 +69,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict[str, Any], backend: Backend | str | None) -> None:
         check_backend_argument(backend)
         super().__init__(params, defaults)
-        refuse_ddp(self._params(), type(self).__name__)
+        refuse_ddp_wrapped(self._params(), type(self).__name__)
         self._backend_arg = backend
         self._backend: Backend | None = None
         self._scratch: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -76,6 +77,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._step_count = 0
         self.last_step_skipped = False
         self.skipped_steps = 0
+        self._replicas_checked = False  # whether the first step made the ranks' parameters equal
         if is_sharded(self._params()):
             self._check_sharded()
             self._sharded: ShardedSteps | None = ShardedSteps(self)
@@ -210,6 +212,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
         scale = None if scale_tensor is None else float(scale_tensor)
         found_inf = bool(float(getattr(self, "found_inf", 0.0)))
         t = self._step_count + 1
+        if not self._replicas_checked and self._sharded is None:
+            # Ranks that started from different parameters (a forgotten seed) would stay apart
+            # for good: make them rank 0's now, as DDP does at construction (and warn).
+            equalize_from_rank0(self._params(), self.backend)
+            self._replicas_checked = True
         if self._sharded is not None:
             if self._sharded.agree(t, found_inf):
                 self._skip(None)

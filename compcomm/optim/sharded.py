@@ -14,15 +14,16 @@ per step (accumulate micro-batches with `model.set_requires_gradient_sync(False)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..agreement import all_sum
 from ..errors import all_finite
-from ..fsdp import CompressionState, state_of
-from .updates import local
+from .shards import compression_of, is_dtensor, local
+
+if TYPE_CHECKING:
+    from ..fsdp.state import CompressionState
 
 
 class ShardedOwner(Protocol):
@@ -41,7 +42,7 @@ class ShardedOwner(Protocol):
 
 def is_sharded(params: Sequence[torch.Tensor]) -> bool:
     """Whether the parameters are FSDP2's (DTensors); ValueError for a mix."""
-    sharded = [isinstance(p, DTensor) for p in params]
+    sharded = [is_dtensor(p) for p in params]
     if any(sharded) and not all(sharded):
         raise ValueError(
             "the optimizer got both sharded (DTensor) and plain parameters: give it one model's parameters"
@@ -62,7 +63,7 @@ class ShardedSteps:
     @property
     def state(self) -> CompressionState:
         """The compression of the model these parameters belong to."""
-        states = {id(state_of(p)): state_of(p) for p in self.params()}
+        states = {id(compression_of(p)): compression_of(p) for p in self.params()}
         found = [s for s in states.values() if s is not None]
         if len(states) != 1 or not found:
             raise ValueError(

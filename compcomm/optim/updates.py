@@ -12,7 +12,8 @@ import numbers
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .shards import local
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -126,12 +127,6 @@ class Denominators:
 
     def clear(self) -> None:
         self._entries.clear()
-
-
-def local(p: torch.Tensor) -> torch.Tensor:
-    """The part of `p` this rank holds: its local shard for an FSDP2 (DTensor) parameter, `p`
-    itself otherwise. The update rules work on it, and the optimizer state has its shape."""
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def master_weight(p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:

@@ -1,0 +1,413 @@
+"""DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (Douillard et al. 2025) with 1-bit,
+error-feedback pseudo-gradients.
+
+Each rank trains alone for H steps with any torch optimizer (the inner one, e.g. AdamW), then
+the ranks average how far they moved and take one outer step together. With world size n,
+rank r's parameters w_r, the synced (global) parameters theta (fp32, identical on every rank)
+and local step s = t - start_iter:
+
+    every step:        w_r <- inner step from w_r on rank r's own gradient (no communication)
+    after step s, for each fragment f with s % H == offset_f (see below):
+        pseudo-gradient      d_r = theta_f - w_r,f                         (fp32)
+        mean                 D   = compressed_allreduce(d_r, e_f)           (1 bit, error feedback
+                                   e_f: one ErrorFeedback per bucket; with compress=False the
+                                   exact mean, fp32 sums in rank order)
+    after step s + overlap (the same step when overlap = 0):
+        outer step           m_f <- mu m_f + D   (m_f <- D at the first)   torch.optim.SGD with
+                             theta_f <- theta_f - lr_out (D + mu m_f)       momentum mu, Nesterov
+                                        (or theta_f - lr_out m_f without Nesterov)
+        mix                  w_r,f <- theta_f + (w_r,f - w_r,f at sending)
+
+The mix keeps, on top of the new synced parameters, the inner steps a rank took while the
+fragment's collective ran; with overlap = 0 it is w_r,f <- theta_f, bitwise the same on every
+rank, as in DiLoCo. D is bitwise the same on every rank (the collective's guarantee) and the
+outer SGD state starts equal, so theta stays bitwise identical everywhere.
+
+Fragments (Streaming DiLoCo): the communication buckets are cut into K = `fragments` contiguous
+runs of about equal size; fragment f syncs when s % H == offset_f = ((f + 1) H // K) mod H, so
+each step sends at most one fragment and the peak traffic per step falls K-fold. Its collective
+is started asynchronously on compcomm's ordered lane (the caller's own collectives are never
+paired with it) and overlaps the next `overlap` inner steps (default 0 for K = 1, 1 otherwise;
+at most H - 1, so that a fragment lands before it is sent again). The step it lands at is fixed,
+not whenever the bytes arrive, so runs are reproducible and checkpoints resume exactly.
+
+What travels: nothing during inner steps (but see GradScaler below); per sync of a fragment of N
+elements in buckets padded to M, about 2 (n-1)/n * M/8 bytes per rank plus a few scalars per
+bucket (compress=True), or 2 (n-1)/n * 4N (compress=False). Over H steps: the model once, against
+H times for data-parallel training: H x 32 fewer bytes than fp32 DDP with compression.
+
+Warm-up (`start_iter`, default 0): the first start_iter steps are plain data-parallel steps (the
+gradients averaged exactly, fp32 sums in rank order, then the inner step on every rank alike);
+theta is taken from the parameters at its end.
+
+Memory beyond the inner optimizer: theta, the outer momentum, the communication buckets and
+the worker error, each the model's size in fp32, plus the server error (1/n of it), and with
+overlap > 0 a copy of each fragment in flight.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..agreement import all_sum, raise_agreed
+from ..allreduce import compressed_allreduce_coalesced
+from ..backends import Backend, check_backend_argument, resolve
+from ..error_feedback import ErrorFeedback
+from ..errors import NonFiniteError
+from ..layout import DEFAULT_BUCKET_BYTES
+from . import checkpoints
+from .base import OnebitOptimizer
+from .buckets import BucketLayout
+from .fragments import FragmentSchedule
+from .outer import EXACT_BYTES, InFlight, OuterSync
+from .replicas import check_plain_replicas, equalize_from_rank0
+from .scaler import BackwardAgreement, unscale_and_check
+from .updates import check_count, check_range
+
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SCHEDULE = ("sync_every", "fragments", "overlap_steps", "start_iter", "compress")
+
+
+class DiLoCo(torch.optim.Optimizer):
+    """DiLoCo over the ranks of `backend`, stepping `inner` on each rank's own gradients and
+    syncing every `sync_every` steps (see the module docstring for the math).
+
+    `params` are the parameters `inner` optimizes (the same set; not wrapped in DDP, not
+    sharded). `outer_lr`, `outer_momentum` and `nesterov` configure the outer torch.optim.SGD
+    (`opt.outer`); `compress` picks the 1-bit error-feedback mean (True) or the exact one;
+    `fragments` > 1 is Streaming DiLoCo, overlapping each fragment's collective with
+    `overlap_steps` inner steps. `bucket_bytes` sizes the communication buckets (25 MiB, like
+    DDP); a fragment holds whole buckets, so there must be at least `fragments` of them.
+
+    Built collectively: every rank constructs it together, and ranks whose parameters differ
+    get rank 0's (with a warning). `param_groups` are the inner optimizer's, so an LR scheduler
+    on either object schedules the inner learning rate. Every call to `step()` counts towards
+    the sync schedule, a skipped inner step too, so that every rank syncs at the same calls.
+
+    Non-finite values: a rank whose gradients hold NaN/Inf skips its inner step (between syncs
+    the ranks are independent, so no other rank needs to know; `skipped_steps` counts this
+    rank's). With torch.amp.GradScaler (`scaler.step(opt)`), the ranks agree at the end of every
+    backward, every rank skips alike and the scales stay equal; that agreement is one 8-byte
+    all-reduce per backward, which waits behind a fragment still in flight. A sync whose
+    pseudo-gradient is non-finite on any rank (or whose mean would overflow) is skipped on every
+    rank: theta, the outer momentum and the error feedback are unchanged, and the fragment's
+    parameters return to theta everywhere (`skipped_syncs` counts them; the first warns).
+
+    Checkpoints: `state_dict()` holds theta, the outer momentum, this rank's error feedback,
+    inner state and parameters (they differ across ranks between syncs), the step count and the
+    fragments in flight, whose collectives it waits for (without applying them: they still land
+    at their step, so saving changes nothing). `gathered_state_dict()` is one file for all
+    ranks. `load_state_dict` is collective; another rank's, layout's, world size's or schedule's
+    state raises the same ValueError on every rank.
+    """
+
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale / found_inf
+
+    def __init__(
+        self,
+        params: Iterable,
+        inner: torch.optim.Optimizer,
+        sync_every: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        compress: bool = True,
+        fragments: int = 1,
+        backend: Backend | str | None = None,
+        *,
+        start_iter: int = 0,
+        overlap_steps: int | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        check_backend_argument(backend)
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
+        if isinstance(inner, (OnebitOptimizer, DiLoCo)):
+            raise ValueError(
+                f"inner must step on this rank's own gradients; {type(inner).__name__} communicates "
+                "itself: use a torch optimizer (e.g. torch.optim.AdamW)"
+            )
+        check_count("sync_every", sync_every, 1)
+        check_count("fragments", fragments, 1)
+        check_count("start_iter", start_iter, 0)
+        check_count("bucket_bytes", bucket_bytes, 1)
+        if fragments > sync_every:
+            raise ValueError(f"fragments={fragments} must be at most sync_every={sync_every} (one sync per step)")
+        overlap = (0 if fragments == 1 else 1) if overlap_steps is None else overlap_steps
+        check_count("overlap_steps", overlap, 0)
+        if overlap >= sync_every:
+            raise ValueError(
+                f"overlap_steps={overlap} must be below sync_every={sync_every}: a fragment must land "
+                "before it is sent again"
+            )
+        check_range("outer_lr", outer_lr, 0.0, low_open=True)
+        check_range("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
+        for name, flag in (("nesterov", nesterov), ("compress", compress)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if nesterov and outer_momentum == 0:
+            raise ValueError("nesterov=True needs outer_momentum > 0")
+        super().__init__(params, {})
+        mine = [p for group in self.param_groups for p in group["params"]]
+        theirs = [p for group in inner.param_groups for p in group["params"]]
+        if {id(p) for p in mine} != {id(p) for p in theirs} or len(mine) != len({id(p) for p in mine}):
+            raise ValueError(
+                "params must be exactly the parameters that inner optimizes (each once): "
+                f"got {len(mine)} here and {len(theirs)} in inner"
+            )
+        for p in mine:
+            if p.dtype not in PARAM_DTYPES:
+                raise ValueError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")
+        check_plain_replicas(mine, "DiLoCo")
+        self.param_groups = inner.param_groups  # an LR scheduler on this object schedules inner's
+        self.defaults = inner.defaults
+        self.inner = inner
+        self._params = mine
+        self.sync_every, self.fragments, self.overlap_steps = int(sync_every), int(fragments), overlap
+        self.start_iter, self.compress = int(start_iter), compress
+        self._backend = resolve(backend, mine[0])
+        be = self._backend
+        equalize_from_rank0(mine, be)
+        layout = BucketLayout(mine, range(len(mine)), bucket_bytes, be.world_size, "DiLoCo")
+        schedule = FragmentSchedule(layout.sizes(), fragments, sync_every, overlap)
+        outer = dict(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        self._sync = OuterSync(mine, layout, schedule, outer, compress, be)
+        with torch.no_grad():
+            self._sync.reset_from_params()
+        self._agreement = BackwardAgreement(mine, lambda: self._backend)
+        self._step_count = 0
+        self.skipped_steps = 0
+        self.skipped_syncs = 0
+        self.last_step_skipped = False
+
+    # ----------------------------------------------------------------- what it exposes
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "inner", None) is not None:
+            raise RuntimeError("DiLoCo syncs a fixed set of parameters: add every group before building it")
+        super().add_param_group(param_group)
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def outer(self) -> torch.optim.SGD:
+        """The outer optimizer (torch.optim.SGD over theta's fp32 buckets)."""
+        return self._sync.outer
+
+    @property
+    def step_count(self) -> int:
+        """Calls to `step()` so far (skipped inner steps count: they keep the sync schedule)."""
+        return self._step_count
+
+    @property
+    def error_feedback(self) -> list[ErrorFeedback]:
+        """Each communication bucket's error feedback (this rank's), in bucket order."""
+        return self._sync.layout.error_feedback
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        """The synced parameters theta (fp32 views, identical on every rank), one per parameter in
+        parameter order: what to evaluate or save as the shared model. Treat them as read-only."""
+        return self._sync.global_parameters()
+
+    # ----------------------------------------------------------------- the step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One inner step on this rank's gradients, then the syncs the schedule puts after it
+        (collective: every rank calls it together). Returns the closure's loss, if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        t = self._step_count + 1
+        skip = unscale_and_check(self._params, scale)
+        if found_inf is not None:  # a GradScaler: its verdict was agreed at the end of backward
+            self._agreement.scaler_seen = True
+            skip = skip or bool(float(found_inf))
+            if not self._agreement.agreed:  # no backward since the last step: agree now
+                skip = bool(all_sum([float(skip)], self._backend)[0])
+        self._agreement.agreed = False
+        if t <= self.start_iter:
+            skip = not self._average_gradients(skip)
+        if skip:
+            self._skip_step()
+        else:
+            self.inner.step()
+            self.last_step_skipped = False
+        self._step_count = t
+        s = t - self.start_iter
+        if s == 0:  # the end of the warm-up: every rank holds the same parameters
+            self._sync.reset_from_params()
+        for entry in self._sync.due(s):
+            self._land(entry)
+        for f in self._sync.schedule.sending(s):
+            entry = self._sync.send(f, s)
+            if entry.apply_at <= s:
+                self._land(entry)
+        return loss
+
+    def sync(self) -> None:
+        """Sync now every fragment that took inner steps since it was last sent (collective):
+        apply the fragments in flight, then send those and apply their outer steps at once.
+        Every rank then holds theta, bitwise the same: for the end of training, or before using
+        the model as the shared one. The schedule goes on from the next step as before. In the
+        warm-up, where the ranks are in step anyway, theta is taken from the parameters."""
+        s = self._step_count - self.start_iter
+        with torch.no_grad():
+            if s <= 0:
+                self._sync.reset_from_params()
+                return
+            for entry in self._sync.due():
+                self._land(entry)
+            for f, sent_at in enumerate(self._sync.sent_at):
+                if sent_at != s:
+                    self._land(self._sync.send(f, s))
+
+    def _average_gradients(self, skip: bool) -> bool:
+        """A warm-up step's exact gradient average, written back into `.grad` (absent gradients
+        count as zeros). A rank that must skip sends NaN, so that the collective fails on every
+        rank alike: returns False then, with no gradient changed."""
+        layout = self._sync.layout
+        for b, bucket in enumerate(layout.buckets):
+            for view, i in zip(bucket.views, layout.parameters_of(b)):
+                g = self._params[i].grad
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
+        if skip:
+            layout.buckets[0].flat[0] = float("nan")
+        try:
+            compressed_allreduce_coalesced(
+                [b.flat for b in layout.buckets],
+                layout.error_feedback,
+                backend=self._backend,
+                op="mean",
+                min_compress_bytes=EXACT_BYTES,
+            )
+        except NonFiniteError:
+            return False
+        for b, bucket in enumerate(layout.buckets):
+            for view, i in zip(bucket.views, layout.parameters_of(b)):
+                p = self._params[i]
+                if p.requires_grad:
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    p.grad.copy_(view.view_as(p))
+        return True
+
+    def _skip_step(self) -> None:
+        self.last_step_skipped = True
+        self.skipped_steps += 1
+        if self.skipped_steps == 1:
+            warnings.warn(
+                "DiLoCo: inner step skipped (non-finite gradients); the step still counts towards "
+                "the sync schedule. Further skips are counted in `skipped_steps` without warning again.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _land(self, entry: InFlight) -> None:
+        if self._sync.land(entry):
+            return
+        self.skipped_syncs += 1
+        if self.skipped_syncs == 1:
+            warnings.warn(
+                f"DiLoCo: sync of fragment {entry.fragment} skipped on every rank ({entry.failure}); the "
+                "synced parameters, outer momentum and error feedback are unchanged and the fragment's "
+                "parameters were reset to them. Further skips are counted in `skipped_syncs`.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def _schedule(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _SCHEDULE}
+
+    def state_dict(self) -> dict[str, Any]:
+        """theta, the outer SGD's state, and under "compcomm" this rank's part (error feedback,
+        inner optimizer state, parameters, fragments in flight, whose collectives are waited
+        for here but applied at their own step). Save it on every rank, or use
+        `gathered_state_dict()` for one file that serves all ranks."""
+        sync = self._sync
+        rank_local = {
+            "inner": self.inner.state_dict(),
+            "params": [p.detach().clone() for p in self._params],
+            "in_flight": sync.in_flight_state(),
+            "skipped_steps": self.skipped_steps,
+        }
+        extra = checkpoints.compcomm_entry(
+            self._step_count,
+            self._backend,
+            sync.layout,
+            {"skipped_syncs": self.skipped_syncs, "sent_at": list(sync.sent_at)},
+            rank_local,
+        )
+        return {
+            "schedule": self._schedule(),
+            "synced": [t.clone() for t in sync.theta],
+            "outer": sync.outer.state_dict(),
+            checkpoints.EXTRA_KEY: extra,
+        }
+
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """A state dict for all ranks at once (collective: call it on every rank, save it from
+        one); `load_state_dict` on each rank picks its own part. It holds every rank's inner
+        state and parameters, so it is about world_size times a per-rank file."""
+        return checkpoints.gathered(self.state_dict(), self._backend)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from `state_dict()` or `gathered_state_dict()`, bit for bit (collective). A state
+        of another rank (e.g. rank 0's per-rank file loaded everywhere), world size, layout or
+        schedule raises ValueError on every rank, with nothing loaded."""
+        sync, be = self._sync, self._backend
+        mine, problem = self._own_part(state_dict)
+        raise_agreed(None if problem is None else ValueError(problem), be)
+        sync.drop_all()
+        extra = state_dict[checkpoints.EXTRA_KEY]
+        local = mine["rank_local"]
+        with torch.no_grad():
+            for theta, saved in zip(sync.theta, state_dict["synced"]):
+                theta.copy_(saved)
+            for p, saved in zip(self._params, local["params"]):
+                p.detach().copy_(saved)
+        sync.outer.load_state_dict(copy.deepcopy(state_dict["outer"]))
+        self.inner.load_state_dict(copy.deepcopy(local["inner"]))
+        for ef, saved in zip(sync.layout.error_feedback, mine["error_feedback"]):
+            ef.load_state_dict(saved)
+        sync.load_in_flight(local["in_flight"])
+        self._step_count = int(extra["step"])
+        self.skipped_syncs = int(extra["scalars"]["skipped_syncs"])
+        sync.sent_at = list(extra["scalars"]["sent_at"])
+        self.skipped_steps = int(local["skipped_steps"])
+
+    def _own_part(self, state_dict: Any) -> tuple[dict[str, Any], str | None]:
+        """This rank's part of `state_dict`, and why it cannot be loaded here (None if it can)."""
+        extra = state_dict.get(checkpoints.EXTRA_KEY) if isinstance(state_dict, dict) else None
+        if extra is None or "synced" not in state_dict or "schedule" not in state_dict:
+            return {}, "not a DiLoCo state dict (no 'compcomm', 'synced' or 'schedule' entry)"
+        if state_dict["schedule"] != self._schedule():
+            return {}, f"the checkpoint's schedule {state_dict['schedule']} is not this optimizer's {self._schedule()}"
+        saved_world = extra.get("world_size")
+        if saved_world != self._backend.world_size:
+            return {}, (
+                f"this checkpoint was saved on {saved_world} ranks and cannot resume on "
+                f"{self._backend.world_size}: its error feedback, inner optimizer state and "
+                "parameters belong to each of those ranks"
+            )
+        mine, problem = checkpoints.own_part(extra, self._backend, self._sync.layout)
+        if problem is None:
+            saved_groups = mine["rank_local"]["inner"]["param_groups"]
+            if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.inner.param_groups]:
+                problem = "the checkpoint's inner optimizer has other parameter groups than this one's"
+        return mine, problem

@@ -1,0 +1,205 @@
+"""DiLoCo's outer loop: the synced parameters, the pseudo-gradient collectives, the outer step.
+
+The synced (global) parameters theta live in fp32 buffers shaped like the communication buckets,
+identical on every rank. Sending fragment f: every rank writes its pseudo-gradient
+theta_f - w_f (w_f: its own parameters, fp32) into the fragment's buckets and starts one
+coalesced collective over them (`compressed_allreduce_coalesced`, one ErrorFeedback per bucket;
+exact when not compressing), which runs on the backend's ordered lane while the caller goes on.
+Landing it: wait for the mean D, take the outer step, a torch.optim.SGD step on theta_f with D
+as its gradient, and move the fragment's parameters (see `OuterSync.land`). A collective that
+raises NonFiniteError (some rank's pseudo-gradient is not finite, or the mean would overflow)
+raised it on every rank with nothing changed; the sync is then skipped on every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..allreduce import compressed_allreduce_coalesced
+from ..backends import Backend
+from ..backends.ordering import Pending
+from ..errors import NonFiniteError
+from ..layout import unflatten
+from .buckets import BucketLayout
+from .fragments import FragmentSchedule
+
+EXACT_BYTES = sys.maxsize
+"""`min_compress_bytes` of an exact sync: every bucket goes through the collective's exact path
+(fp32 sums in rank order, bitwise the same on every rank and backend, the same agreement)."""
+
+
+@dataclass
+class InFlight:
+    """A fragment sent and not yet applied."""
+
+    fragment: int
+    apply_at: int  # the local step after which it is applied
+    handle: Pending | None  # None once the collective has completed (the mean is in the buckets)
+    sent: list[torch.Tensor] | None  # this rank's fp32 parameters when sent, per bucket (None: overlap 0)
+    failure: NonFiniteError | None = None
+
+
+class OuterSync:
+    """theta, the outer SGD over it, and the fragments in flight, for `params` laid out in `layout`."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        layout: BucketLayout,
+        schedule: FragmentSchedule,
+        outer: dict[str, Any],
+        compress: bool,
+        backend: Backend,
+    ) -> None:
+        self.params, self.layout, self.schedule, self.backend = list(params), layout, schedule, backend
+        self.compress = compress
+        self.theta = [torch.zeros(b.numel, dtype=torch.float32, device=b.buffer.device) for b in layout.buckets]
+        self.theta_views = [unflatten(t, [v.shape for v in b.views]) for t, b in zip(self.theta, layout.buckets)]
+        self.outer = torch.optim.SGD(self.theta, **outer)
+        self.in_flight: dict[int, InFlight] = {}
+        self.sent_at: list[int | None] = [None] * len(schedule)  # each fragment's last local step sent
+
+    # ----------------------------------------------------------------- per-bucket views
+
+    def _entries(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(parameter, its theta view, its slot in the communication bucket) of bucket b."""
+        bucket = self.layout.buckets[b]
+        params = [self.params[i] for i in self.layout.parameters_of(b)]
+        return list(zip(params, self.theta_views[b], bucket.views))
+
+    def reset_from_params(self) -> None:
+        """theta <- the parameters (once they are equal on every rank)."""
+        for b in range(len(self.layout)):
+            for p, theta, _ in self._entries(b):
+                theta.copy_(p.detach())
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        """theta's view of each parameter, in parameter order."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        for b in range(len(self.layout)):
+            for i, view in zip(self.layout.parameters_of(b), self.theta_views[b]):
+                out[i] = view
+        return out
+
+    # ----------------------------------------------------------------- send and land
+
+    def send(self, f: int, s: int) -> InFlight:
+        """Start fragment f's collective of this rank's pseudo-gradient after local step s."""
+        buckets = self.schedule.buckets[f]
+        sent = None
+        if self.schedule.overlap:
+            sent = [torch.empty_like(self.theta[b]) for b in buckets]
+        for k, b in enumerate(buckets):
+            keep = None if sent is None else unflatten(sent[k], [v.shape for v in self.theta_views[b]])
+            for j, (p, theta, slot) in enumerate(self._entries(b)):
+                source = p.detach()
+                if keep is not None:
+                    source = keep[j].copy_(source)
+                torch.sub(theta, source, out=slot)
+        handle = compressed_allreduce_coalesced(
+            [self.layout.buckets[b].flat for b in buckets],
+            [self.layout.error_feedback[b] for b in buckets],
+            backend=self.backend,
+            op="mean",
+            async_op=True,
+            min_compress_bytes=None if self.compress else EXACT_BYTES,
+        )
+        assert isinstance(handle, Pending)
+        self.sent_at[f] = s
+        entry = self.in_flight[f] = InFlight(f, s + self.schedule.overlap, handle, sent)
+        return entry
+
+    @staticmethod
+    def wait(entry: InFlight) -> None:
+        """Wait for the entry's collective (its mean then sits in the buckets, or it failed)."""
+        if entry.handle is None:
+            return
+        try:
+            entry.handle.wait()
+        except NonFiniteError as exc:
+            entry.failure = exc
+        entry.handle = None
+
+    def land(self, entry: InFlight) -> bool:
+        """Apply fragment `entry.fragment`: with D the mean pseudo-gradient, theta_old its synced
+        parameters, w this rank's parameters now and w_sent when it was sent,
+
+            theta <- SGD step from theta_old with gradient D  (outer momentum, Nesterov)
+            w     <- theta + (w - w_sent)                      (w <- theta when overlap is 0)
+
+        so the inner steps taken while the collective ran are kept on top of the new synced
+        parameters. Returns False when the collective failed on every rank: theta, the outer
+        momentum and the error feedback are then as before, and w <- theta on every rank (the
+        fragment's local progress since its last sync is dropped alike everywhere)."""
+        self.wait(entry)
+        del self.in_flight[entry.fragment]
+        buckets = self.schedule.buckets[entry.fragment]
+        if entry.failure is None:
+            for b in buckets:
+                self.theta[b].grad = self.layout.buckets[b].flat
+            try:
+                self.outer.step()
+            finally:
+                for b in buckets:
+                    self.theta[b].grad = None
+        for k, b in enumerate(buckets):
+            kept = None
+            if entry.sent is not None and entry.failure is None:
+                kept = unflatten(entry.sent[k], [v.shape for v in self.theta_views[b]])
+            for j, (p, theta, slot) in enumerate(self._entries(b)):
+                if kept is None:
+                    p.detach().copy_(theta)
+                else:  # slot (the mean, already used) holds w - w_sent, then theta + that
+                    torch.sub(p.detach(), kept[j], out=slot).add_(theta)
+                    p.detach().copy_(slot)
+        return entry.failure is None
+
+    def due(self, s: int | None = None) -> list[InFlight]:
+        """The fragments to apply after local step s (None: all in flight), in fragment order."""
+        return sorted((e for e in self.in_flight.values() if s is None or e.apply_at <= s), key=lambda e: e.fragment)
+
+    def wait_all(self) -> None:
+        for entry in self.in_flight.values():
+            self.wait(entry)
+
+    def drop_all(self) -> None:
+        """Forget the fragments in flight (after their collectives ended)."""
+        self.wait_all()
+        self.in_flight.clear()
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def in_flight_state(self) -> list[dict[str, Any]]:
+        """The fragments in flight, each with its landed mean (waited for here, not applied)
+        and this rank's parameters when sent."""
+        self.wait_all()
+        out = []
+        for f in sorted(self.in_flight):
+            e = self.in_flight[f]
+            mean = None if e.failure else [self.layout.buckets[b].flat.clone() for b in self.schedule.buckets[f]]
+            out.append(
+                {
+                    "fragment": f,
+                    "apply_at": e.apply_at,
+                    "mean": mean,
+                    "sent": None if e.sent is None else [t.clone() for t in e.sent],
+                    "failure": None if e.failure is None else str(e.failure),
+                }
+            )
+        return out
+
+    def load_in_flight(self, saved: list[dict[str, Any]]) -> None:
+        self.drop_all()
+        for d in saved:
+            f = int(d["fragment"])
+            if d["mean"] is not None:
+                for b, mean in zip(self.schedule.buckets[f], d["mean"]):
+                    self.layout.buckets[b].flat.copy_(mean)
+            sent = None if d["sent"] is None else [t.detach().clone().to(self.theta[0].device) for t in d["sent"]]
+            failure = None if d["failure"] is None else NonFiniteError(d["failure"])
+            self.in_flight[f] = InFlight(f, int(d["apply_at"]), None, sent, failure)

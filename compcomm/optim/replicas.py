@@ -1,0 +1,130 @@
+"""Parameters replicated on every rank: refuse ones that something else already keeps in step,
+and make them equal at the start.
+
+An optimizer that owns its communication (it averages gradients, momenta or pseudo-gradients
+itself) needs plain replicated tensors: DDP would average the gradients a second time, and
+sharded (DTensor) parameters hold a different piece on every rank. It also needs every rank to
+start from the same values, as DDP makes them at construction; `equalize_from_rank0` does that
+with a 24-byte all-gather when they already agree, and a bitwise copy of rank 0's values when
+they do not.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import zlib
+from collections.abc import Sequence
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..backends import Backend
+from .shards import is_dtensor
+
+COPY_BYTES = 4 * 1024 * 1024
+"""Bytes per rank of each all-gather that copies rank 0's parameters (the all-gather receives
+world_size times as much)."""
+
+_CHUNK = 1 << 22  # elements fingerprinted at once (bounds the int64 temporaries to 32 MiB)
+_MULTIPLIERS = (0x9E3779B97F4A7C15 - (1 << 64), 0xC2B2AE3D27D4EB4F - (1 << 64))  # as signed int64
+
+
+def check_plain_replicas(params: Sequence[torch.Tensor], owner: str) -> None:
+    """ValueError for sharded (DTensor) parameters or parameters of a DDP-wrapped module:
+    `owner` communicates itself, so neither may be given to it."""
+    if any(is_dtensor(p) for p in params):
+        raise ValueError(
+            f"{owner} does not take sharded (DTensor) parameters: it averages whole replicated "
+            "parameters across ranks; build it on a model that fully_shard was not applied to"
+        )
+    refuse_ddp_wrapped(params, owner)
+
+
+def refuse_ddp_wrapped(params: Sequence[torch.Tensor], owner: str) -> None:
+    """ValueError for parameters of a DDP-wrapped module: `owner` averages them itself, and DDP
+    would average every gradient as well, silently paying twice."""
+    # DDP puts no mark on the parameters it wraps, so the live DDP modules are found through the
+    # garbage collector's list of objects (once, when the optimizer is built).
+    if _wrapped_by_ddp(params):
+        gc.collect()  # a wrapper already dropped may still be listed, waiting for a collection
+        if _wrapped_by_ddp(params):
+            raise ValueError(
+                f"{owner} was given the parameters of a DistributedDataParallel model: it does its "
+                "own communication, and DDP would average every gradient as well; pass the "
+                "parameters of the unwrapped module (ddp_model.module) and drop the DDP wrapper"
+            )
+
+
+def _wrapped_by_ddp(params: Sequence[torch.Tensor]) -> bool:
+    ids = {id(p) for p in params}
+    return any(
+        issubclass(type(obj), DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters())
+        for obj in gc.get_objects()
+    )
+
+
+def equalize_from_rank0(params: Sequence[torch.Tensor], backend: Backend) -> bool:
+    """Make `params` bitwise equal to rank 0's on every rank of `backend` (a collective).
+
+    Returns whether they differed, in which case every rank also warns once, as DDP makes its
+    replicas equal at construction. Ranks whose parameters have different shapes or dtypes
+    raise the same ValueError everywhere. Cost: an all-gather of a 24-byte fingerprint per rank
+    when the ranks already agree; otherwise rank 0's values travel through all-gathers of
+    `COPY_BYTES` per rank (every rank sends its own values too, which are dropped).
+    """
+    n = backend.world_size
+    if n == 1:
+        return False
+    mine = _fingerprint(params).to(backend.device)
+    rows = torch.empty(n, mine.numel(), dtype=torch.uint8, device=backend.device)
+    backend.all_gather(mine, rows)
+    rows = rows.cpu()
+    layouts = {bytes(rows[r, :8].numpy()) for r in range(n)}
+    if len(layouts) > 1:
+        raise ValueError("the ranks' parameters differ in number, shape or dtype: every rank must build the same model")
+    if len({bytes(rows[r].numpy()) for r in range(n)}) == 1:
+        return False
+    with torch.no_grad():
+        for p in params:
+            _copy_from_rank0(p, backend)
+    warnings.warn(
+        f"the parameters differed across the {n} ranks; every rank now holds rank 0's "
+        "(start every rank from the same seed or checkpoint to avoid this copy)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return True
+
+
+def _fingerprint(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """24 bytes: a digest of the shapes and dtypes (the first 8), then two position-weighted sums
+    of the parameters' raw bytes as int64 (wrapping, so exact and independent of the order in
+    which a device adds them)."""
+    layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
+    device = params[0].device if params else torch.device("cpu")
+    sums = torch.zeros(2, dtype=torch.int64, device=device)
+    offset = 0
+    for p in params:
+        raw = p.detach().contiguous().view(-1).view(torch.uint8)
+        for start in range(0, raw.numel(), _CHUNK):
+            piece = raw[start : start + _CHUNK].to(torch.int64)
+            position = torch.arange(offset + start + 1, offset + start + 1 + piece.numel(), device=device)
+            for k, multiplier in enumerate(_MULTIPLIERS):
+                sums[k] += (piece * (position * multiplier)).sum()
+        offset += raw.numel()
+    head = torch.tensor([layout], dtype=torch.int64)
+    return torch.cat([head.view(torch.uint8), sums.cpu().view(torch.uint8)])
+
+
+def _copy_from_rank0(p: torch.Tensor, backend: Backend) -> None:
+    """p <- rank 0's p, byte for byte."""
+    data = p.detach().contiguous()
+    raw = data.view(-1).view(torch.uint8)
+    for start in range(0, raw.numel(), COPY_BYTES):
+        piece = raw[start : start + COPY_BYTES]
+        rows = torch.empty(backend.world_size, piece.numel(), dtype=torch.uint8, device=piece.device)
+        backend.all_gather(piece, rows)
+        piece.copy_(rows[0])
+    if data.data_ptr() != p.data_ptr():
+        p.detach().copy_(data)

@@ -1,0 +1,73 @@
+"""torch.amp.GradScaler with an optimizer whose ranks step on their own gradients (DiLoCo).
+
+GradScaler checks the gradients for inf/NaN before it calls `step()` and lowers its scale in
+`update()` when it found some. For the scales to stay equal on every rank, every rank's check
+must find the same answer, so at the end of each backward the ranks agree on whether any rank's
+gradients are non-finite, and a rank whose own are finite then marks one of its gradients NaN
+(`BackwardAgreement`). `step()` receives the scaler's scale and verdict (torch's
+`_step_supports_amp_scaling` protocol) and unscales the gradients itself (`unscale_and_check`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..agreement import all_sum
+from ..backends import Backend
+from ..errors import all_finite
+from .readiness import Readiness
+
+
+def unscale_and_check(params: Sequence[torch.Tensor], scale: torch.Tensor | None) -> bool:
+    """Whether any parameter's gradient holds NaN/Inf; when `scale` is given, every gradient is
+    first multiplied in place by its fp32 reciprocal, as GradScaler.unscale_ does (one fused
+    pass per device and dtype)."""
+    grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            if p.grad.is_sparse:
+                raise RuntimeError("DiLoCo does not support sparse gradients")
+            grads[(p.grad.device, p.grad.dtype)].append(p.grad)
+    found = False
+    for (device, _), group in grads.items():
+        flag = torch.zeros(1, device=device)
+        inverse = torch.ones(1, device=device) if scale is None else scale.double().reciprocal().float().to(device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inverse)
+        found = found or bool(flag.item())
+    return found
+
+
+def agree_nonfinite(grads: Sequence[torch.Tensor | None], backend: Backend) -> bool:
+    """Whether some rank's gradients are non-finite (one all-reduce); if so, a rank whose own are
+    finite marks its first gradient NaN, so that every rank's GradScaler finds the inf."""
+    mine = any(g is not None and not all_finite(g) for g in grads)
+    total = all_sum([1.0 if mine else 0.0], backend)[0]
+    if total and not mine:
+        first = next((g for g in grads if g is not None and g.numel()), None)
+        if first is not None:
+            first[(0,) * first.dim()] = float("nan")
+    return bool(total)
+
+
+class BackwardAgreement:
+    """Runs `agree_nonfinite` at the end of the first backward (whether a scaler is used is not
+    known yet) and of every backward once `scaler_seen` is set: one 8-byte all-reduce each, and
+    none at all without a scaler. `agreed` tells `step()` whether the last backward agreed."""
+
+    def __init__(self, params: Sequence[torch.Tensor], backend: Callable[[], Backend]) -> None:
+        self._params = list(params)
+        self._backend = backend
+        self.scaler_seen = False
+        self.agreed = False
+        self._first = True
+        self.readiness = Readiness(self._params, lambda i: None, self._backward_done)
+
+    def _backward_done(self) -> None:
+        if not (self._first or self.scaler_seen):
+            return
+        self._first = False
+        agree_nonfinite([p.grad for p in self._params], self._backend())
+        self.agreed = True

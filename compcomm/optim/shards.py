@@ -1,0 +1,42 @@
+"""Sharded parameters as the optimizers see them: the part this rank holds, and the compression
+that reduces their gradients.
+
+FSDP2's parameters are DTensors. Their module is loaded only by programs that shard (importing
+it costs more than all of compcomm), so a tensor is taken for one only once that module is
+loaded: before that, none can exist. `compcomm.fsdp.compress` registers each parameter it
+compresses here, which is how an optimizer built on those parameters finds its state.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from ..fsdp.state import CompressionState
+
+_compressions: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its CompressionState
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (a sharded parameter), without loading DTensor's module."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """The part of `p` this rank holds: its local shard for a DTensor, `p` itself otherwise. The
+    update rules work on it, and the optimizer state has its shape."""
+    return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined]
+
+
+def register(param: torch.Tensor, state: CompressionState) -> None:
+    _compressions[param] = state
+
+
+def compression_of(param: torch.Tensor) -> CompressionState | None:
+    """The CompressionState whose FSDP module shards `param`, if `compress` was called on it."""
+    return _compressions.get(param)

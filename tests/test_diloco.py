@@ -1,0 +1,632 @@
+"""compcomm.optim.DiLoCo on real gloo ranks: the outer step and the streaming fragments against a
+float64 reference, identity across ranks, checkpoints, GradScaler, non-finite values, equalized
+starts and argument errors."""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from test_optim import backward, batch, make_model, rank_of, raw
+
+import compcomm
+from compcomm.layout import padded_size
+from compcomm.optim import DiLoCo, OnebitAdam
+from compcomm.optim.replicas import equalize_from_rank0
+
+from rankpool import caught, group
+from reference import reference_allreduce
+
+WORLD = 4
+INNER_LR = 0.1
+OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+SIZES = (24, 40)  # two parameters; bucket_bytes=128 puts each in a bucket of its own
+
+
+# ------------------------------------------------------------------ helpers run inside ranks
+
+
+def gloo(world: int = WORLD) -> compcomm.backends.Backend:
+    return compcomm.backends.get("gloo", group=group(world))
+
+
+def synthetic_grad(rank: int, step: int, numel: int) -> torch.Tensor:
+    """Rank `rank`'s gradient at step `step`: independent of the parameters, so that the inner
+    SGD trajectory is linear and a float64 reference can follow it exactly."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(7919 * step + 31 * rank + numel))
+
+
+def initial(numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+
+
+def vector_run(
+    steps: int, compress: bool, fragments: int, sync_every: int, overlap: int | None, bucket_bytes: int = 128
+) -> dict:
+    """Inner SGD on synthetic gradients; after every step: the parameters, theta and the bytes
+    this rank sent (the collectives in flight waited for, not applied)."""
+    rank = rank_of(WORLD)
+    params = [torch.nn.Parameter(initial(n)) for n in SIZES]
+    inner = torch.optim.SGD(params, lr=INNER_LR)
+    be = gloo()
+    opt = DiLoCo(
+        params,
+        inner,
+        sync_every=sync_every,
+        compress=compress,
+        fragments=fragments,
+        backend=be,
+        overlap_steps=overlap,
+        bucket_bytes=bucket_bytes,
+        **OUTER,
+    )
+    out: dict[str, list] = {"params": [], "theta": [], "bytes": [], "errors": []}
+    for t in range(1, steps + 1):
+        sent = be.bytes_sent
+        for p in params:
+            p.grad = synthetic_grad(rank, t, p.numel())
+        opt.step()
+        opt._sync.wait_all()
+        out["bytes"].append(be.bytes_sent - sent)
+        out["params"].append([p.detach().double().numpy().copy() for p in params])
+        out["theta"].append(b"".join(raw_tensor(g) for g in opt.global_parameters()))
+        out["errors"].append(
+            [None if ef.worker_error is None else ef.worker_error.numpy().copy() for ef in opt.error_feedback]
+        )
+    opt.sync()
+    out["after_sync"] = b"".join(raw_tensor(p) for p in params)
+    out["theta_after_sync"] = b"".join(raw_tensor(g) for g in opt.global_parameters())
+    out["buckets"] = len(opt.error_feedback)
+    return out
+
+
+def raw_tensor(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+# ------------------------------------------------------------------ float64 reference
+
+
+class Reference:
+    """DiLoCo written out in float64 for all ranks at once: inner SGD on the synthetic gradients,
+    per fragment the pseudo-gradient mean (exact, or SPEC's 1-bit allreduce with error feedback),
+    the outer Nesterov SGD and the mix w <- theta + (w - w_sent)."""
+
+    def __init__(self, compress: bool, fragments: list[list[int]], offsets: list[int], sync_every: int, overlap: int):
+        self.compress, self.fragments, self.offsets = compress, fragments, offsets
+        self.sync_every, self.overlap = sync_every, overlap
+        self.w = [[initial(n).double().numpy() for n in SIZES] for _ in range(WORLD)]
+        self.theta = [x.copy() for x in self.w[0]]
+        self.momentum: dict[int, list[np.ndarray]] = {}
+        self.errors = {}
+        for f, params in enumerate(fragments):
+            numel = sum(SIZES[i] for i in params)
+            m = padded_size(numel, WORLD)
+            self.errors[f] = (np.zeros((WORLD, m)), np.zeros((WORLD, m // WORLD)))
+        self.in_flight: dict[int, tuple[int, list[np.ndarray], list[list[np.ndarray]]]] = {}
+
+    def step(self, s: int) -> None:
+        for r in range(WORLD):
+            for i, n in enumerate(SIZES):
+                self.w[r][i] = self.w[r][i] - INNER_LR * synthetic_grad(r, s, n).double().numpy()
+        for f in sorted(self.in_flight):
+            apply_at, mean, sent = self.in_flight[f]
+            if apply_at == s:
+                del self.in_flight[f]
+                self.land(f, mean, sent)
+        for f, offset in enumerate(self.offsets):
+            if s % self.sync_every == offset:
+                self.send(f, s)
+                if self.overlap == 0:
+                    self.land(f, *self.in_flight.pop(f)[1:])
+
+    def send(self, f: int, s: int) -> None:
+        params = self.fragments[f]
+        sent = [[self.w[r][i].copy() for i in params] for r in range(WORLD)]
+        deltas = [np.concatenate([self.theta[i] - x for i, x in zip(params, sent[r])]) for r in range(WORLD)]
+        if self.compress:
+            worker, server = self.errors[f]
+            flat, worker, server = reference_allreduce(deltas, worker, server)
+            self.errors[f] = (worker, server)
+        else:
+            flat = sum(deltas) / WORLD
+        pieces = np.split(flat, np.cumsum([SIZES[i] for i in params])[:-1])
+        self.in_flight[f] = (s + self.overlap, pieces, sent)
+
+    def land(self, f: int, mean: list[np.ndarray], sent: list[list[np.ndarray]]) -> None:
+        mu, lr = OUTER["outer_momentum"], OUTER["outer_lr"]
+        first = f not in self.momentum
+        self.momentum[f] = [d.copy() if first else mu * m + d for d, m in zip(mean, self.momentum.get(f, mean))]
+        for k, i in enumerate(self.fragments[f]):
+            self.theta[i] = self.theta[i] - lr * (mean[k] + mu * self.momentum[f][k])
+            for r in range(WORLD):
+                self.w[r][i] = self.theta[i] + (self.w[r][i] - sent[r][k])
+
+
+def relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def reference_step(ref: Reference, per_rank: list[dict], t: int) -> float:
+    """Step t of the reference; the largest relative error of any rank's parameters after it."""
+    ref.step(t)
+    return max(
+        relative(got, want) for r, run in enumerate(per_rank) for got, want in zip(run["params"][t - 1], ref.w[r])
+    )
+
+
+# ------------------------------------------------------------------ the outer step
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_outer_step_matches_float64_reference_and_ranks_agree_bitwise(pool, compress):
+    steps, h = 9, 3  # three syncs, every parameter in one fragment
+    per_rank = pool.run(vector_run, steps, compress, 1, h, None, 1 << 20)
+    ref = Reference(compress, [[0, 1]], [0], h, 0)
+    worst = 0.0
+    for t in range(1, steps + 1):
+        worst = max(worst, reference_step(ref, per_rank, t))
+        flat = [np.concatenate(run["params"][t - 1]).tobytes() for run in per_rank]
+        assert (len(set(flat)) == 1) == (t % h == 0), f"step {t}: ranks equal exactly at syncs"
+        assert len({run["theta"][t - 1] for run in per_rank}) == 1
+        if compress and t % h == 0:
+            for r, run in enumerate(per_rank):
+                assert relative(run["errors"][t - 1][0][: sum(SIZES)], ref.errors[0][0][r][: sum(SIZES)]) < 1e-4
+    assert worst < (1e-5 if compress else 1e-6), worst
+    assert per_rank[0]["buckets"] == 1
+    assert len({run["after_sync"] for run in per_rank}) == 1
+
+
+# ------------------------------------------------------------------ streaming fragments
+
+
+def test_fragments_are_staggered_and_mix_on_arrival_as_documented(pool):
+    steps, h, overlap = 13, 4, 1
+    per_rank = pool.run(vector_run, steps, True, 2, h, overlap)
+    ref = Reference(True, [[0], [1]], [2, 0], h, overlap)
+    worst = 0.0
+    for t in range(1, steps + 1):
+        worst = max(worst, reference_step(ref, per_rank, t))
+        assert len({run["theta"][t - 1] for run in per_rank}) == 1
+        assert (per_rank[0]["bytes"][t - 1] > 0) == (t % 2 == 0), f"step {t}: one fragment every H/K = 2 steps"
+    assert worst < 1e-5, worst
+    assert per_rank[0]["buckets"] == 2
+    assert len({run["after_sync"] for run in per_rank}) == 1, "sync() leaves every rank on theta"
+
+
+def peak_bytes(fragments: int, compress: bool) -> list[int]:
+    """Bytes sent at each of 16 steps, H = 8, four equal buckets."""
+    rank = rank_of(WORLD)
+    params = [torch.nn.Parameter(torch.zeros(8192)) for _ in range(4)]
+    be = gloo()
+    opt = DiLoCo(
+        params,
+        torch.optim.SGD(params, lr=0.1),
+        8,
+        fragments=fragments,
+        compress=compress,
+        backend=be,
+        bucket_bytes=1024,
+    )
+    per_step = []
+    for t in range(1, 17):
+        sent = be.bytes_sent
+        for p in params:
+            p.grad = synthetic_grad(rank, t, p.numel())
+        opt.step()
+        opt._sync.wait_all()
+        per_step.append(be.bytes_sent - sent)
+    return per_step
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_fragments_cut_the_peak_bytes_per_step(pool, compress):
+    whole = pool.run(peak_bytes, 1, compress)[0]
+    streamed = pool.run(peak_bytes, 4, compress)[0]
+    assert [t for t, b in enumerate(whole, 1) if b] == [8, 16]
+    assert [t for t, b in enumerate(streamed, 1) if b] == [2, 4, 6, 8, 10, 12, 14, 16]
+    # Over the second round only: phase 0's first call on a group sizes its slots by the calls
+    # made before it (here another test's), the later ones by their own.
+    whole, streamed = whole[8:], streamed[8:]
+    assert max(whole) / max(streamed) > 3.9
+    assert sum(streamed) == pytest.approx(sum(whole), rel=0.01)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def make_diloco(model: torch.nn.Module, world: int = WORLD, **kw) -> DiLoCo:
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    kw = dict(dict(sync_every=4, fragments=2, overlap_steps=2, bucket_bytes=200), **kw)
+    return DiLoCo(model.parameters(), inner, backend=gloo(world), **kw)
+
+
+def trained(steps: int, **kw) -> tuple[torch.nn.Module, DiLoCo]:
+    """A model and its DiLoCo after `steps` steps, each rank on its own batches."""
+    rank = rank_of(WORLD)
+    model = make_model()
+    opt = make_diloco(model, **kw)
+    for step in range(steps):
+        backward(model, rank, step)
+        opt.step()
+    return model, opt
+
+
+def state_bytes(model: torch.nn.Module, opt: DiLoCo) -> tuple[bytes, bytes, bytes]:
+    theta = b"".join(raw_tensor(g) for g in opt.global_parameters())
+    errors = b"|".join(
+        raw_tensor(ef.worker_error) + raw_tensor(ef.server_error) for ef in opt.error_feedback if ef.initialized
+    )
+    return raw(model), theta, errors
+
+
+def from_rank0(obj):
+    """Rank 0's `obj` on every rank, through a file's bytes (what a shared checkpoint file gives)."""
+    import torch.distributed as dist
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    blob = [buf.getvalue()]
+    dist.broadcast_object_list(blob, src=0, group=group(WORLD))
+    return torch.load(io.BytesIO(blob[0]), weights_only=False)
+
+
+def straight_vs_resumed(form: str, steps: int, stop: int) -> tuple:
+    """The state after `steps` steps: straight, with a checkpoint taken after `stop` steps (the
+    live run going on), and resumed from that checkpoint in a fresh model and optimizer."""
+    rank = rank_of(WORLD)
+    straight = state_bytes(*trained(steps))
+
+    model = make_model()
+    opt = make_diloco(model)
+    for step in range(steps):
+        backward(model, rank, step)
+        opt.step()
+        if step + 1 == stop:
+            in_flight = sorted(opt._sync.in_flight)
+            if form == "gathered":
+                saved = from_rank0(opt.gathered_state_dict())
+            else:
+                buf = io.BytesIO()
+                torch.save(opt.state_dict(), buf)
+                saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    went_on = state_bytes(model, opt)
+
+    model = make_model()
+    opt = make_diloco(model)
+    opt.load_state_dict(saved)
+    assert opt.step_count == stop
+    for step in range(stop, steps):
+        backward(model, rank, step)
+        opt.step()
+    return straight, went_on, state_bytes(model, opt), in_flight
+
+
+@pytest.mark.parametrize("form", ["per_rank", "gathered"])
+def test_checkpoint_mid_flight_resumes_bit_for_bit(pool, form):
+    for straight, went_on, resumed, in_flight in pool.run(straight_vs_resumed, form, 14, 7):
+        assert in_flight == [0], "a fragment is in flight when the checkpoint is taken"
+        assert straight == went_on, "saving changed the live run"
+        assert straight == resumed
+
+
+def wrong_checkpoints() -> list:
+    model, opt = trained(5)
+    rank0 = from_rank0(opt.state_dict())  # waits for the fragment in flight
+    before = state_bytes(model, opt)
+    failures = [caught(opt.load_state_dict, rank0)]
+    other = make_diloco(make_model(), sync_every=5)
+    failures.append(caught(other.load_state_dict, opt.state_dict()))
+    failures.append(caught(opt.load_state_dict, {"state": {}}))
+    assert state_bytes(model, opt) == before, "a refused load changed nothing"
+    return failures
+
+
+def test_wrong_checkpoint_raises_the_same_error_on_every_rank(pool):
+    results = pool.run(wrong_checkpoints)
+    for rank0, schedule, alien in results:
+        assert rank0 is not None and rank0[0] == "ValueError"
+        assert "rank(s) [1, 2, 3]" in rank0[1] and "gathered_state_dict" in rank0[1]
+        assert schedule is not None and schedule[0] == "ValueError" and "schedule" in schedule[1]
+        assert alien is not None and alien[0] == "ValueError" and "not a DiLoCo state dict" in alien[1]
+
+
+def save_on_four() -> bytes:
+    _, opt = trained(3)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    return buf.getvalue()
+
+
+def load_on_two(blob: bytes):
+    opt = make_diloco(make_model(), world=2)
+    return caught(opt.load_state_dict, torch.load(io.BytesIO(blob), weights_only=False))
+
+
+def test_other_world_size_is_refused_on_every_rank(pool):
+    blob = pool.run(save_on_four)[0]
+    for failure in pool.run(load_on_two, blob, ranks=[0, 1]):
+        assert failure is not None and failure[0] == "ValueError" and "saved on 4 ranks" in failure[1]
+
+
+# ------------------------------------------------------------------ GradScaler, non-finite values
+
+
+def loss_at(model: torch.nn.Module, rank: int, step: int, overflow: bool = False) -> torch.Tensor:
+    """The loss of rank `rank`'s batch at `step` (inf with `overflow`), gradients zeroed."""
+    model.zero_grad(set_to_none=True)
+    x, y = batch(rank, step)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    return loss * math.inf if overflow else loss
+
+
+def scaled_run(
+    bad_step: int, bad_rank: int, use_scaler: bool = True, start_iter: int = 0
+) -> tuple[list[float], list[bool], bool, bytes]:
+    """Train with torch.amp.GradScaler (or without, `use_scaler` False); at `bad_step` one rank's
+    scaled loss is inf. Returns the scales, which steps were skipped, whether the skipped steps
+    left the parameters as they were, and the parameters at the end."""
+    rank = rank_of(WORLD)
+    model = make_model()
+    opt = make_diloco(model, sync_every=3, fragments=1, overlap_steps=0, start_iter=start_iter)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)  # powers of two: exact
+    scales, skipped, unchanged = [], [], True
+    for step in range(8):
+        loss = loss_at(model, rank, step, overflow=step == bad_step and rank == bad_rank)
+        before = raw(model)
+        if use_scaler:
+            scaler.scale(loss).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        if opt.last_step_skipped and (step + 1) % 3:
+            unchanged = unchanged and raw(model) == before
+        scales.append(scaler.get_scale())
+        skipped.append(opt.last_step_skipped)
+    return scales, skipped, unchanged, raw(model)
+
+
+@pytest.mark.parametrize("bad_step,start_iter", [(0, 0), (4, 0), (1, 3)])  # first backward, later, warm-up
+def test_grad_scaler_skips_everywhere_and_scales_stay_equal(pool, bad_step, start_iter):
+    results = pool.run(scaled_run, bad_step, 1, True, start_iter)
+    for scales, skipped, unchanged, _ in results:
+        assert scales == results[0][0]
+        assert skipped == [s == bad_step for s in range(8)]
+        assert unchanged
+    before = results[0][0][bad_step - 1] if bad_step else 2.0**10
+    assert results[0][0][bad_step] < before
+
+
+@pytest.mark.parametrize("start_iter", [0, 3])
+def test_grad_scaler_unscales_exactly(pool, start_iter):
+    scaled, plain = pool.run(scaled_run, -1, 0, True, start_iter), pool.run(scaled_run, -1, 0, False, start_iter)
+    assert [r[3] for r in scaled] == [r[3] for r in plain]
+    assert len({r[3] for r in scaled}) == 4, "between syncs the ranks differ"
+
+
+def nan_pseudo_gradient() -> dict:
+    """H = 3. Step 2: rank 1's gradient is NaN (it alone skips its inner step). Step 6 (a sync):
+    rank 2's parameters are poisoned, so its pseudo-gradient is NaN."""
+    rank = rank_of(WORLD)
+    model = make_model()
+    opt = make_diloco(model, sync_every=3, fragments=1, overlap_steps=0)
+    out: dict = {}
+    caught_warnings = []
+    for step in range(1, 10):
+        backward(model, rank, step)
+        if step == 2 and rank == 1:
+            next(model.parameters()).grad.view(-1)[0] = math.nan
+        if step == 6:
+            theta = b"".join(raw_tensor(g) for g in opt.global_parameters())
+            momentum = b"".join(raw_tensor(s["momentum_buffer"]) for s in opt.outer.state.values())
+            errors = state_bytes(model, opt)[2]
+            if rank == 2:
+                next(model.parameters()).data.view(-1)[0] = math.nan
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.step()
+        caught_warnings += [str(w.message) for w in seen]
+        if step == 2:
+            out["skipped_at_2"] = opt.last_step_skipped
+        if step == 6:
+            out["unchanged"] = (
+                b"".join(raw_tensor(g) for g in opt.global_parameters()) == theta
+                and b"".join(raw_tensor(s["momentum_buffer"]) for s in opt.outer.state.values()) == momentum
+                and state_bytes(model, opt)[2] == errors
+            )
+            out["reset_to_theta"] = all(torch.equal(p, g) for p, g in zip(model.parameters(), opt.global_parameters()))
+    out["skipped_syncs"] = opt.skipped_syncs
+    out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    out["params"] = raw(model)
+    out["warnings"] = caught_warnings
+    return out
+
+
+def test_non_finite_pseudo_gradient_skips_the_sync_everywhere(pool):
+    results = pool.run(nan_pseudo_gradient)
+    for rank, res in enumerate(results):
+        assert res["skipped_at_2"] == (rank == 1)
+        assert res["unchanged"] and res["reset_to_theta"]
+        assert res["skipped_syncs"] == 1 and res["finite"]
+        assert any("sync of fragment 0 skipped on every rank" in w for w in res["warnings"])
+    assert len({res["params"] for res in results}) == 1, "the sync at step 9 went ahead"
+
+
+# ------------------------------------------------------------------ equal starts, refused parameters
+
+
+def unequal_start() -> tuple[list[str], bytes, bool, tuple | None]:
+    rank = rank_of(WORLD)
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(5, 3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        DiLoCo(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1), backend=gloo())
+    again = equalize_from_rank0(list(model.parameters()), gloo())
+    shapes = [torch.nn.Parameter(torch.zeros(3 if rank == 3 else 4))]
+    failure = caught(equalize_from_rank0, shapes, gloo())
+    return [str(w.message) for w in seen], raw(model), again, failure
+
+
+def test_unequal_initial_parameters_are_equalized_from_rank0_with_a_warning(pool):
+    results = pool.run(unequal_start)
+    torch.manual_seed(0)
+    expected = raw(torch.nn.Linear(5, 3))
+    for messages, params, again, failure in results:
+        assert any("differed across the 4 ranks" in m for m in messages)
+        assert params == expected and again is False
+        assert failure is not None and failure[0] == "ValueError" and "shape" in failure[1]
+
+
+def refused_parameters() -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model()
+    ddp = DistributedDataParallel(model, process_group=group(WORLD))
+    wrapped = caught(DiLoCo, ddp.parameters(), torch.optim.AdamW(ddp.parameters()), backend=gloo())
+    mesh = init_device_mesh("cpu", (WORLD,))
+    sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(8), mesh, [Replicate()]))
+    dtensor = caught(DiLoCo, [sharded], torch.optim.SGD([sharded], lr=0.1), backend=gloo())
+    return [wrapped, dtensor]
+
+
+def test_ddp_and_dtensor_parameters_are_refused(pool):
+    for wrapped, dtensor in pool.run(refused_parameters):
+        assert wrapped is not None and wrapped[0] == "ValueError" and "DistributedDataParallel" in wrapped[1]
+        assert dtensor is not None and dtensor[0] == "ValueError" and "DTensor" in dtensor[1]
+
+
+# ------------------------------------------------------------------ one process
+
+
+def local_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = make_model()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize(
+    "kw,error",
+    [
+        (dict(sync_every=0), ValueError),
+        (dict(sync_every=2.5), ValueError),
+        (dict(fragments=0), ValueError),
+        (dict(fragments=5, bucket_bytes=200), ValueError),  # 4 buckets
+        (dict(fragments=3, sync_every=2, bucket_bytes=200), ValueError),
+        (dict(overlap_steps=4, sync_every=4), ValueError),
+        (dict(outer_lr=0.0), ValueError),
+        (dict(outer_momentum=1.0), ValueError),
+        (dict(outer_momentum=0.0), ValueError),  # with nesterov=True
+        (dict(start_iter=-1), ValueError),
+        (dict(compress=1), TypeError),
+        (dict(backend=3), TypeError),
+    ],
+)
+def test_invalid_arguments(kw, error):
+    model, inner = local_model()
+    with pytest.raises(error):
+        DiLoCo(model.parameters(), inner, **dict(dict(backend="local"), **kw))
+
+
+def test_inner_must_be_a_local_optimizer_over_the_same_parameters():
+    model, inner = local_model()
+    with pytest.raises(TypeError):
+        DiLoCo(model.parameters(), "adamw", backend="local")
+    with pytest.raises(ValueError, match="exactly the parameters"):
+        DiLoCo(list(model.parameters())[:2], inner, backend="local")
+    with pytest.raises(ValueError, match="communicates"):
+        DiLoCo(model.parameters(), OnebitAdam(model.parameters(), backend="local"), backend="local")
+    with pytest.raises(ValueError, match="float32"):
+        double = torch.nn.Linear(2, 2).double()
+        DiLoCo(double.parameters(), torch.optim.SGD(double.parameters(), lr=0.1), backend="local")
+
+
+def scheduled(target: str) -> tuple[list[float], bytes]:
+    model, inner = local_model()
+    opt = DiLoCo(model.parameters(), inner, sync_every=2, backend="local")
+    sched = torch.optim.lr_scheduler.LambdaLR(inner if target == "inner" else opt, lambda s: 0.5**s)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        for step in range(6):
+            backward(model, 0, step)
+            opt.step()
+            sched.step()
+            lrs.append(inner.param_groups[0]["lr"])
+    return lrs, raw(model)
+
+
+def test_lr_scheduler_on_the_inner_optimizer_or_on_diloco():
+    on_inner, on_diloco = scheduled("inner"), scheduled("diloco")
+    assert on_inner == on_diloco
+    assert on_inner[0] == pytest.approx([1e-2 * 0.5**k for k in range(1, 7)])
+
+
+def warmup_against_adamw() -> tuple[list[bytes], float]:
+    """start_iter = 3, H = 2: three data-parallel steps (AdamW on the exact mean gradient), then a
+    local step and a sync."""
+    rank = rank_of(WORLD)
+    model, ref = make_model(), make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = DiLoCo(model.parameters(), inner, sync_every=2, start_iter=3, backend=gloo())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    per_step, worst = [], 0.0
+    for step in range(5):
+        backward(model, rank, step)
+        opt.step()
+        per_step.append(raw(model))
+        if step < 3:
+            grads = [torch.zeros_like(p) for p in ref.parameters()]
+            for r in range(WORLD):
+                backward(ref, r, step)
+                for acc, p in zip(grads, ref.parameters()):
+                    acc += p.grad / WORLD
+            for p, g in zip(ref.parameters(), grads):
+                p.grad = g
+            ref_opt.step()
+            worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters())))
+    return per_step, worst
+
+
+def test_warm_up_steps_are_data_parallel_then_local(pool):
+    results = pool.run(warmup_against_adamw)
+    for step in range(5):
+        assert (len({r[0][step] for r in results}) == 1) == (step != 3), f"step {step + 1}"
+    assert max(r[1] for r in results) < 1e-6
+
+
+def test_warm_up_then_local_steps_on_one_process():
+    model, inner = local_model()
+    opt = DiLoCo(model.parameters(), inner, sync_every=2, start_iter=3, backend="local")
+    for step in range(7):
+        backward(model, 0, step)
+        opt.step()
+        if step == 2:  # the end of the warm-up: theta taken from the parameters
+            assert all(torch.equal(p, g) for p, g in zip(model.parameters(), opt.global_parameters()))
+    assert opt.step_count == 7 and opt.skipped_steps == 0
+
+
+def test_sync_now_sends_only_fragments_that_moved():
+    model, inner = local_model()
+    opt = DiLoCo(model.parameters(), inner, sync_every=2, fragments=2, overlap_steps=1, bucket_bytes=200)
+    for step in range(4):  # fragment 1 sent at step 4, in flight
+        backward(model, 0, step)
+        opt.step()
+    theta = [g.clone() for g in opt.global_parameters()]
+    opt.sync()  # lands fragment 1 (sent at this step: not sent again), sends fragment 0
+    assert opt._sync.sent_at == [4, 4] and not opt._sync.in_flight
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), opt.global_parameters()))
+    moved = [not torch.equal(a, b) for a, b in zip(theta, opt.global_parameters())]
+    assert all(moved)
+    theta = [g.clone() for g in opt.global_parameters()]
+    opt.sync()  # nothing moved since
+    assert all(torch.equal(a, b) for a, b in zip(theta, opt.global_parameters()))
