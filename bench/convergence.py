@@ -68,6 +68,12 @@ RUNS = {  # name: (optimizer, compressed, uncompressed baseline)
     "zeroone": ("zeroone", True, "adam"),
 }
 DEFAULT_RUNS = list(RUNS)
+for _mode in ("fsdp", "hsdp"):  # sharded training: FSDP2 over all ranks, or HSDP over 2 replicas
+    RUNS[f"{_mode}_adam"] = (f"{_mode}_adam", False, None)
+    RUNS[f"{_mode}_onebit_adam"] = (f"{_mode}_adam", True, f"{_mode}_adam")
+    RUNS[f"{_mode}_sgd"] = (f"{_mode}_sgd", False, None)
+    RUNS[f"{_mode}_onebit_sgd"] = (f"{_mode}_sgd", True, f"{_mode}_sgd")
+SHARDED_RUNS = [name for name in RUNS if name.startswith(("fsdp_", "hsdp_"))]
 DILOCO_H = (8, 16, 32)
 for _h in DILOCO_H:
     RUNS[f"diloco_exact_h{_h}"] = ("diloco", False, "adam")
@@ -86,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr-adam", type=float, default=3e-3)
     ap.add_argument("--lr-lamb", type=float, default=1e-2)
+    ap.add_argument("--lr-sgd", type=float, default=0.05, help="SGD with momentum 0.9 (the FSDP/HSDP sgd runs)")
     ap.add_argument(
         "--var-update-scaler",
         type=int,
@@ -171,6 +178,8 @@ def make_optimizer(
     from compcomm.optim import DiLoCo, OnebitAdam, OnebitLamb, ZeroOneAdam
 
     kind, compressed, _ = RUNS[name]
+    if kind.endswith("_sgd"):
+        return torch.optim.SGD(model.parameters(), lr=args.lr_sgd, momentum=0.9, weight_decay=args.weight_decay)
     if kind == "diloco":
         inner = torch.optim.AdamW(model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay)
         return DiLoCo(
@@ -185,7 +194,7 @@ def make_optimizer(
             bucket_bytes=DEFAULT_BUCKET_BYTES if args.diloco_bucket_kb is None else args.diloco_bucket_kb * 1024,
         )
     freeze = freeze_step(args) if compressed else args.steps
-    if kind == "adam":
+    if kind.endswith("adam"):
         return OnebitAdam(
             model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay, freeze_step=freeze, backend=backend
         )
@@ -205,6 +214,33 @@ def make_optimizer(
     )
 
 
+def shard(model: torch.nn.Module, name: str, args: argparse.Namespace) -> Any:
+    """fully_shard the model's parameter-holding children and the model (FSDP over every rank,
+    or HSDP: 2 replicas of world/2 shards) and compress its gradient reduction: 1-bit after the
+    warm-up for the compressed runs, exact throughout for their baselines. Returns the state,
+    whose `bytes_sent` counts the reduction's bytes."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    replicate = None
+    if name.startswith("hsdp"):
+        half = world // 2
+        shards = [dist.new_group(list(range(r * half, (r + 1) * half))) for r in range(2)]
+        replicas = [dist.new_group([s, s + half]) for s in range(half)]
+        mesh, replicate = DeviceMesh.from_group(shards[rank // half], "cpu"), replicas[rank % half]
+    else:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    start = freeze_step(args) if RUNS[name][1] else args.steps
+    return compcomm.fsdp.compress(model, start_iter=start, replicate_group=replicate)
+
+
 def diloco_h(name: str) -> int:
     """The sync interval H of a DiLoCo run's name (diloco_h16, diloco_exact_h16)."""
     return int(name.rsplit("_h", 1)[1])
@@ -218,6 +254,9 @@ def run_one(name: str, args: argparse.Namespace, train: torch.Tensor, val: torch
     torch.manual_seed(args.seed)  # the same initial model on every rank and in every run
     model = task_model(args.task, args.context, args.embed, args.hidden)
     backend = compcomm.backends.get("gloo")
+    counted: Any = backend  # what counts the run's bytes (`bytes_sent`)
+    if name in SHARDED_RUNS:  # FSDP moves the gradients; compcomm's bytes are the gradient reduction's
+        counted = shard(model, name, args)
     opt = make_optimizer(name, model, args, backend)
     if args.schedule == "cosine":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(args, s))
@@ -239,7 +278,7 @@ def run_one(name: str, args: argparse.Namespace, train: torch.Tensor, val: torch
                     "step": step,
                     "train_loss": loss.item(),
                     "val_loss": evaluate(model, val, opt),
-                    "bytes_sent": backend.bytes_sent,
+                    "bytes_sent": counted.bytes_sent,
                 }
             )
     return {
@@ -249,13 +288,13 @@ def run_one(name: str, args: argparse.Namespace, train: torch.Tensor, val: torch
         "sync_every": getattr(opt, "sync_every", None),
         "lr": opt.defaults["lr"],
         "final_val_loss": curve[-1]["val_loss"],
-        "bytes_sent": backend.bytes_sent,
+        "bytes_sent": counted.bytes_sent,
         "seconds": time.perf_counter() - t0,
         "curve": curve,
-        "skipped_steps": opt.skipped_steps,
+        "skipped_steps": getattr(opt, "skipped_steps", 0),
         "skipped_syncs": getattr(opt, "skipped_syncs", None),
         "params": sum(p.numel() for p in model.parameters()),
-        "buckets": len(opt.error_feedback),
+        "buckets": len(getattr(opt, "error_feedback", ())),
     }
 
 
@@ -345,7 +384,7 @@ def write_outputs(report: dict[str, Any], out: str) -> None:
         print("matplotlib not installed (pip install compcomm[plot]): no plot")
         return
     present = [family(r["name"]) for r in report["runs"]]
-    families = [f for f in ("adam", "lamb", "diloco") if f in present]
+    families = list(dict.fromkeys(present))  # one column per family, in the order they ran
     if "diloco" in families and present.count("adam") == 1:
         families.remove("adam")  # adam alone: it is drawn in the DiLoCo column
     fig, axes = plt.subplots(2, len(families), figsize=(max(7.0, 5.5 * len(families)), 8), sharey=True, squeeze=False)

@@ -25,6 +25,13 @@ its own), one after the other in the same processes (METHODS below; `--methods` 
                          every --sync-every steps with 1-bit error-feedback pseudo-gradients (in
                          --diloco-fragments staggered fragments; no warm-up: it starts syncing at once)
     diloco_exact         the same with the exact mean of the pseudo-gradients
+    fsdp_adamw           FSDP2 (fully_shard over every rank) + AdamW, FSDP's own collectives
+    fsdp_onebit_adam     FSDP2 + compcomm.fsdp.compress (1-bit reduce-scatter) + sharded OnebitAdam
+    fsdp_onebit_sgd      FSDP2 + compcomm.fsdp.compress + SGD with momentum
+    hsdp_adamw           HSDP on FSDP2's 2-D mesh (shards inside a host, replicas across hosts) + AdamW
+    hsdp_onebit_adam     HSDP: shards inside a host, compcomm.fsdp.compress(replicate_group=...)
+                         averages each shard across hosts in 1 bit; sharded OnebitAdam
+    hsdp_onebit_sgd      the same with SGD with momentum
 
 The first --warmup-steps steps are the warm-up stage of the staged methods (PowerSGD's
 start_powerSGD_iter, the hook's start_iter, the optimizers' freeze_step); the others use them to
@@ -231,6 +238,62 @@ def diloco_method(compress: bool) -> Builder:
     return build
 
 
+def sharded_method(mode: str, optimizer: str, compress: bool) -> Builder:
+    """FSDP2 over every rank ("fsdp") or HSDP ("hsdp": sharded inside each host of
+    LOCAL_WORLD_SIZE ranks, replicated across hosts), with torch's AdamW and FSDP's own exact
+    collectives (compress=False: for HSDP, FSDP's native 2-D mesh), or under
+    compcomm.fsdp.compress (the reduce-scatter, or the average across hosts, in 1 bit after the
+    warm-up) with the sharded OnebitAdam ("onebit_adam") or SGD with momentum ("sgd").
+
+    Bytes per step are those of the gradient reduction that compcomm compresses: the
+    reduce-scatter over all ranks (FSDP), or the all-reduce across hosts (HSDP, the traffic that
+    crosses hosts); measured for compcomm's, the ring accounting of the same tensors for FSDP's.
+    FSDP's parameter all-gathers stay fp32 in every method and are not counted."""
+
+    def build(model: torch.nn.Module, args: argparse.Namespace) -> Run:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        import compcomm
+        import compcomm.optim
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if mode == "fsdp":
+            k = world  # one shard group: every rank
+        else:  # the ranks of a host shard; on a single host, two halves stand for two hosts
+            k = local if local < world else world // 2
+        hosts = world // k
+        shards = [dist.new_group(list(range(h * k, (h + 1) * k))) for h in range(hosts)]
+        replicas = [dist.new_group([h * k + i for h in range(hosts)]) for i in range(k)]
+        if mode == "hsdp" and not compress:
+            mesh = init_device_mesh("cpu", (hosts, k), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = DeviceMesh.from_group(shards[rank // k] if mode == "hsdp" else dist.group.WORLD, "cpu")
+        for child in model.children():
+            if any(p.requires_grad for p in child.parameters()):
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        shard_numel = sum(p.to_local().numel() for p in trained)
+        if mode == "hsdp":
+            exact_bytes = ring_bytes(shard_numel, 4, hosts)  # each rank all-reduces its shard across hosts
+        else:
+            exact_bytes = (world - 1) * shard_numel * 4.0  # reduce-scatter: (n-1)/n of the padded gradient
+        if not compress:
+            return Run(model, adamw(trained, args), fixed_bytes=exact_bytes)
+        state = compcomm.fsdp.compress(
+            model, start_iter=args.warmup_steps, replicate_group=replicas[rank % k] if mode == "hsdp" else None
+        )
+        if optimizer == "sgd":
+            opt: torch.optim.Optimizer = sgd(trained, args)
+        else:
+            opt = compcomm.optim.OnebitAdam(trained, lr=args.lr_adam, eps=args.eps, freeze_step=args.warmup_steps)
+        return Run(model, opt, lambda: float(state.bytes_sent))
+
+    return build
+
+
 def alone(model: torch.nn.Module, args: argparse.Namespace) -> Run:
     """DDP + AdamW's step without any communication (each rank on its own): its compute time."""
     return Run(model, adamw(model.parameters(), args))
@@ -248,6 +311,12 @@ METHODS: dict[str, Builder] = {
     "zeroone_adam": compcomm_optimizer("ZeroOneAdam", "var_freeze_step"),
     "diloco": diloco_method(compress=True),
     "diloco_exact": diloco_method(compress=False),
+    "fsdp_adamw": sharded_method("fsdp", "adamw", compress=False),
+    "fsdp_onebit_adam": sharded_method("fsdp", "onebit_adam", compress=True),
+    "fsdp_onebit_sgd": sharded_method("fsdp", "sgd", compress=True),
+    "hsdp_adamw": sharded_method("hsdp", "adamw", compress=False),
+    "hsdp_onebit_adam": sharded_method("hsdp", "onebit_adam", compress=True),
+    "hsdp_onebit_sgd": sharded_method("hsdp", "sgd", compress=True),
 }
 
 
@@ -465,6 +534,10 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
         ("ddp_sgd_onebit", "ddp_adamw_powersgd"),
         ("ddp_adamw_powersgd", "ddp_adamw"),
         ("ddp_adamw_bf16", "ddp_adamw"),
+        ("fsdp_onebit_adam", "fsdp_adamw"),
+        ("fsdp_onebit_sgd", "fsdp_adamw"),
+        ("hsdp_onebit_adam", "hsdp_adamw"),
+        ("hsdp_onebit_sgd", "hsdp_adamw"),
     ):
         if fast in by and slow in by:
             lines.append(

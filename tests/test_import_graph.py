@@ -30,8 +30,16 @@ def _imports(name: str, path: Path, known: set[str]) -> tuple[set[str], list[str
     """The project modules `name` imports, and the imports made inside functions."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    typing_only = {  # `if TYPE_CHECKING:` imports: annotations, not imports at run time
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in ast.walk(block)
+    }
     found, local = set(), []
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

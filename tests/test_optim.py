@@ -359,8 +359,9 @@ def test_one_collective_per_bucket(pool, name):
     for per_step in pool.run(count_collectives, name):
         buckets = per_step[0]["buckets"]
         assert buckets >= 3
-        for warm in per_step[:2]:  # flag + one uncompressed all-reduce per bucket
-            assert (warm["all_reduce"], warm["all_gather"], warm["all_to_all"]) == (1 + buckets, 0, 0)
+        for t, warm in enumerate(per_step[:2]):  # flag + one uncompressed all-reduce per bucket, and at the
+            # first step one all-gather: do the ranks start from the same parameters?
+            assert (warm["all_reduce"], warm["all_gather"], warm["all_to_all"]) == (1 + buckets, int(t == 0), 0)
         for comp in per_step[2:]:  # flag + one compressed allreduce per bucket: its phase-0 all-to-all,
             # a phase-1 all-to-all when phase 0 had no room for all its signs, one phase-2 all-gather
             assert (comp["all_reduce"], comp["all_gather"]) == (1, buckets)

@@ -77,7 +77,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._step_count = 0
         self.last_step_skipped = False
         self.skipped_steps = 0
-        self._replicas_checked = False  # whether the first step made the ranks' parameters equal
+        self._replicas_checked = False  # whether step 1 made the ranks' parameters equal
         if is_sharded(self._params()):
             self._check_sharded()
             self._sharded: ShardedSteps | None = ShardedSteps(self)
@@ -212,9 +212,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
         scale = None if scale_tensor is None else float(scale_tensor)
         found_inf = bool(float(getattr(self, "found_inf", 0.0)))
         t = self._step_count + 1
-        if not self._replicas_checked and self._sharded is None:
+        if t == 1 and not self._replicas_checked and self._sharded is None:
             # Ranks that started from different parameters (a forgotten seed) would stay apart
-            # for good: make them rank 0's now, as DDP does at construction (and warn).
+            # for good: make them rank 0's before the first update, as DDP does at construction
+            # (and warn). A resumed run starts from its checkpoint instead.
             equalize_from_rank0(self._params(), self.backend)
             self._replicas_checked = True
         if self._sharded is not None:
