@@ -186,3 +186,25 @@ def test_the_mpirun_command_the_main_job_prints_runs():
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "compressed" in run.stdout and "allreduce" in run.stdout
+
+
+def test_fsdp_memory_counts_an_unsharded_error_per_rank(tmp_path):
+    """bench/fsdp_memory.py: in FSDP mode each rank's error state is the whole gradient (fp32,
+    one module's worth of every module), against shards of 1/n for everything else."""
+    out = tmp_path / "m.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "fsdp_memory.py"),
+        "--modes",
+        "fsdp",
+        "--steps",
+        "3",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (record,) = json.loads(out.read_text())
+    whole = record["unsharded_bytes"] // 4  # the model's fp32 parameters, unsharded
+    assert record["error_bytes"] == whole
+    assert record["params_bytes"] == whole // record["world_size"]

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""What compcomm.fsdp's error state costs in memory, next to what sharding saves.
+
+    python bench/fsdp_memory.py                        # 4 local ranks
+    python bench/fsdp_memory.py --json out.json
+
+FSDP2 shards parameters, gradients and optimizer state n-fold. compcomm's FSDP mode keeps on
+every rank a worker error the size of each module's whole (unsharded) gradient, fp32: error
+feedback on the sending side of a reduce-scatter needs what this rank sent, all of it. HSDP's
+error is the size of the shard. With nonfinite="propagate" each has a spare of the same size.
+
+For the same model (bench/train_step.py's 11M-parameter character MLP) trained a few steps past
+the switch to 1 bit, every rank reports the bytes it holds in: parameters (its shards),
+gradients, optimizer state (OnebitAdam's moments), compcomm's error state, and what the same
+training would hold unsharded (DDP-like: whole parameters, gradients and Adam moments). Counted
+from the tensors themselves (untyped storage sizes), so that the figures are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ranks import add_nprocs_argument, run_ranks
+from records import write_json
+from tasks import CharMLP
+
+MODES = ("fsdp", "fsdp_propagate", "hsdp")
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a view counts its storage once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def measure(mode: str, args: argparse.Namespace) -> dict:
+    """One mode on this rank: train past the switch, then count."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm
+    import compcomm.optim
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = CharMLP(32, 32, 2816)
+    replicas = None
+    if mode == "hsdp":
+        half = world // 2
+        shards = [dist.new_group(list(range(h * half, (h + 1) * half))) for h in range(2)]
+        groups = [dist.new_group([i, i + half]) for i in range(half)]
+        mesh, replicas = DeviceMesh.from_group(shards[rank // half], "cpu"), groups[rank % half]
+    else:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    for child in model.children():
+        fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    nonfinite = "propagate" if mode == "fsdp_propagate" else "raise"
+    state = compcomm.fsdp.compress(model, start_iter=2, replicate_group=replicas, nonfinite=nonfinite)
+    opt = compcomm.optim.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(args.steps):
+        seq = torch.randint(0, 96, (8, 33), generator=gen)
+        torch.nn.functional.cross_entropy(model(seq[:, :-1]), seq[:, -1]).backward()
+        opt.step()
+    params = list(model.parameters())
+    whole = sum(p.numel() for p in params) * 4
+    errors = [ef.worker_error for ef in state.error_feedback.values()]
+    errors += [ef.server_error for ef in state.error_feedback.values()]
+    spares = [m.spare for m in state._modules.values() if m.spare is not None]
+    errors += [t for ef in spares for t in (ef.worker_error, ef.server_error)]
+    moments = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {
+        "mode": mode,
+        "world_size": world,
+        "rank": rank,
+        "params_bytes": tensor_bytes(params),
+        "grads_bytes": tensor_bytes([p.grad for p in params]),
+        "optimizer_bytes": tensor_bytes(moments),
+        "error_bytes": tensor_bytes(errors),
+        "unsharded_bytes": 4 * whole,  # parameters, gradients, Adam's two moments, all whole
+    }
+
+
+def rank_main(args: argparse.Namespace) -> list[dict]:
+    torch.set_num_threads(1)
+    return [measure(mode, args) for mode in args.modes.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_nprocs_argument(ap)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    results, world = run_ranks(rank_main, args, args.nprocs)
+    if results is None:
+        return 0
+    print(f"# compcomm fsdp_memory: {world} ranks, CharMLP 11.2M parameters, OnebitAdam, bytes per rank (rank 0)")
+    print(
+        f"# {'mode':<16} {'params':>12} {'grads':>12} {'optimizer':>12} {'compcomm error':>15} "
+        f"{'sharded total':>14} {'unsharded':>12} {'error/unsharded':>15}"
+    )
+    for r in results:
+        total = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["error_bytes"]
+        print(
+            f"  {r['mode']:<16} {r['params_bytes']:>12,d} {r['grads_bytes']:>12,d} {r['optimizer_bytes']:>12,d} "
+            f"{r['error_bytes']:>15,d} {total:>14,d} {r['unsharded_bytes']:>12,d} "
+            f"{r['error_bytes'] / r['unsharded_bytes']:>15.2f}"
+        )
+    if args.json:
+        write_json(results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

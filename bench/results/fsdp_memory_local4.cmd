@@ -1,0 +1,1 @@
+python bench/fsdp_memory.py --json bench/results/fsdp_memory_local4.json
