@@ -319,3 +319,16 @@ def test_a_forked_child_starts_its_own_pool():
         child.kill()
         pytest.fail("the forked child hung in the codec")
     assert child.exitcode == 0 and queue.get(timeout=5) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sign_patterns_are_torchs_rounding(dtype):
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(20000, generator=g, dtype=torch.float64) * torch.exp(
+        torch.randn(20000, generator=g, dtype=torch.float64) * 25
+    )
+    special = [0.0, 1.0, 0.1234567, 6.1e-5, 5.96e-8, 65504.0, 65520.0, 1e-40, 3.4e38, 1e39, float("inf")]
+    mask, as_ints = (1 << (8 * dtype.itemsize)) - 1, torch.int32 if dtype.itemsize == 4 else torch.int16
+    for v in special + values.tolist():
+        ints = torch.tensor([v, -v], dtype=torch.float32).to(dtype).view(as_ints)
+        assert codec.sign_patterns(v, dtype) == tuple(i & mask for i in ints.tolist()), v
