@@ -12,10 +12,10 @@ the allreduce calls in this order:
 - `decode`: out = t sign, written in the output dtype.
 
 Each pass runs as one fused kernel when the codec's kernel set takes the tensors (C on
-contiguous CPU tensors, CUDA through cupy on contiguous CUDA tensors; see `codec_info()`),
-and otherwise as block-wise torch code (any device) whose temporaries stay a few MiB. All do
-the same fp32 operations in the same order and give the same bits; scales are summed in
-float64 so that every device rounds them to the same fp32 value. `codec_for(device)` chooses
+contiguous CPU tensors, on several threads for large passes; CUDA through cupy on contiguous
+CUDA tensors; see `codec_info()`), and otherwise as block-wise torch code (any device) whose
+temporaries stay a few MiB. All do the same fp32 operations in the same order and give the same
+bits; scales are summed in float64 so that every device rounds them to the same fp32 value. `codec_for(device)` chooses
 the kernels once per device; a test builds `Codec(kernels)` with the set it wants.
 
 The seam for another code (2-bit, 8-bit, top-k): backends only move the uint8 buffers these
