@@ -10,7 +10,7 @@ Two settings, each giving the same bits whatever its value:
 - threads per pass: COMPCOMM_CODEC_THREADS when set, else torch.get_num_threads() at each
   call (what torch.set_num_threads and OMP_NUM_THREADS give torch's own CPU ops). A pass
   of fewer than `SPLIT_MIN` elements runs on the calling thread alone, as waking the pool
-  would cost more than it saves.
+  costs more than it saves there.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ AVX2, AVX512 = 1, 2
 """Bits of cc_cpu_features(): the AVX2 + FMA + F16C kernels, the AVX-512 (F, BW, VL, DQ) ones."""
 ISAS = {"avx512": AVX2 | AVX512, "avx2": AVX2, "portable": 0}
 """Kernel sets a NativeKernels may be capped at, by name."""
-SPLIT_MIN = 1 << 18
-"""Elements from which a pass is split over threads (1 MiB of fp32; see bench/results/README.md,
-"codec": below it, waking a second thread costs about what it saves)."""
+SPLIT_MIN = 3 << 20
+"""Elements from which a pass is split over threads (12 MiB of fp32), measured with the pool's
+threads asleep, as they are when a pass follows communication: on 2 cores, a second thread made
+passes of 8 MiB 5-15% slower and of 12-32 MiB 1.2-1.8x faster (bench/results/README.md, codec)."""
 
 _configured: dict[str, tuple[int, int, int]] = {}
 """Per library path, the (features, threads, split_min) last passed to cc_configure."""

@@ -128,7 +128,7 @@ static inline void load8(const void *x, int dtype, int64_t n, const float *e, in
 
 static int cpu_features;
 static _Atomic int use_features, use_threads = 1;
-static _Atomic cc_index use_split_min = 1 << 18;
+static _Atomic cc_index use_split_min = 3 << 20; /* compcomm._native.SPLIT_MIN sets it */
 
 #ifdef __SSE2__
 static int detect_features(void) {
@@ -770,11 +770,10 @@ TARGET_AVX512 INLINE void server_values_avx512(const void *p, int64_t i, int gro
     (void)dtype;
     __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int r = 0; r < a->nranks; r++) {
-        uint64_t w = 0;
-        memcpy(&w, a->bits + r * a->stride + i / 8, (size_t)(2 * groups));
+        const uint8_t *row = a->bits + r * a->stride + i / 8;
         __m512 plus = _mm512_set1_ps(a->scales[r]), minus = _mm512_set1_ps(-a->scales[r]);
         for (int j = 0; j < groups; j++) {
-            __m512 sign = _mm512_mask_blend_ps((__mmask16)(w >> 16 * j), minus, plus);
+            __m512 sign = _mm512_mask_blend_ps(_load_mask16((__mmask16 *)(row + 2 * j)), minus, plus);
             sum[j] = r ? _mm512_add_ps(sum[j], sign) : sign;
         }
     }
