@@ -29,6 +29,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     kernels = [k for k in dict.fromkeys(k for _, k, _ in _TABLE) if k != "copy"]
     tr = terminalreporter
     tr.section("codec GB/s (4 bytes per element / median time) and fraction of copy")
+    from compcomm import codec_info
+
+    tr.write_line(f"codec: {', '.join(f'{device}: {what}' for device, what in codec_info().items())}")
     for setup in dict.fromkeys(c for c, k, _ in _TABLE if k != "copy"):
         tr.write_line(f"{setup:<24} {'copy':>10} " + " ".join(f"{k:>20}" for k in kernels))
         for n in sorted({n for c, _, n in _TABLE if c == setup}):
