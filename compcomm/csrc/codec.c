@@ -524,7 +524,7 @@ SCAN_WITH(avx512, TARGET_AVX512, __m512, 16, load16_avx512, _mm512_add_ps, _mm51
 /* One scan block per call, specialized for each kernel set and dtype. */
 #define SCAN_BLOCK(name, target, body)                                                                   \
     target static double name(void *p, int64_t b) {                                                      \
-        const struct scan_args *a = p;                                                                   \
+        const struct scan_args local = *(const struct scan_args *)p, *a = &local;                        \
         int64_t lo = b * BLOCK, hi = min64(lo + BLOCK, a->m);                                            \
         return a->dtype == F32 ? body(a, lo, hi, F32) : a->dtype == F16 ? body(a, lo, hi, F16)           \
                                                                         : body(a, lo, hi, BF16);         \
@@ -645,7 +645,7 @@ TARGET_AVX512 INLINE void update_avx512(const struct update_args *a, int64_t lo,
 
 #define UPDATE_CHUNK(name, target, body)                                                                   \
     target static void name(void *p, int64_t b) {                                                          \
-        const struct update_args *a = p;                                                                   \
+        const struct update_args local = *(const struct update_args *)p, *a = &local;                      \
         int64_t lo = b * BLOCK, hi = min64(lo + BLOCK, a->real);                                           \
         if (a->dtype == F32 || !a->x) body(a, lo, hi, F32);                                                \
         else if (a->dtype == F16) body(a, lo, hi, F16);                                                    \
@@ -796,7 +796,7 @@ TARGET_AVX512 INLINE double server_block_avx512(const struct server_args *a, int
 /* One server block per call, for each kernel set. */
 #define SERVER_BLOCK(name, target, body)                                                                 \
     target static double name(void *p, int64_t b) {                                                      \
-        const struct server_args *a = p;                                                                 \
+        const struct server_args local = *(const struct server_args *)p, *a = &local;                    \
         return body(a, b * BLOCK, min64(b * BLOCK + BLOCK, a->c));                                       \
     }
 SERVER_BLOCK(server_portable, , server_block_portable)
@@ -832,19 +832,26 @@ struct decode_args {
     int features;
 };
 
-/* Elements [lo, hi) (lo a multiple of 8) by table rows; the last partial byte element-wise. */
-static void decode_rows(const struct decode_args *a, int64_t lo, int64_t hi) {
-    size_t row = 8 * (size_t)a->elsize;
+/* Elements [lo, hi) (lo a multiple of 8) by table rows of `elsize` bytes per element (a
+ * constant where inlined, so that each row is copied by a few moves, not a call); the last
+ * partial byte element-wise. */
+INLINE void decode_rows_of(const struct decode_args *a, int64_t lo, int64_t hi, size_t elsize) {
     int64_t whole = hi / 8 * 8;
     char *out = a->out;
     const char *table = a->table;
-    for (int64_t i = lo; i < whole; i += 8) memcpy(out + i * a->elsize, table + a->bits[i / 8] * row, row);
+    const uint8_t *bits = a->bits;
+    for (int64_t i = lo; i < whole; i += 8) memcpy(out + i * elsize, table + bits[i / 8] * 8 * elsize, 8 * elsize);
     if (whole < hi && whole >= lo)
-        memcpy(out + whole * a->elsize, table + a->bits[whole / 8] * row, (size_t)(hi - whole) * (size_t)a->elsize);
+        memcpy(out + whole * elsize, table + bits[whole / 8] * 8 * elsize, (size_t)(hi - whole) * elsize);
+}
+
+static void decode_rows(const struct decode_args *a, int64_t lo, int64_t hi) {
+    if (a->elsize == 4) decode_rows_of(a, lo, hi, 4);
+    else decode_rows_of(a, lo, hi, 2);
 }
 
 static void decode_portable(void *p, int64_t b) {
-    const struct decode_args *a = p;
+    const struct decode_args local = *(const struct decode_args *)p, *a = &local;
     decode_rows(a, b * BLOCK, min64(b * BLOCK + BLOCK, a->count));
 }
 
@@ -852,7 +859,7 @@ static void decode_portable(void *p, int64_t b) {
 /* Whole bytes with non-temporal stores; out aligned to one byte's output (32 bytes for 4-byte
  * elements, 16 for 2-byte ones). */
 TARGET_AVX2 static void decode_avx2(void *p, int64_t b) {
-    const struct decode_args *a = p;
+    const struct decode_args local = *(const struct decode_args *)p, *a = &local;
     int64_t lo = b * BLOCK, hi = min64(lo + BLOCK, a->count);
     if (!a->streaming) {
         decode_rows(a, lo, hi);
@@ -904,7 +911,7 @@ TARGET_AVX512 INLINE void decode64(const struct decode_args *a, int64_t i, int64
 /* Streaming: out is aligned to one byte's output, so the head up to the first 64-byte aligned
  * address is whole bytes, written with plain stores. */
 TARGET_AVX512 static void decode_avx512(void *p, int64_t b) {
-    const struct decode_args *a = p;
+    const struct decode_args local = *(const struct decode_args *)p, *a = &local;
     int64_t i = b * BLOCK, hi = min64(i + BLOCK, a->count);
     if (a->streaming) {
         int64_t head = min64((int64_t)((64 - (uintptr_t)((char *)a->out + i * a->elsize) % 64) % 64 / a->elsize),
