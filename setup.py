@@ -38,7 +38,8 @@ setup(
             "compcomm._codec_native",
             sources=["compcomm/csrc/codec.c"],
             depends=["compcomm/csrc/codec_abi.h"],
-            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-pthread"],
+            extra_link_args=["-pthread"],
         )
     ],
     cmdclass={"build_ext": BuildCodec},

@@ -12,10 +12,10 @@ the allreduce calls in this order:
 - `decode`: out = t sign, written in the output dtype.
 
 Each pass runs as one fused kernel when the codec's kernel set takes the tensors (C on
-contiguous CPU tensors, CUDA through cupy on contiguous CUDA tensors; see `codec_info()`),
-and otherwise as block-wise torch code (any device) whose temporaries stay a few MiB. All do
-the same fp32 operations in the same order and give the same bits; scales are summed in
-float64 so that every device rounds them to the same fp32 value. `codec_for(device)` chooses
+contiguous CPU tensors, on several threads for large passes; CUDA through cupy on contiguous
+CUDA tensors; see `codec_info()`), and otherwise as block-wise torch code (any device) whose
+temporaries stay a few MiB. All do the same fp32 operations in the same order and give the same
+bits; scales are summed in float64 so that every device rounds them to the same fp32 value. `codec_for(device)` chooses
 the kernels once per device; a test builds `Codec(kernels)` with the set it wants.
 
 The seam for another code (2-bit, 8-bit, top-k): backends only move the uint8 buffers these
@@ -28,6 +28,7 @@ phase-0 agreement stay as they are.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import math
 import os
@@ -75,6 +76,33 @@ def sign_table(plus: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
     return torch.where(bits.to(plus.device), plus, minus)
 
 
+def sign_patterns(scale: float, dtype: torch.dtype) -> tuple[int, int]:
+    """The bit patterns of +scale and -scale in `dtype` (float32, float16 or bfloat16), as
+    torch.tensor([scale, -scale], dtype=torch.float32).to(dtype) holds them for any scale but
+    NaN (which no accepted call decodes): rounded to fp32, then to `dtype`, each to nearest
+    even, inf beyond the range (numpy has no bfloat16: that rounding is done on the fp32 bits).
+    A few microseconds cheaper per decode than building the tensors."""
+    with np.errstate(over="ignore"):
+        values = np.array([scale, -scale], dtype=np.float32)
+        half = values.astype(np.float16) if dtype == torch.float16 else None
+    if dtype == torch.float32:
+        plus, minus = values.view(np.uint32).tolist()
+    elif half is not None:
+        plus, minus = half.view(np.uint16).tolist()
+    elif dtype == torch.bfloat16:
+        plus, minus = (_bf16_bits(v) for v in values.view(np.uint32).tolist())
+    else:
+        raise TypeError(f"decode: no float32/float16/bfloat16 output but {dtype}")
+    return plus, minus
+
+
+def _bf16_bits(f32: int) -> int:
+    """The bfloat16 nearest (ties to even) the fp32 with bits `f32`; a NaN stays a NaN."""
+    if f32 & 0x7FFFFFFF > 0x7F800000:
+        return (f32 >> 16) | 0x0040
+    return (f32 + 0x7FFF + ((f32 >> 16) & 1)) >> 16
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -106,7 +134,12 @@ class Codec:
         order), or None when the torch code must run."""
         if self.kernels is None or not self.kernels.accepts(tensors):
             return None
-        partial = torch.empty(self.kernels.blocks(count), dtype=torch.float64, device=device)
+        blocks = self.kernels.blocks(count)
+        if blocks == 1 and device.type == "cpu":  # no tensor to allocate and sum: microseconds per call
+            total = ctypes.c_double()
+            self.kernels.launch(kernel, device, count, [*args, ctypes.addressof(total)])
+            return total.value
+        partial = torch.empty(blocks, dtype=torch.float64, device=device)
         self.kernels.launch(kernel, device, count, [*args, partial.data_ptr()])
         return float(partial.sum())
 
@@ -196,7 +229,8 @@ class Codec:
         of `bits` (n, C/8; rows may lie apart, each contiguous) holds rank r's signs of this
         chunk; out_bits <- sign(y). Returns sum(y[:real]^2) in float64."""
         n, c = bits.shape[0], error.numel()
-        rows = bits if bits.stride(-1) != 1 or not n else bits[0]  # the kernel steps from row to row itself
+        # the kernel steps from row to row itself: each row must be contiguous, not the whole
+        rows = bits if bits.is_contiguous() or bits.stride(-1) != 1 or not n else bits[0]
         total = self._fused_sum(
             "cc_server_scan",
             error.device,
@@ -235,11 +269,7 @@ class Codec:
 
     def decode(self, bits: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """out (float dtype, len <= 8 * len(bits)) <- scale * sign coded by `bits`."""
-        values = torch.tensor([scale, -scale], dtype=torch.float32).to(out.dtype)
-        plus, minus = (
-            v & ((1 << (8 * out.element_size())) - 1)
-            for v in values.view(torch.int32 if out.element_size() == 4 else torch.int16).tolist()
-        )
+        plus, minus = sign_patterns(scale, out.dtype)
         if self._fused(
             "cc_decode",
             out.device,
@@ -248,6 +278,7 @@ class Codec:
             (bits.data_ptr(), out.numel(), out.element_size(), plus, minus, out.data_ptr()),
         ):
             return
+        values = torch.tensor([scale, -scale], dtype=torch.float32).to(out.dtype)
         table = sign_table(values[0].to(out.device), values[1].to(out.device))
         step, whole = block_size(out.device), out.numel() // 8 * 8
         for start in range(0, whole, step):

@@ -42,8 +42,13 @@ CC_KERNEL void cc_decode(const unsigned char *bits, cc_index count, int elsize, 
                          unsigned int minus, void *out);
 
 #ifndef CC_CUDA
-/* CPU library only: bit 0 set when the kernels take their AVX2 + FMA paths on this CPU. */
+/* CPU library only. cc_cpu_features: the kernel sets this CPU runs, bit 0 AVX2 + FMA + F16C,
+ * bit 1 AVX-512 (F, BW, VL, DQ). cc_configure: the kernel sets to use (those bits, masked by
+ * the CPU's), the threads per pass and the smallest pass (in elements) split over them; every
+ * setting gives the same bits. cc_features: the kernel sets in use. */
 int cc_cpu_features(void);
+int cc_features(void);
+void cc_configure(int features, int threads, cc_index split_min);
 #endif
 
 #endif

@@ -1,0 +1,1 @@
+COMPCOMM_BENCH_ROUNDS=15 COMPCOMM_BENCH_THREADS=1,2 COMPCOMM_BENCH_DTYPES=float32,bfloat16,float16 COMPCOMM_BENCH_ISAS=avx512,avx2 pytest bench/test_codec_speed.py --benchmark-json bench/results/codec_speed.json | tee bench/results/codec_speed.txt
