@@ -23,7 +23,7 @@ from . import ordering
 from .base import Backend, Handle
 from .gloo import GlooBackend
 from .nccl import NcclBackend
-from .shm import ShmBackend
+from .shm import REDUCE_DTYPES, ShmBackend
 
 
 class HierarchicalBackend(Backend):
@@ -99,6 +99,8 @@ class HierarchicalBackend(Backend):
         of the parts, then a local sum. It lives in the reused buffer of `slot` (one per tensor
         of a call) until the next call."""
         k = self.intra.world_size
+        if isinstance(self.intra, ShmBackend) and dtype in REDUCE_DTYPES:  # summed in place, fewer copies
+            return self.intra.reduce_scatter(flat, self._received(slot, 1, size, dtype)[0])
         if flat.dtype == dtype and flat.numel() == k * size and flat.is_contiguous():
             send = flat.view(k, size)  # already in place: no copy
         else:

@@ -75,8 +75,8 @@ _LIVENESS_EVERY_S = 0.2
 _SLOT_ALIGN = 64 * 1024  # slot sizes: multiples of 64 KiB, grown by at least half at a time
 _CHUNK_ALIGN = 16  # elements: the all-reduce's per-rank chunks start on vector boundaries
 
-_ALL_GATHER, _ALL_TO_ALL, _BARRIER, _ALL_REDUCE = 1, 2, 3, 16
-_REDUCE_DTYPES = (
+_ALL_GATHER, _ALL_TO_ALL, _BARRIER, _ALL_REDUCE, _REDUCE_SCATTER = 1, 2, 3, 16, 32
+REDUCE_DTYPES = (
     torch.float32,
     torch.float64,
     torch.float16,
@@ -162,13 +162,8 @@ class ShmBackend(Backend):
         ranks = ",".join(map(str, dist.get_process_group_ranks(self.group or dist.group.WORLD)))
         return _Rendezvous(dist.PrefixStore(f"compcomm/shm/{ranks}/", dist.distributed_c10d._get_default_store()))
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._size
+    rank = property(lambda self: self._rank, doc="This rank's number in the group.")
+    world_size = property(lambda self: self._size, doc="The number of ranks in the group.")
 
     @property
     def device(self) -> torch.device:
@@ -308,14 +303,14 @@ class ShmBackend(Backend):
         return None
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        if tensor.dtype not in _REDUCE_DTYPES:
+        if tensor.dtype not in REDUCE_DTYPES:
             raise TypeError(f"the shm backend cannot all-reduce {tensor.dtype} tensors")
         flat, n, me = tensor.view(-1), self._size, self._rank
         numel, nbytes = flat.numel(), flat.numel() * flat.element_size()
         if numel == 0:
             return
         chunk = -(-numel // (n * _CHUNK_ALIGN)) * _CHUNK_ALIGN
-        segment = self._start(_ALL_REDUCE + _REDUCE_DTYPES.index(tensor.dtype), nbytes)
+        segment = self._start(_ALL_REDUCE + REDUCE_DTYPES.index(tensor.dtype), nbytes)
         slots = segment.slots[:, :nbytes].view(tensor.dtype)
         slots[me].copy_(flat)
         self._step(segment, "all_reduce")
@@ -334,6 +329,45 @@ class ShmBackend(Backend):
                 flat[lo:hi].copy_(slots[q, lo:hi])
         self._finish(segment)
 
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` <- block `rank` (out.numel() elements) of the sum over ranks of the 1-D `flat`,
+        zero-padded to n * out.numel() elements, in out's dtype, added in rank order
+        ((x0 + x1) + x2) + ... (the hierarchical backend's exact step inside a node). Bitwise
+        what an all-to-all of the blocks and a local sum in rank order give, with fewer copies:
+        each rank copies into its slot only the blocks its peers sum, and sums its own block
+        straight out of theirs. bytes_sent counts the (n-1) blocks, as for that all-to-all."""
+        if out.dtype not in REDUCE_DTYPES:
+            raise TypeError(f"the shm backend cannot sum {out.dtype} tensors")
+        if flat.dim() != 1 or flat.numel() > self._size * out.numel() or not out.is_contiguous():
+            raise ValueError(f"reduce_scatter: flat {tuple(flat.shape)} must be 1-D, at most {self._size} x out")
+        self.bytes_sent += (self._size - 1) * out.numel() * out.element_size()
+        self.ordered(self._reduce_scatter, flat, out.view(-1))
+        return out
+
+    def _reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        n, me, size = self._size, self._rank, out.numel()
+        if n == 1 or size == 0:
+            _block(flat, me, out)
+            return
+        nbytes = n * size * out.element_size()
+        segment = self._start(_REDUCE_SCATTER + REDUCE_DTYPES.index(out.dtype), nbytes)
+        mine = segment.slots[me, :nbytes].view(out.dtype)
+        for q in range(n):
+            if q != me:
+                _block(flat, q, mine[q * size : (q + 1) * size])
+        self._step(segment, "reduce_scatter")
+        self._check_same_call(segment, "reduce_scatter")
+        own = flat[me * size : (me + 1) * size]
+        if own.numel() < size or own.dtype != out.dtype:  # a short or converted block: padded copy
+            own = _block(flat, me, torch.empty_like(out))
+        terms = [
+            own if q == me else segment.slots[q, :nbytes].view(out.dtype)[me * size : (me + 1) * size] for q in range(n)
+        ]
+        torch.add(terms[0], terms[1], out=out)
+        for term in terms[2:]:
+            out.add_(term)
+        self._finish(segment)
+
     def _barrier(self) -> None:
         segment = self._start(_BARRIER, 0)
         self._step(segment, "barrier")
@@ -342,3 +376,12 @@ class ShmBackend(Backend):
 
     def __repr__(self) -> str:
         return f"<ShmBackend rank {self._rank} of {self._size} on this host>"
+
+
+def _block(flat: torch.Tensor, index: int, into: torch.Tensor) -> torch.Tensor:
+    """`into` <- block `index` (into.numel() elements) of `flat`, converted, zero beyond its end."""
+    size = into.numel()
+    real = flat[index * size : (index + 1) * size]
+    into[: real.numel()].copy_(real)
+    into[real.numel() :].zero_()
+    return into

@@ -305,3 +305,32 @@ def test_shm_without_process_group_says_init_process_group():
     assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         backends.get("shm")
+
+
+def reduce_scatter(members: tuple[int, ...], numel: int, dtype: torch.dtype) -> dict:
+    """shm's reduce-scatter against gloo's all-to-all of the zero-padded fp32 blocks and a sum
+    in rank order (what the hierarchical backend does over gloo)."""
+    import torch.distributed as dist
+
+    shm, gloo = pair(members)
+    n, me = shm.world_size, members.index(dist.get_rank())
+    size = -(-numel // n)
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(me + numel)) * 5).to(dtype)
+    out = torch.full((size,), float("nan"))
+    sent = shm.bytes_sent
+    assert shm.reduce_scatter(x, out) is out
+    blocks = torch.zeros(n, size)
+    blocks.view(-1)[:numel].copy_(x)
+    received = torch.empty_like(blocks)
+    gloo.all_to_all(blocks.view(torch.uint8), received.view(torch.uint8))
+    expected = received[0].clone()
+    for row in received[1:]:
+        expected += row
+    return {"same": torch.equal(out, expected), "sent": shm.bytes_sent - sent == (n - 1) * size * 4}
+
+
+@pytest.mark.parametrize("members", [(0, 1), (0, 1, 2), (0, 1, 2, 3)])
+@pytest.mark.parametrize("numel, dtype", [(1000, torch.float32), (1001, torch.float32), (5, torch.bfloat16)])
+def test_reduce_scatter_is_the_all_to_all_and_rank_order_sum_bitwise(pool, members, numel, dtype):
+    for r in pool.run(reduce_scatter, members, numel, dtype, ranks=members):
+        assert r == {"same": True, "sent": True}
