@@ -24,6 +24,7 @@ from .base import Backend, Handle
 from .gloo import GlooBackend
 from .nccl import NcclBackend
 from .shm import REDUCE_DTYPES, ShmBackend
+from .shm import runs_here as shm_runs_here
 
 
 class HierarchicalBackend(Backend):
@@ -164,10 +165,11 @@ def from_torch(
     ranks per node (default: LOCAL_WORLD_SIZE, set by torchrun) numbered node-major.
 
     `transport` joins the nodes ("gloo" or "nccl"; default: the default group's). `intra` joins
-    the ranks of one node: "shm", "gloo" or "nccl"; by default "shm" (shared memory) under gloo,
-    because a node's CPU ranks share its memory and copying through it runs ~10x faster than
-    gloo's loopback TCP (bench/results/README.md), and the transport itself under nccl, which
-    picks NVLink or shared memory inside a node on its own. Every choice gives bitwise the same
+    the ranks of one node: "shm", "gloo" or "nccl". The default is "shm" (shared memory) under
+    gloo on x86, because a node's CPU ranks share its memory, and copying through it beats gloo's
+    loopback TCP several times over (bench/results/README.md); gloo on other machines, whose
+    store order the shm backend's signals do not rely on; under nccl, nccl itself, which picks
+    NVLink or shared memory inside a node on its own. Every choice gives bitwise the same
     results: inside a node only bytes move, and the reduce-scatter sums in local rank order.
 
     Makes one group per node and one per local index, collectively: every rank must call it."""
@@ -186,7 +188,7 @@ def from_torch(
     if k < 1 or world % k:
         raise ValueError(f"{world} ranks cannot form nodes of {k} ranks (local_world_size must divide the world size)")
     transport = transport or ("nccl" if "nccl" in str(dist.get_backend()) else "gloo")
-    intra = intra or ("shm" if transport == "gloo" else transport)
+    intra = intra or ("shm" if transport == "gloo" and shm_runs_here() else transport)
     if transport not in ("gloo", "nccl"):
         raise ValueError(f"transport must be one of gloo, nccl, got {transport!r}")
     if intra not in _TRANSPORTS:

@@ -89,6 +89,11 @@ REDUCE_DTYPES = (
 )
 
 
+def runs_here() -> bool:
+    """Whether this machine orders stores as the backend's signals need (x86: TSO)."""
+    return platform.machine().lower() in _TSO_MACHINES
+
+
 class _Rendezvous:
     """A channel's transport: the group's store under compcomm's prefix, and the number of
     segments made over it, which is the same on every rank (segments are made inside calls,
@@ -135,11 +140,10 @@ class ShmBackend(Backend):
         directory: str = SHM_DIRECTORY,
     ) -> None:
         super().__init__()
-        machine = platform.machine().lower()
-        if machine not in _TSO_MACHINES:
+        if not runs_here():
             raise RuntimeError(
-                f"the shm backend's signals rely on x86's total store order, and this machine is {machine}: "
-                "use backend 'gloo' (or the hierarchical backend with intra='gloo')"
+                f"the shm backend's signals rely on x86's total store order, and this machine is "
+                f"{platform.machine()}: use backend 'gloo' (or the hierarchical backend with intra='gloo')"
             )
         require_member(group, self.name, "gloo")
         self.group = group

@@ -117,7 +117,10 @@ def open_segment(
                 store.set(name_key, path.name)
             except OSError as exc:
                 store.set(name_key, "")
-                raise RuntimeError(f"rank 0 could not create a shared-memory segment in {directory}: {exc}") from exc
+                raise RuntimeError(
+                    f"rank 0 could not create a shared-memory segment of {size} bytes in {directory} ({exc}); "
+                    "a container's /dev/shm may be small (docker run --shm-size), or use gloo inside the node"
+                ) from exc
         else:
             name = _store_wait(store, [name_key], wait, "the segment's name from rank 0").get(name_key).decode()
             if not name:
@@ -166,7 +169,7 @@ def _create(directory: str, size: int, world: int, slot_bytes: int) -> tuple[Pat
     path = Path(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS at the first touch of a page
         memory = mmap.mmap(fd, size)
     except OSError:
         path.unlink(missing_ok=True)
