@@ -167,7 +167,7 @@ def from_torch(
     `transport` joins the nodes ("gloo" or "nccl"; default: the default group's). `intra` joins
     the ranks of one node: "shm", "gloo" or "nccl". The default is "shm" (shared memory) under
     gloo on x86, because a node's CPU ranks share its memory, and copying through it beats gloo's
-    loopback TCP several times over (bench/results/README.md); gloo on other machines, whose
+    loopback TCP 1.4-6x per collective (bench/results/README.md); gloo on other machines, whose
     store order the shm backend's signals do not rely on; under nccl, nccl itself, which picks
     NVLink or shared memory inside a node on its own. Every choice gives bitwise the same
     results: inside a node only bytes move, and the reduce-scatter sums in local rank order.

@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from ranks import add_nprocs_argument, gather_floats, run_ranks, set_threads
 from records import write_json
@@ -66,7 +67,7 @@ def _time(be, call, iters: int, warmup: int) -> float:
 def run(args: argparse.Namespace) -> list[dict]:
     from compcomm import backends
 
-    set_threads()
+    set_threads(dist.get_world_size())  # an even share of the cores: more threads would spin against peers
     made = {name: backends.get(name) for name in TRANSPORTS}
     n = made["shm"].world_size
     rows = []
