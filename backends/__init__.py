@@ -1,6 +1,7 @@
 """Transports for the compressed collectives: they move bytes and count them, never decide numerics.
 
-One module per transport (gloo, nccl, mpi, local, and the two-level hierarchical composite);
+One module per transport (gloo, nccl, mpi, shm (shared memory among one host's ranks), local,
+and the two-level hierarchical composite);
 `get(name, **options)` builds one, `resolve` picks one when the caller names none. Optional
 dependencies (mpi4py, cupy) are imported only when a backend that needs them is built, so
 `import compcomm` needs only torch and numpy.

@@ -23,6 +23,8 @@ from . import ordering
 from .base import Backend, Handle
 from .gloo import GlooBackend
 from .nccl import NcclBackend
+from .shm import REDUCE_DTYPES, ShmBackend
+from .shm import runs_here as shm_runs_here
 
 
 class HierarchicalBackend(Backend):
@@ -98,6 +100,8 @@ class HierarchicalBackend(Backend):
         of the parts, then a local sum. It lives in the reused buffer of `slot` (one per tensor
         of a call) until the next call."""
         k = self.intra.world_size
+        if isinstance(self.intra, ShmBackend) and dtype in REDUCE_DTYPES:  # summed in place, fewer copies
+            return self.intra.reduce_scatter(flat, self._received(slot, 1, size, dtype)[0])
         if flat.dtype == dtype and flat.numel() == k * size and flat.is_contiguous():
             send = flat.view(k, size)  # already in place: no copy
         else:
@@ -154,9 +158,19 @@ def hierarchical(intra: Backend, inter: Backend) -> HierarchicalBackend:
     return HierarchicalBackend(intra, inter)
 
 
-def from_torch(local_world_size: int | None = None, transport: str | None = None) -> HierarchicalBackend:
+def from_torch(
+    local_world_size: int | None = None, transport: str | None = None, intra: str | None = None
+) -> HierarchicalBackend:
     """The hierarchical backend of the default torch.distributed group, with `local_world_size`
     ranks per node (default: LOCAL_WORLD_SIZE, set by torchrun) numbered node-major.
+
+    `transport` joins the nodes ("gloo" or "nccl"; default: the default group's). `intra` joins
+    the ranks of one node: "shm", "gloo" or "nccl". The default is "shm" (shared memory) under
+    gloo on x86, because a node's CPU ranks share its memory, and copying through it beats gloo's
+    loopback TCP 1.4-6x per collective (bench/results/README.md); gloo on other machines, whose
+    store order the shm backend's signals do not rely on; under nccl, nccl itself, which picks
+    NVLink or shared memory inside a node on its own. Every choice gives bitwise the same
+    results: inside a node only bytes move, and the reduce-scatter sums in local rank order.
 
     Makes one group per node and one per local index, collectively: every rank must call it."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -174,15 +188,23 @@ def from_torch(local_world_size: int | None = None, transport: str | None = None
     if k < 1 or world % k:
         raise ValueError(f"{world} ranks cannot form nodes of {k} ranks (local_world_size must divide the world size)")
     transport = transport or ("nccl" if "nccl" in str(dist.get_backend()) else "gloo")
-    if transport not in _TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}")
+    intra = intra or ("shm" if transport == "gloo" and shm_runs_here() else transport)
+    if transport not in ("gloo", "nccl"):
+        raise ValueError(f"transport must be one of gloo, nccl, got {transport!r}")
+    if intra not in _TRANSPORTS:
+        raise ValueError(f"intra must be one of {', '.join(_TRANSPORTS)}, got {intra!r}")
     nodes = _groups([[h * k + i for i in range(k)] for h in range(world // k)])
     peers = _groups([[h * k + i for h in range(world // k)] for i in range(k)])
-    make = _TRANSPORTS[transport]
-    return HierarchicalBackend(make(group=nodes[rank // k]), make(group=peers[rank % k]))
+    return HierarchicalBackend(
+        _TRANSPORTS[intra](group=nodes[rank // k]), _TRANSPORTS[transport](group=peers[rank % k])
+    )
 
 
-_TRANSPORTS: dict[str, type[GlooBackend] | type[NcclBackend]] = {"gloo": GlooBackend, "nccl": NcclBackend}
+_TRANSPORTS: dict[str, type[GlooBackend] | type[NcclBackend] | type[ShmBackend]] = {
+    "gloo": GlooBackend,
+    "nccl": NcclBackend,
+    "shm": ShmBackend,
+}
 
 
 def _groups(members: Sequence[list[int]]) -> list[Any]:

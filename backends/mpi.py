@@ -20,21 +20,10 @@ import torch
 from .base import Backend, Handle
 from .mpi_runtime import import_mpi, query_cuda_aware
 from .pinned import PinnedPool
+from .waiting import timeout_seconds
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
-"""As torch.distributed's process groups."""
 _PAUSE_FRACTION = 1 / 50
 _SHORTEST_PAUSE_S, _LONGEST_PAUSE_S = 1e-4, 1e-3  # below: poll again at once (a sleep oversleeps ~50 us)
-
-
-def timeout_seconds(timeout: float | datetime.timedelta | None) -> float:
-    """`timeout` (seconds, a timedelta, or None for the default) as positive seconds."""
-    if timeout is None:
-        timeout = DEFAULT_TIMEOUT
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    if not seconds > 0:
-        raise ValueError(f"timeout must be positive (seconds or a datetime.timedelta), got {timeout!r}")
-    return seconds
 
 
 class _CudaBytes:

@@ -14,21 +14,25 @@ from .local import LocalBackend
 from .mpi import MPIBackend
 from .mpi_runtime import launched_by_mpi
 from .nccl import NcclBackend
+from .shm import ShmBackend
 
 _REGISTRY: dict[str, Callable[..., Backend]] = {
     "local": LocalBackend,
     "gloo": GlooBackend,
     "nccl": NcclBackend,
     "mpi": MPIBackend,
+    "shm": ShmBackend,
     "hierarchical": from_torch,
 }
 _defaults: dict[str, Backend] = {}
 
 
 def get(name: str, **options) -> Backend:
-    """A new backend by name ("gloo", "nccl", "mpi", "local", "hierarchical"); options go to its
-    constructor, e.g. `group=` (a torch.distributed sub-group) or `comm=` (an MPI communicator);
-    "hierarchical" is built from the default torch group and LOCAL_WORLD_SIZE (`local_world_size=`)."""
+    """A new backend by name ("gloo", "nccl", "mpi", "shm", "local", "hierarchical"); options go to
+    its constructor, e.g. `group=` (a torch.distributed sub-group) or `comm=` (an MPI communicator);
+    "shm" joins the ranks of one host through shared memory (`group=` of those ranks, `timeout=`);
+    "hierarchical" is built from the default torch group and LOCAL_WORLD_SIZE (`local_world_size=`,
+    `intra=` "shm" (default on CPU) or "gloo" inside a node)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(_REGISTRY)} or pass a Backend")
     return _REGISTRY[name](**options)

@@ -29,14 +29,7 @@ class TorchDistBackend(Backend):
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                f"the {self.name} backend needs torch.distributed: call "
-                f"torch.distributed.init_process_group('{self.pg_backend}') first (torchrun sets the "
-                "environment it reads), or pass backend='mpi' under mpirun"
-            )
-        if group is not None and dist.get_rank(group) < 0:
-            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
+        require_member(group, self.name, self.pg_backend)
         used = dist.get_backend(group)
         if self.pg_backend not in str(used):
             raise RuntimeError(
@@ -62,7 +55,7 @@ class TorchDistBackend(Backend):
         store = dist.PrefixStore(
             f"compcomm/{self.pg_backend}/{','.join(map(str, ranks))}/", dist.distributed_c10d._get_default_store()
         )
-        timeout = _timeout(group, self.device)
+        timeout = group_timeout(group, self.device)
         if self.pg_backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -97,10 +90,26 @@ class TorchDistBackend(Backend):
         self.transport.barrier().wait()
 
 
-def _timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta:
-    """The caller's group timeout, so that a dead peer fails compcomm's calls as soon as theirs
-    (torch's default, 30 minutes, where the group does not say)."""
+def require_member(group: dist.ProcessGroup | None, name: str, pg_backend: str) -> None:
+    """RuntimeError naming init_process_group unless torch.distributed is initialized; ValueError
+    unless this process is a member of `group` (None: the default group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"the {name} backend needs torch.distributed: call "
+            f"torch.distributed.init_process_group('{pg_backend}') first (torchrun sets the "
+            "environment it reads), or pass backend='mpi' under mpirun"
+        )
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
+
+
+def group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> datetime.timedelta:
+    """The caller's group timeout (None: the default group's), so that a dead peer fails
+    compcomm's calls as soon as theirs (torch's default, 30 minutes, where the group does not say)."""
+    group = group if group is not None else dist.group.WORLD
     try:
-        return group._get_backend(device).options._timeout
+        if group is not None:
+            return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
-        return datetime.timedelta(minutes=30)
+        pass
+    return datetime.timedelta(minutes=30)

@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the compressed op on compcomm.backends.get('hierarchical'): exact within "
         "each node of LOCAL_WORLD_SIZE ranks, 1-bit across nodes (torchrun/netsim launches)",
     )
+    p.add_argument(
+        "--intra",
+        choices=("shm", "gloo", "nccl"),
+        default=None,
+        help="with --hierarchical: the transport inside a node (default: shm under gloo, nccl under nccl)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the result records (SPEC 7 keys) as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of busbw vs size, compressed vs allreduce")
     p.add_argument("--title", default=None, help="plot title suffix (e.g. the simulated link)")
@@ -258,6 +264,8 @@ def run_rank(args, be, label: str, hier=None) -> list[dict] | None:
     lead = rank == 0
     if lead:
         print_header(args, be.world_size, label)
+        if hier is not None:
+            print(f"# hier rows: {hier.intra.name} inside a node, {hier.inter.name} across nodes", flush=True)
     records: list[dict] = []
     t_start = time.perf_counter()
     for index, size in enumerate(sizes):
@@ -447,7 +455,7 @@ def _torch_dist_rank(args, label: str) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(args.backend, timeout=datetime.timedelta(minutes=30))
     try:
-        hier = backends.get("hierarchical") if args.hierarchical else None
+        hier = backends.get("hierarchical", intra=args.intra) if args.hierarchical else None
         run_rank(args, backends.get(args.backend), label, hier)
     finally:
         dist.destroy_process_group()

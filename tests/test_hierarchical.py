@@ -1,7 +1,8 @@
 """The hierarchical backend on real gloo ranks: 2 nodes x 2 ranks and 2 nodes x 3 ranks (six
 spawned ranks), against a float64 model of its numerics built on the reference of the flat
-algorithm; bitwise identical results; errors raised on every rank with nothing changed; byte
-collectives composed from the two levels; an optimizer and the coalesced call on top of it."""
+algorithm; bitwise identical results, with gloo or shared memory inside the node alike; errors
+raised on every rank with nothing changed; byte collectives composed from the two levels; an
+optimizer and the coalesced call on top of it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from rankpool import RankPool, caught
 from reference import reference_allreduce
 
 _backends: dict[str, object] = {}  # per rank process: layout name -> its HierarchicalBackend
-LAYOUTS = {"2x2": (2, 2), "2x3": (2, 3)}  # nodes x ranks per node
+LAYOUTS = {"2x2": (2, 2), "2x3": (2, 3)}  # nodes x ranks per node; gloo inside the node
+SHM = {f"{layout}/shm": shape for layout, shape in LAYOUTS.items()}  # shared memory inside the node
 
 
 def _build() -> None:
@@ -29,13 +31,15 @@ def _build() -> None:
     from compcomm import backends
 
     rank = dist.get_rank()
-    _backends["2x3"] = backends.get("hierarchical", local_world_size=3)
+    _backends["2x3"] = backends.get("hierarchical", local_world_size=3, intra="gloo")
+    _backends["2x3/shm"] = backends.get("hierarchical", local_world_size=3)  # shm: the default on CPU
     node = [dist.new_group(r) for r in ([0, 1], [2, 3])]
     peer = [dist.new_group(r) for r in ([0, 2], [1, 3])]
     if rank < 4:
-        _backends["2x2"] = backends.hierarchical(
-            backends.get("gloo", group=node[rank // 2]), backends.get("gloo", group=peer[rank % 2])
-        )
+        for intra, name in (("gloo", "2x2"), ("shm", "2x2/shm")):
+            _backends[name] = backends.hierarchical(
+                backends.get(intra, group=node[rank // 2]), backends.get("gloo", group=peer[rank % 2])
+            )
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,7 @@ def six():
 
 
 def ranks_of(layout: str) -> range:
-    nodes, k = LAYOUTS[layout]
+    nodes, k = {**LAYOUTS, **SHM}[layout]
     return range(nodes * k)
 
 
@@ -96,11 +100,11 @@ def reference(inputs: list[np.ndarray], k: int, op: str, state: dict) -> tuple[n
     return out, new
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, *SHM])
 @pytest.mark.parametrize("numel", [1, 7, 48, 100, 1001])  # 48: parts need no padding
 @pytest.mark.parametrize("op", ["mean", "sum"])
 def test_matches_float64_reference_bitwise_equal_everywhere(six, layout, numel, op):
-    hosts, k = LAYOUTS[layout]
+    hosts, k = {**LAYOUTS, **SHM}[layout]
     steps = 3
     per_rank = six.run(run_steps, layout, numel, op, steps, ranks=ranks_of(layout))
     state: dict = {}
@@ -116,6 +120,19 @@ def test_matches_float64_reference_bitwise_equal_everywhere(six, layout, numel, 
             np.testing.assert_allclose(got_w, new[i][0], rtol=1e-5, atol=1e-5 * scale)
             np.testing.assert_allclose(got_s, new[i][1], rtol=1e-5, atol=1e-5 * scale)
             state[i] = (got_w, got_s)  # the next step from our state: no drift from rounding
+
+
+def both_intra(layout: str, numel: int, op: str) -> list[bytes]:
+    """The same steps with gloo and with shared memory inside the node: outputs and error states."""
+    records = [run_steps(name, numel, op, 3) for name in (layout, f"{layout}/shm")]
+    return [b"".join(r["raw"] + r["worker"].tobytes() + r["server"].tobytes() for r in steps) for steps in records]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("numel", [7, 1001, 70_001])
+def test_shm_inside_the_node_gives_bitwise_what_gloo_gives(six, layout, numel):
+    for via_gloo, via_shm in six.run(both_intra, layout, numel, "mean", ranks=ranks_of(layout)):
+        assert via_gloo == via_shm
 
 
 def bad_call(layout: str, case: str) -> dict:
@@ -155,7 +172,7 @@ def bad_call(layout: str, case: str) -> dict:
     return {"error": error, "unchanged": unchanged, "state_kept": state_kept, "after": after.numpy().tobytes()}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, *SHM])
 @pytest.mark.parametrize(
     "case, kind",
     [
@@ -202,7 +219,7 @@ def byte_collectives(layout: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, *SHM])
 def test_byte_collectives_compose_the_two_levels(six, layout):
     results = six.run(byte_collectives, layout, ranks=ranks_of(layout))
     n = len(results)
@@ -273,7 +290,7 @@ def train(layout: str, steps: int) -> dict:
     return {"params": b"".join(p.detach().numpy().tobytes() for p in model.parameters()), "losses": losses}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, *SHM])
 def test_onebit_adam_over_hierarchical_keeps_ranks_identical(six, layout):
     results = six.run(train, layout, 12, ranks=ranks_of(layout))
     assert len({r["params"] for r in results}) == 1, "parameters differ between ranks"
@@ -281,14 +298,15 @@ def test_onebit_adam_over_hierarchical_keeps_ranks_identical(six, layout):
     assert all(math.isfinite(v) for v in losses) and min(losses[-3:]) < losses[0]
 
 
-def test_get_needs_a_divisible_world(six):
-    assert {r[0] for r in six.run(_wrong_layout)} == {"ValueError"}
+def test_get_needs_a_divisible_world_and_known_transports(six):
+    for options in ({"local_world_size": 4}, {"local_world_size": 3, "intra": "tcp"}, {"transport": "shm"}):
+        assert {r[0] for r in six.run(_wrong_layout, options)} == {"ValueError"}
 
 
-def _wrong_layout() -> tuple | None:
+def _wrong_layout(options: dict) -> tuple | None:
     from compcomm import backends
 
-    return caught(backends.get, "hierarchical", local_world_size=4)
+    return caught(backends.get, "hierarchical", **{"local_world_size": 3, **options})
 
 
 def empty_flat() -> dict:

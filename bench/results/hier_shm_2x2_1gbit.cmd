@@ -1,0 +1,2 @@
+python bench/netsim.py --hosts 2 --ranks-per-host 2 --rate 1gbit --subnet 10.77.72.0/24 --tag shm2 -- python bench/allreduce_bw.py --hierarchical --min-bytes 25M --max-bytes 100M --factor 4 --iters 5 --warmup 2 -q --intra shm --json bench/results/hier_shm_2x2_1gbit_shm.json
+python bench/netsim.py --hosts 2 --ranks-per-host 2 --rate 1gbit --subnet 10.77.72.0/24 --tag shm2 -- python bench/allreduce_bw.py --hierarchical --min-bytes 25M --max-bytes 100M --factor 4 --iters 5 --warmup 2 -q --intra gloo --json bench/results/hier_shm_2x2_1gbit_gloo.json

@@ -1,0 +1,336 @@
+"""The shared-memory backend on real spawned ranks of one host: every collective bitwise equal to
+gloo's over the same group (2, 3 and 4 ranks, uneven and empty sizes, the segment grown again
+and again), the same bytes_sent, async calls ordered against the caller's own collectives, a
+peer that never arrives or dies raising RuntimeError within the timeout, and nothing left in
+/dev/shm."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from compcomm import backends
+from compcomm.backends.shm_segment import PREFIX, SHM_DIRECTORY
+from compcomm.launch import free_port, rank_environment
+
+from rankpool import caught, group
+
+GROUPS = [(0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 3)]
+ABSENT_GROUP = (2, 3)  # only test_a_peer_that_never_arrives uses it: it leaves the group out of step
+_made: dict[tuple[int, ...], tuple[object, object]] = {}  # per rank process: members -> (shm, gloo)
+
+
+def pair(members: tuple[int, ...]) -> tuple:
+    """This rank's (shm, gloo) backends over `members`, made once per rank process."""
+    if members not in _made:
+        _made[members] = (backends.get("shm", group=group(members)), backends.get("gloo", group=group(members)))
+    return _made[members]
+
+
+def random_bytes(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def byte_collectives(members: tuple[int, ...], sizes: list[int]) -> dict:
+    import torch.distributed as dist
+
+    shm, gloo = pair(members)
+    n, me = shm.world_size, dist.get_rank()
+    made_before = shm.transport.made
+    outcome: dict = {"same": [], "sent": None}
+    for size in sizes:
+        send, blocks = random_bytes(me * 7919 + size, size), random_bytes(me * 31 + size, n, size)
+        for name, call, args in (("all_gather", "all_gather", (send,)), ("all_to_all", "all_to_all", (blocks,))):
+            got = [torch.full((n, size), 7, dtype=torch.uint8) for _ in range(2)]
+            for be, recv in zip((shm, gloo), got):
+                getattr(be, call)(*args, recv)
+            outcome["same"].append((name, size, torch.equal(got[0], got[1])))
+    outcome["sent"] = (shm.bytes_sent, gloo.bytes_sent)
+    outcome["segments_made"] = shm.transport.made - made_before
+    return outcome
+
+
+@pytest.mark.parametrize("members", GROUPS)
+def test_all_gather_and_all_to_all_equal_gloo_as_the_segment_grows(pool, members):
+    sizes = [0, 1, 7, 4097, 70_001, 300_007, 5, 1 << 20]  # growth after growth, then small again
+    results = pool.run(byte_collectives, members, sizes, ranks=members)
+    for r in results:
+        assert all(same for _, _, same in r["same"]), [c for c in r["same"] if not c[2]]
+        assert r["sent"][0] == r["sent"][1]  # the same bytes_sent as gloo for the same calls
+        assert r["segments_made"] >= 3
+    assert len({r["segments_made"] for r in results}) == 1
+
+
+def reduce_inputs(members: tuple[int, ...], numel: int, dtype: torch.dtype, exact: bool) -> list[torch.Tensor]:
+    """Every member's input (each rank makes all of them, for a reference); with `exact`, small
+    integers, whose sums do not depend on the order of the additions."""
+    out = []
+    for r in members:
+        g = torch.Generator().manual_seed(1000 * r + numel)
+        x = torch.randint(-8, 9, (numel,), generator=g).float() if exact else torch.randn(numel, generator=g) * 3
+        out.append(x.to(dtype))
+    return out
+
+
+def all_reduce(members: tuple[int, ...], numels: list[int], dtype: torch.dtype, op: str, exact: bool) -> list:
+    import torch.distributed as dist
+
+    shm, gloo = pair(members)
+    me = members.index(dist.get_rank())
+    rows = []
+    for numel in numels:
+        inputs = reduce_inputs(members, numel, dtype, exact)
+        a, b = inputs[me].clone(), inputs[me].clone()
+        shm.all_reduce(a, op)
+        gloo.all_reduce(b, op)
+        ordered = inputs[0].clone()  # the documented order: ((x0 + x1) + x2) + ..., in the dtype
+        for x in inputs[1:]:
+            ordered += x
+        if op == "mean":
+            ordered /= len(members)
+        rows.append((numel, a.view(torch.uint8).numpy().tobytes(), torch.equal(a, b), torch.equal(a, ordered)))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("members, exact", [((0, 1), False), ((0, 1, 2), True), ((0, 1, 2, 3), True)])
+def test_all_reduce_equals_gloo_bitwise(pool, dtype, op, members, exact):
+    """On two ranks any inputs (a + b is b + a); on more, inputs whose sum is exact in any order
+    (gloo's ring adds in an order of its own); always the rank-order sum, on every rank."""
+    numels = [1, 5, 33, 1000, 100_003, 0]
+    results = pool.run(all_reduce, members, numels, dtype, op, exact, ranks=members)
+    for per_numel in zip(*results):
+        assert len({raw for _, raw, _, _ in per_numel}) == 1, "ranks differ"
+        assert all(same_as_gloo and ordered for _, _, same_as_gloo, ordered in per_numel), per_numel[0][0]
+
+
+def test_all_reduce_of_random_floats_on_four_ranks_is_the_rank_order_sum(pool):
+    members = (0, 1, 2, 3)
+    results = pool.run(all_reduce, members, [777, 50_000], torch.float32, "sum", False, ranks=members)
+    for per_numel in zip(*results):
+        assert len({raw for _, raw, _, _ in per_numel}) == 1
+        assert all(ordered for *_, ordered in per_numel)
+
+
+def integers_and_doubles() -> list:
+    shm, gloo = pair((0, 1, 2, 3))
+    out = []
+    for dtype in (torch.int64, torch.float64, torch.uint8):
+        a = (torch.arange(1001) % 7).to(dtype)
+        b = a.clone()
+        shm.all_reduce(a)
+        gloo.all_reduce(b)
+        out.append(torch.equal(a, b))
+    return out + [caught(shm.all_reduce, torch.ones(3, dtype=torch.complex64))]
+
+
+def test_all_reduce_of_other_dtypes(pool):
+    results = pool.run(integers_and_doubles)
+    assert all(r[:3] == [True] * 3 for r in results)
+    assert all(r[3][0] == "TypeError" for r in results)
+
+
+def async_against_own_collectives() -> dict:
+    import torch.distributed as dist
+
+    members = (0, 1, 2, 3)
+    shm, _ = pair(members)
+    me = dist.get_rank()
+    x = torch.full((200_000,), float(me + 1))
+    handles = [shm.all_reduce(x, "sum", async_op=True)]
+    gathered = torch.empty(4, 1000, dtype=torch.uint8)
+    handles.append(shm.all_gather(torch.full((1000,), me, dtype=torch.uint8), gathered, async_op=True))
+    mine = torch.full((10,), float(me))  # the caller's own collectives, on the same group, meanwhile
+    dist.all_reduce(mine, group=group(members))
+    dist.broadcast(mine, src=2, group=group(members))
+    handles.append(shm.all_reduce(y := torch.ones(5), "mean", async_op=True))
+    results = [h.wait() for h in handles]
+    shm.barrier()
+    return {
+        "x": bool((x == 10.0).all()),
+        "returned": results[0] is x and results[2] is y,
+        "gathered": gathered[:, 0].tolist(),
+        "mine": mine.tolist(),
+        "y": y.tolist(),
+    }
+
+
+def test_async_calls_keep_their_order_beside_the_callers_collectives(pool):
+    for r in pool.run(async_against_own_collectives):
+        assert r == {"x": True, "returned": True, "gathered": [0, 1, 2, 3], "mine": [6.0] * 10, "y": [1.0] * 5}
+
+
+def mismatched_calls() -> tuple | None:
+    import torch.distributed as dist
+
+    shm, _ = pair((0, 1))
+    if dist.get_rank() == 0:  # 16 bytes per slot on both ranks, but different collectives
+        return caught(shm.all_gather, torch.zeros(16, dtype=torch.uint8), torch.empty(2, 16, dtype=torch.uint8))
+    return caught(shm.all_to_all, torch.zeros(2, 8, dtype=torch.uint8), torch.empty(2, 8, dtype=torch.uint8))
+
+
+def still_works() -> list:
+    shm, _ = pair((0, 1))
+    x = torch.ones(4)
+    shm.all_reduce(x)
+    return x.tolist()
+
+
+def test_ranks_making_different_calls_raise_valueerror_everywhere(pool):
+    errors = pool.run(mismatched_calls, ranks=[0, 1])
+    assert [e[0] for e in errors] == ["ValueError"] * 2 and "different calls" in errors[0][1]
+    assert pool.run(still_works, ranks=[0, 1]) == [[2.0] * 4] * 2  # still in step
+
+
+def never_arrives() -> dict:
+    """Rank 3 skips a call on a working backend, then the first call of a fresh one."""
+    import torch.distributed as dist
+
+    me, out = dist.get_rank(), {}
+    for case in ("mid-run", "rendezvous"):
+        shm = backends.get("shm", group=group(ABSENT_GROUP), timeout=1.0)
+        if case == "mid-run":
+            shm.all_reduce(torch.ones(8))
+        if me == 3:
+            continue
+        start = time.monotonic()
+        out[case] = (caught(shm.all_reduce, torch.ones(8)), time.monotonic() - start)
+        out[case + " after"] = caught(shm.barrier)
+    return out
+
+
+def test_a_peer_that_never_arrives_raises_runtimeerror_within_the_timeout(pool):
+    waiting, _ = pool.run(never_arrives, ranks=ABSENT_GROUP)
+    for case in ("mid-run", "rendezvous"):
+        (kind, message), seconds = waiting[case]
+        assert kind == "RuntimeError" and "1s" in message, message
+        assert 0.9 < seconds < 5
+        assert waiting[case + " after"][0] == "RuntimeError"  # and refuses further calls
+    assert "rank(s) [1]" in waiting["mid-run"][0][1]
+    assert leftovers(pool) == []
+
+
+def _dying_rank(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(rank_environment(rank, 2, port))
+    dist.init_process_group("gloo")
+    shm = backends.get("shm", timeout=60.0)
+    shm.all_reduce(torch.ones(1000))
+    if rank == 1:
+        os._exit(3)  # dies without a word, between two calls
+    start = time.monotonic()
+    error = caught(shm.all_reduce, torch.ones(1000))
+    results.put((error, time.monotonic() - start))
+
+
+def test_a_peer_that_dies_fails_the_call_fast_not_after_the_timeout():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_dying_rank, args=(r, port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        (kind, message), seconds = results.get(timeout=60)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert kind == "RuntimeError" and "exited" in message and "[1]" in message, message
+    assert seconds < 5  # the timeout was 60 s
+    assert _names(pid for p in procs if (pid := p.pid) is not None) == []
+
+
+def _names(pids) -> list[str]:
+    mine = {f"{PREFIX}{pid}-" for pid in pids}
+    return [e for e in os.listdir(SHM_DIRECTORY) if any(e.startswith(m) for m in mine)]
+
+
+def rank_pid() -> int:
+    return os.getpid()
+
+
+def leftovers(pool) -> list[str]:
+    """Segment names in /dev/shm created by the pool's ranks (each unlinks its own right after
+    every peer has mapped it)."""
+    return _names(pool.run(rank_pid))
+
+
+def close_and_look() -> dict:
+    shm = backends.get("shm", group=group(4))
+    shm.all_reduce(torch.ones(100_000))
+    before = _mapped()
+    shm.close()
+    return {"before": before, "after": _mapped(), "refused": caught(shm.barrier)}
+
+
+def _mapped() -> int:
+    return sum(PREFIX in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_nothing_left_in_dev_shm_and_close_unmaps(pool):
+    results = pool.run(close_and_look)
+    assert leftovers(pool) == []
+    for r in results:
+        assert r["before"] >= 1 and r["after"] == r["before"] - 1
+        assert r["refused"][0] == "RuntimeError" and "closed" in r["refused"][1]
+
+
+def apart(tmp: str) -> tuple | None:
+    """Ranks that do not share a directory (as ranks of two hosts do not share /dev/shm)."""
+    import torch.distributed as dist
+
+    directory = Path(tmp, f"rank{dist.get_rank()}")
+    directory.mkdir()
+    shm = backends.get("shm", group=group(2), timeout=30.0, directory=str(directory))
+    return caught(shm.all_reduce, torch.ones(4))
+
+
+def test_ranks_that_share_no_memory_raise_on_every_rank(pool, tmp_path):
+    errors = pool.run(apart, str(tmp_path), ranks=[0, 1])
+    assert [e[0] for e in errors] == ["RuntimeError"] * 2
+    assert all("do not share memory" in e[1] and "one host" in e[1] for e in errors), errors
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_shm_without_process_group_says_init_process_group():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        backends.get("shm")
+
+
+def reduce_scatter(members: tuple[int, ...], numel: int, dtype: torch.dtype) -> dict:
+    """shm's reduce-scatter against gloo's all-to-all of the zero-padded fp32 blocks and a sum
+    in rank order (what the hierarchical backend does over gloo)."""
+    import torch.distributed as dist
+
+    shm, gloo = pair(members)
+    n, me = shm.world_size, members.index(dist.get_rank())
+    size = -(-numel // n)
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(me + numel)) * 5).to(dtype)
+    out = torch.full((size,), float("nan"))
+    sent = shm.bytes_sent
+    assert shm.reduce_scatter(x, out) is out
+    blocks = torch.zeros(n, size)
+    blocks.view(-1)[:numel].copy_(x)
+    received = torch.empty_like(blocks)
+    gloo.all_to_all(blocks.view(torch.uint8), received.view(torch.uint8))
+    expected = received[0].clone()
+    for row in received[1:]:
+        expected += row
+    return {"same": torch.equal(out, expected), "sent": shm.bytes_sent - sent == (n - 1) * size * 4}
+
+
+@pytest.mark.parametrize("members", [(0, 1), (0, 1, 2), (0, 1, 2, 3)])
+@pytest.mark.parametrize("numel, dtype", [(1000, torch.float32), (1001, torch.float32), (5, torch.bfloat16)])
+def test_reduce_scatter_is_the_all_to_all_and_rank_order_sum_bitwise(pool, members, numel, dtype):
+    for r in pool.run(reduce_scatter, members, numel, dtype, ranks=members):
+        assert r == {"same": True, "sent": True}
