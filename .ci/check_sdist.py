@@ -1,4 +1,4 @@
-"""Build the sdist and check that it holds every tracked file its tests and benchmarks use.
+"""Build the sdist and check that it holds every tracked file its tests, benchmarks and examples use.
 
 Run from the repository root (by .ci/run). Exits non-zero naming what is missing.
 """
@@ -14,6 +14,7 @@ from pathlib import Path
 NEEDED = (
     "tests/",
     "bench/",
+    "examples/",
     "compcomm/",
     "backends/",
     "setup.py",

@@ -82,15 +82,18 @@ class Backend(ABC):
 
     @property
     @abstractmethod
-    def rank(self) -> int: ...
+    def rank(self) -> int:
+        """This process's rank in the backend's group."""
 
     @property
     @abstractmethod
-    def world_size(self) -> int: ...
+    def world_size(self) -> int:
+        """The number of ranks in the backend's group."""
 
     @property
     @abstractmethod
-    def device(self) -> torch.device: ...
+    def device(self) -> torch.device:
+        """The device whose buffers the collectives take (cpu, or this rank's CUDA device)."""
 
     def serves(self, device: torch.device) -> bool:
         """Whether tensors on `device` can go through this backend."""

@@ -13,9 +13,13 @@ call, so the sum over calls stays exact. The result is bitwise identical on ever
 `compressed_allreduce_coalesced(tensors, error_feedbacks)` reduces several tensors with one
 agreement: all complete or none changes.
 
+`compressed_reduce_scatter(output, tensor, error_feedback)` is the 1-bit reduce-scatter (each
+rank gets its own row of the reduction).
+
 Transports: `compcomm.backends` (gloo, nccl, mpi, local, hierarchical; `get(name, group=... / comm=...)`).
-Optimizers that own the gradient communication: `compcomm.optim` (OnebitAdam, OnebitLamb, ZeroOneAdam).
-For DDP users who keep their own optimizer: `compcomm.ddp.onebit_hook` (a DDP comm hook).
+Optimizers that own the gradient communication: `compcomm.optim` (OnebitAdam, OnebitLamb, ZeroOneAdam,
+and DiLoCo, which syncs every H steps). For DDP users who keep their own optimizer (SGD):
+`compcomm.ddp.onebit_hook` (a DDP comm hook). For FSDP2 / HSDP models: `compcomm.fsdp.compress`.
 Bucketing helpers: `compcomm.layout`. Which codec kernels run here: `compcomm.codec_info()`.
 Any rank's bad input raises the same error on every rank with nothing changed: TypeError,
 ValueError, or `NonFiniteError` for NaN/Inf.

@@ -50,6 +50,7 @@ class ErrorFeedback:
 
     @property
     def initialized(self) -> bool:
+        """Whether a call (or `load_state_dict`) has sized the errors yet."""
         return self.worker_error is not None
 
     @property
@@ -190,6 +191,9 @@ class ErrorFeedback:
         self._server_max = None
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's errors and what they belong to: `worker_error`, `server_error`, `numel`,
+        `world_size` (and `layout` for a reduce-scatter). They differ across ranks: save one file
+        per rank."""
         state: dict[str, Any] = {
             "worker_error": self.worker_error,
             "server_error": self.server_error,

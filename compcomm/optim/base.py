@@ -387,3 +387,6 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._load_rank_local(mine.get("rank_local") or {})
 
     drop_error_feedback = staticmethod(checkpoints.drop_error_feedback)
+    """`OnebitOptimizer.drop_error_feedback(sd)`: a copy of the state dict `sd` without per-rank
+    state, loadable on any rank and world size (a documented reset: the compression errors
+    carried so far are forgotten)."""
