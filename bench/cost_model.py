@@ -8,7 +8,8 @@ Each phase costs latency + bytes / bandwidth, or codec bytes / memory bandwidth:
 
     comm part over a group of g ranks:  alpha * (g - 1) * share  +  max(0, bytes - burst) / B
     codec pass:                         bytes moved / gamma_pass * share
-    share = max(1, ranks on the machine / cores): ranks of a simulated cluster share its cores
+    share = max(1, ranks on the machine / cores): ranks of a simulated cluster share its cores,
+            or, in an emulated cluster (netsim --cpus-per-host C), max(1, ranks per host / C)
 
 and the call overlaps what it overlaps: scan + header + max(a2a, werr) + server + max(gather,
 serr) + decode (phase 0's all-to-all carries a repeated call's first FOLD_BYTES / n sign bytes per
@@ -27,11 +28,21 @@ import json
 from collective_model import BURST, CODEC, chunk, flat_bytes, flat_parts, hier_parts
 
 
+def core_share(record: dict, cores: int) -> float:
+    """How many of a run's rank threads share one core: those of the whole machine when the
+    simulated hosts share its cores freely, those of one host when each host had its own quota
+    (an emulated run's times are already the emulated cluster's)."""
+    threads = record.get("ranks_per_host", 1) * record.get("threads", 1)
+    if record.get("cpus_per_host"):
+        return max(1.0, threads / record["cpus_per_host"])
+    return max(1.0, record["world_size"] * record.get("threads", 1) / cores)
+
+
 def calibrate(record: dict, cores: int, loopback: dict | None = None) -> dict:
     """alpha, B and the gammas from one flat run (1 rank per host); B_lo from the `rs` part of
     a run with several ranks per host."""
     n, numel = record["world_size"], record["numel"]
-    share = max(1.0, n * record.get("threads", 1) / cores)
+    share = core_share(record, cores)
     b = flat_bytes(numel, n)
     p = {
         "burst": BURST,
@@ -41,7 +52,7 @@ def calibrate(record: dict, cores: int, loopback: dict | None = None) -> dict:
     sent = b["a2a"] + b["gather"] + b["allreduce"] - 3 * BURST
     p["B"] = sent / (record["a2a_s"] + record["gather_s"] + record["allreduce_s"] - 4 * p["alpha"] * (n - 1) * share)
     if loopback is not None:
-        k, lo_share = loopback["ranks_per_host"], max(1.0, loopback["world_size"] * loopback.get("threads", 1) / cores)
+        k, lo_share = loopback["ranks_per_host"], core_share(loopback, cores)
         moved = (k - 1) * 4.0 * chunk(loopback["numel"], k)
         p["B_lo"] = moved / max(1e-9, loopback["rs_s"] - p["alpha"] * (k - 1) * lo_share)
     return p
@@ -90,7 +101,7 @@ def extrapolate(numel: int) -> list[str]:
 
 def compare(record: dict, p: dict, cores: int) -> list[str]:
     n, numel, k = record["world_size"], record["numel"], record.get("ranks_per_host", 1)
-    share = max(1.0, n * record.get("threads", 1) / cores)
+    share = core_share(record, cores)
     pred = flat_parts(p, numel, n, share, k)
     if k > 1 and "B_lo" in p:
         pred.update(hier_parts(p, numel, n // k, k, share))
@@ -110,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", required=True, help="phases JSON whose largest size calibrates the model")
     ap.add_argument("files", nargs="*", help="phases JSON files to predict")
     ap.add_argument("--loopback", help="phases JSON with several ranks per host: its largest rs row gives B_lo")
-    ap.add_argument("--cores", type=int, default=2, help="cores of the machine the runs shared (default 2)")
+    ap.add_argument(
+        "--cores", type=int, default=2, help="cores of the machine the runs shared, where not emulated (default 2)"
+    )
     ap.add_argument("--extrapolate", action="store_true", help="print the 64-1024 rank table (100 MiB fp32)")
     args = ap.parse_args(argv)
     with open(args.calibrate) as f:

@@ -14,6 +14,12 @@ the switch to 1 bit, every rank reports the bytes it holds in: parameters (its s
 gradients, optimizer state (OnebitAdam's moments), compcomm's error state, and what the same
 training would hold unsharded (DDP-like: whole parameters, gradients and Adam moments). Counted
 from the tensors themselves (untyped storage sizes), so that the figures are exact.
+
+Then the transient memory of one call of the mode's collective on a 16 MiB fp32 input (FSDP: the
+1-bit reduce-scatter over all ranks; HSDP: the 1-bit allreduce of a shard across the replicas),
+with its error feedback already in use: the most the call held at once beyond what existed before
+it, as a multiple of the input's size (the peak resident set; the ranks start with glibc's mmap
+threshold lowered so that freed buffers leave the process, bench/peak_memory.py).
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ import sys
 import torch
 import torch.distributed as dist
 
+from peak_memory import PeakMemory, mmap_threshold_env
+from peak_memory import supported as memory_measurable
 from ranks import add_nprocs_argument, run_ranks
 from records import write_json
 from tasks import CharMLP
 
 MODES = ("fsdp", "fsdp_propagate", "hsdp")
+TRANSIENT_NUMEL = 4 << 20  # 16 MiB of fp32
 
 
 def tensor_bytes(tensors) -> int:
@@ -81,6 +90,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
     spares = [m.spare for m in state._modules.values() if m.spare is not None]
     errors += [t for ef in spares for t in (ef.worker_error, ef.server_error)]
     moments = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    transient = transient_peak(replicas)
     return {
         "mode": mode,
         "world_size": world,
@@ -90,12 +100,48 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
         "optimizer_bytes": tensor_bytes(moments),
         "error_bytes": tensor_bytes(errors),
         "unsharded_bytes": 4 * whole,  # parameters, gradients, Adam's two moments, all whole
+        "transient_input_bytes": 4 * TRANSIENT_NUMEL,
+        "transient_peak_bytes": transient,
     }
+
+
+def transient_peak(replicas: dist.ProcessGroup | None) -> int | None:
+    """The largest transient peak (max over ranks) of three calls of the mode's 1-bit collective
+    on a 16 MiB input, after one unmeasured call; None where it cannot be measured."""
+    import compcomm
+
+    group = dist.group.WORLD if replicas is None else replicas
+    be = compcomm.backends.get("gloo", group=group)
+    n = be.world_size
+    x = torch.randn(TRANSIENT_NUMEL, generator=torch.Generator().manual_seed(be.rank))
+    out = torch.empty(TRANSIENT_NUMEL // n)
+    ef = compcomm.ErrorFeedback()
+
+    def call() -> None:
+        if replicas is None:
+            compcomm.compressed_reduce_scatter(out, x, ef, backend=be)
+        else:
+            compcomm.compressed_allreduce(x, ef, backend=be)
+
+    call()
+    peaks = []
+    for _ in range(3):
+        with PeakMemory(torch.device("cpu")) as probe:
+            call()
+        peaks.append(probe.bytes or 0)
+    mine = torch.tensor([max(peaks)], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return int(mine.item()) if memory_measurable(torch.device("cpu")) else None
 
 
 def rank_main(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(1)
     return [measure(mode, args) for mode in args.modes.split(",")]
+
+
+def transient_ratio(record: dict) -> str:
+    peak = record["transient_peak_bytes"]
+    return "n/a" if peak is None else f"{peak / record['transient_input_bytes']:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,14 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# compcomm fsdp_memory: {world} ranks, CharMLP 11.2M parameters, OnebitAdam, bytes per rank (rank 0)")
     print(
         f"# {'mode':<16} {'params':>12} {'grads':>12} {'optimizer':>12} {'compcomm error':>15} "
-        f"{'sharded total':>14} {'unsharded':>12} {'error/unsharded':>15}"
+        f"{'sharded total':>14} {'unsharded':>12} {'error/unsharded':>15} {'call transient(x)':>17}"
     )
     for r in results:
         total = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["error_bytes"]
         print(
             f"  {r['mode']:<16} {r['params_bytes']:>12,d} {r['grads_bytes']:>12,d} {r['optimizer_bytes']:>12,d} "
             f"{r['error_bytes']:>15,d} {total:>14,d} {r['unsharded_bytes']:>12,d} "
-            f"{r['error_bytes'] / r['unsharded_bytes']:>15.2f}"
+            f"{r['error_bytes'] / r['unsharded_bytes']:>15.2f} {transient_ratio(r):>17}"
         )
     if args.json:
         write_json(results, args.json)
@@ -127,4 +173,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(mmap_threshold_env())  # read by glibc when each rank's process starts
     sys.exit(main())

@@ -557,6 +557,12 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
                 f"{name} mean step with its syncs (every {r['sync_every']} steps): {r['mean_step_time_ms']:.1f} ms, "
                 f"{base['mean_step_time_ms'] / r['mean_step_time_ms']:.2f}x faster than ddp_adamw's mean step"
             )
+            if "compute_step_time_ms" in base:
+                compute = base["compute_step_time_ms"]
+                lines.append(
+                    f"{name} mean step / the step with no communication: {r['mean_step_time_ms'] / compute:.2f}x "
+                    f"(ddp_adamw's: {base['mean_step_time_ms'] / compute:.2f}x)"
+                )
     if "ddp_sgd" in by and "ddp_sgd_onebit" in by:
         a, b = by["ddp_sgd"]["final_loss"], by["ddp_sgd_onebit"]["final_loss"]
         lines.append(f"onebit hook final loss {b:.4f} vs uncompressed DDP + SGD {a:.4f} ({100 * (b - a) / a:+.2f}%)")

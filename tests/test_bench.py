@@ -208,3 +208,5 @@ def test_fsdp_memory_counts_an_unsharded_error_per_rank(tmp_path):
     whole = record["unsharded_bytes"] // 4  # the model's fp32 parameters, unsharded
     assert record["error_bytes"] == whole
     assert record["params_bytes"] == whole // record["world_size"]
+    peak = record["transient_peak_bytes"]  # one 1-bit reduce-scatter's transient memory
+    assert peak is not None and peak <= 0.25 * record["transient_input_bytes"], peak

@@ -81,6 +81,7 @@ def test_tiny_run_self_spawned(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step(ms)" in proc.stdout and "speedup of ddp_sgd_onebit over ddp_sgd" in proc.stdout
+    assert "diloco mean step / the step with no communication:" in proc.stdout
     check_records(json.loads(out.read_text()), 2)
     if _has_matplotlib():
         assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
