@@ -243,7 +243,11 @@ def sharded_method(mode: str, optimizer: str, compress: bool) -> Builder:
     LOCAL_WORLD_SIZE ranks, replicated across hosts), with torch's AdamW and FSDP's own exact
     collectives (compress=False: for HSDP, FSDP's native 2-D mesh), or under
     compcomm.fsdp.compress (the reduce-scatter, or the average across hosts, in 1 bit after the
-    warm-up) with the sharded OnebitAdam ("onebit_adam") or SGD with momentum ("sgd").
+    warm-up) with the sharded OnebitAdam ("onebit_adam") or SGD with momentum ("sgd"). compcomm's
+    HSDP moves FSDP's collectives inside a host through shared memory (`--hsdp-intra shm`, the
+    default: what compcomm does inside a CPU node) or leaves them on FSDP's gloo group
+    (`--hsdp-intra fsdp`); its warm-up steps are then the exact reduction with the same intra-host
+    transport, which separates what the transport buys from what 1 bit buys.
 
     Bytes per step are those of the gradient reduction that compcomm compresses: the
     reduce-scatter over all ranks (FSDP), or the all-reduce across hosts (HSDP, the traffic that
@@ -282,8 +286,12 @@ def sharded_method(mode: str, optimizer: str, compress: bool) -> Builder:
             exact_bytes = (world - 1) * shard_numel * 4.0  # reduce-scatter: (n-1)/n of the padded gradient
         if not compress:
             return Run(model, adamw(trained, args), fixed_bytes=exact_bytes)
+        hsdp = mode == "hsdp"
         state = compcomm.fsdp.compress(
-            model, start_iter=args.warmup_steps, replicate_group=replicas[rank % k] if mode == "hsdp" else None
+            model,
+            start_iter=args.warmup_steps,
+            replicate_group=replicas[rank % k] if hsdp else None,
+            intra="shm" if hsdp and args.hsdp_intra == "shm" else None,
         )
         if optimizer == "sgd":
             opt: torch.optim.Optimizer = sgd(trained, args)
@@ -627,6 +635,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-sgd", type=float, default=0.1, help="SGD with momentum 0.9 (default 0.1)")
     p.add_argument("--sync-every", type=int, default=8, help="DiLoCo's inner steps per sync, H (default 8)")
     p.add_argument("--diloco-fragments", type=int, default=1, help="DiLoCo's streaming fragments (default 1)")
+    p.add_argument(
+        "--hsdp-intra",
+        choices=("shm", "fsdp"),
+        default="shm",
+        help="compcomm's HSDP methods: FSDP's collectives inside a host over shared memory, or FSDP's gloo group",
+    )
     p.add_argument(
         "--bucket-mb",
         type=float,

@@ -120,13 +120,13 @@ def test_fsdp_mode_matches_reference(pool, world):
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
 
 
-def run_hsdp(steps: int, start_iter: int, seed_per_rank: bool) -> list[dict]:
+def run_hsdp(steps: int, start_iter: int, seed_per_rank: bool, intra: str | None = None) -> list[dict]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
     shard_members, replica_members = SHARDS["2x2"][rank // 2], REPLICAS["2x2"][rank % 2]
     model = shard(make_model(seed=rank if seed_per_rank else 0), shard_members)
-    state = compcomm.fsdp.compress(model, start_iter=start_iter, replicate_group=group(replica_members))
+    state = compcomm.fsdp.compress(model, start_iter=start_iter, replicate_group=group(replica_members), intra=intra)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     records = [{"after": [p.to_local().detach().clone().numpy().tobytes() for p in model.parameters()]}]
     for step in range(steps):
@@ -149,12 +149,14 @@ def run_hsdp(steps: int, start_iter: int, seed_per_rank: bool) -> list[dict]:
     return records
 
 
-def test_hsdp_replicas_start_equal_stay_bitwise_equal_and_match_reference(pool):
+@pytest.mark.parametrize("intra", [None, "shm"])
+def test_hsdp_replicas_start_equal_stay_bitwise_equal_and_match_reference(pool, intra):
     """2 replicas x 2 shards, ranks seeded differently: compress makes the replicas equal;
-    each shard's gradient is the exact mean inside the replica, then the 1-bit mean across
-    replicas (reference_allreduce on the shard means), and replicas stay bitwise equal."""
+    each shard's gradient is the exact mean inside the replica (FSDP's process group, or
+    compcomm's shm backend with intra="shm"), then the 1-bit mean across replicas
+    (reference_allreduce on the shard means), and replicas stay bitwise equal."""
     steps, start_iter = 4, 1
-    res = pool.run(run_hsdp, steps, start_iter, True)
+    res = pool.run(run_hsdp, steps, start_iter, True, intra)
     for step in range(steps + 1):
         assert res[0][step]["after"] == res[2][step]["after"] and res[1][step]["after"] == res[3][step]["after"]
     shapes = [g.shape for g in res[0][1]["plain"]]
@@ -179,6 +181,14 @@ def test_hsdp_replicas_start_equal_stay_bitwise_equal_and_match_reference(pool):
                     got = sharded_values(res[r][step]["sharded"], indices)
                     want = row_of(expected, shapes, indices, 2, s)
                     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
+
+
+def test_hsdp_intra_shm_trains_bit_for_bit_as_fsdp_own_group(pool):
+    """intra="shm" only moves FSDP's bytes another way (two ranks per replica: the sum of two
+    terms has one order), so the parameters after every step are those of FSDP's own group."""
+    own, shm = pool.run(run_hsdp, 3, 1, True), pool.run(run_hsdp, 3, 1, True, "shm")
+    for r in range(4):
+        assert [step["after"] for step in own[r]] == [step["after"] for step in shm[r]]
 
 
 # ----------------------------------------------------------------- accumulation, non-finite gradients
@@ -365,6 +375,11 @@ def misuse(case: str) -> tuple[str, str] | None:
         model = shard(make_model(), (0, 1, 2, 3))
         compcomm.fsdp.compress(model)
         return caught(compcomm.fsdp.compress, model)
+    if case == "intra_in_fsdp_mode":
+        return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), intra="shm")
+    if case == "intra_unknown":
+        model = shard(make_model(), SHARDS["2x2"][rank // 2])
+        return caught(compcomm.fsdp.compress, model, replicate_group=group(REPLICAS["2x2"][rank % 2]), intra="gloo")
     if case == "bad_backend":
         model = shard(make_model(), (0, 1, 2, 3))
         return caught(
@@ -383,6 +398,8 @@ def misuse(case: str) -> tuple[str, str] | None:
         ("overlapping_group", "ValueError", "shares ranks"),
         ("twice", "ValueError", "already"),
         ("bad_backend", "ValueError", "does not match"),
+        ("intra_in_fsdp_mode", "ValueError", "applies to HSDP"),
+        ("intra_unknown", "ValueError", "intra must be None or 'shm'"),
     ],
 )
 def test_misuse_is_a_clear_error_on_every_rank(pool, case, error, words):

@@ -3,6 +3,7 @@
     model = ...; fully_shard each layer and the model (a 1-D mesh)
     state = compcomm.fsdp.compress(model, start_iter=1000)            # FSDP: the reduce-scatter
     state = compcomm.fsdp.compress(model, replicate_group=G)          # HSDP: the all-reduce across replicas
+    state = compcomm.fsdp.compress(model, replicate_group=G, intra="shm")  # and the replica's own collectives over shm
 
 FSDP mode (`replicate_group=None`). Each FSDP module's gradient reduce-scatter becomes
 compcomm's (`compcomm.schedules.reduce_scatter`): exact (fp32 sums in rank order) for the first
@@ -22,7 +23,11 @@ FSDP's reduce-scatter inside the replica stays exact, and each rank's gradient s
 averaged across the replicas in G (the ranks holding the same shard on other replicas) with
 `compressed_allreduce` (exact for the first `start_iter` iterations), one ErrorFeedback per FSDP
 module, the size of the shard. `compress` first makes the replicas' parameters equal (those of
-G's first rank). A model sharded on a 2-D mesh (FSDP's own HSDP, whose all-reduce no seam
+G's first rank). With `intra="shm"` (CPU, a replica's ranks on one host) FSDP's own collectives
+inside the replica, its parameter all-gathers and the exact reduce-scatter, go through
+compcomm's shared-memory backend instead of FSDP's process group (gloo's loopback TCP, which on
+a CPU node costs more than the 1-bit step saves); the reduce-scatter sums in rank order. A model
+sharded on a 2-D mesh (FSDP's own HSDP, whose all-reduce no seam
 reaches) is a ValueError naming this fix.
 
 Memory. The FSDP worker error is the full (unsharded) gradient of each module, fp32, per rank:
@@ -51,12 +56,14 @@ variance frozen when the gradients turn 1-bit. Checkpoints: `CompressionState.st
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from ..backends import Backend, check_backend_argument
+from ..backends import Backend, check_backend_argument, get
 from ..optim.shards import compression_of as state_of
-from .comms import CompressedReduceScatter, all_reduce_hook
+from .comms import CompressedReduceScatter, IntraAllGather, IntraReduceScatter, all_reduce_hook
 from .modules import group_ranks, sharded_modules
 from .state import NONFINITE, CompressionState
 
@@ -69,6 +76,7 @@ def compress(
     replicate_group: dist.ProcessGroup | None = None,
     backend: Backend | str | None = None,
     nonfinite: str = "raise",
+    intra: str | None = None,
 ) -> CompressionState:
     """Compress the gradient communication of `model`, on which `fully_shard` was called (every
     FSDP module in it is handled): in FSDP mode its reduce-scatters, in HSDP mode
@@ -76,8 +84,10 @@ def compress(
     docstring for the numerics. Call it on every rank, before the first backward.
 
     `backend`: the compcomm transport over the group that is compressed (a name or a Backend
-    over that group; default gloo for CPU parameters, nccl for CUDA ones). Returns the state to
-    checkpoint.
+    over that group; default gloo for CPU parameters, nccl for CUDA ones). `intra` (HSDP only):
+    None leaves FSDP's collectives inside a replica on FSDP's process group; "shm" moves them to
+    compcomm's shared-memory backend (CPU parameters, each replica's ranks on one host). Returns
+    the state to checkpoint.
     """
     if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
         raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
@@ -88,7 +98,16 @@ def compress(
         raise TypeError(
             f"replicate_group must be a torch.distributed ProcessGroup, got {type(replicate_group).__name__}"
         )
+    if intra not in (None, "shm"):
+        raise ValueError(f"intra must be None or 'shm', got {intra!r}")
+    if intra is not None and replicate_group is None:
+        raise ValueError(
+            "intra= applies to HSDP (replicate_group=...): in FSDP mode the shard group spans the hosts, "
+            "and compcomm's 1-bit reduce-scatter already replaces FSDP's"
+        )
     modules = sharded_modules(model)
+    if intra is not None and any(p.device.type != "cpu" for m in modules for p in m.params):
+        raise ValueError("intra='shm' moves CPU tensors between a host's ranks; these parameters are not on the CPU")
     if any(state_of(p) is not None for m in modules for p in m.params):
         raise ValueError("compcomm.fsdp.compress was already called on this model")
     sizes = {dist.get_world_size(m.shard_group) for m in modules}
@@ -97,11 +116,18 @@ def compress(
     if replicate_group is not None:
         _check_replicas(replicate_group, [group_ranks(m.shard_group) for m in modules])
     state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite)
+    intra_backends: dict[int, Any] = {}
     for m in modules:
         if replicate_group is None:
             m.module.set_custom_reduce_scatter(CompressedReduceScatter(state, m.name))
-        else:
-            m.module.set_all_reduce_hook(all_reduce_hook(state, m.name))
+            continue
+        m.module.set_all_reduce_hook(all_reduce_hook(state, m.name))
+        if intra is not None:
+            if id(m.shard_group) not in intra_backends:
+                intra_backends[id(m.shard_group)] = get(intra, group=m.shard_group)
+            be = intra_backends[id(m.shard_group)]
+            m.module.set_custom_all_gather(IntraAllGather(be))
+            m.module.set_custom_reduce_scatter(IntraReduceScatter(be))
     if replicate_group is not None:
         _equalize_replicas(state.params, replicate_group)
     return state

@@ -1,9 +1,12 @@
-"""The two FSDP2 seams compcomm fills: a custom reduce-scatter, and the hook after it.
+"""The FSDP2 seams compcomm fills: a custom reduce-scatter, the hook after it, and (HSDP with
+`intra=`) the replica's own all-gather and reduce-scatter over another transport.
 
 FSDP2 calls `CompressedReduceScatter(output, input, group, op)` where it would call
 `reduce_scatter_single`, with the flat gradients of one FSDP module laid out as n rows (row j is
 rank j's shard), and calls the all-reduce hook with the reduce-scatter's output before dividing
-it. Both hand the work to the module's `CompressionState` entry.
+it. Both hand the work to the module's `CompressionState` entry. `IntraAllGather` and
+`IntraReduceScatter` only move and sum bytes exactly, through a compcomm backend over the shard
+group (shared memory between a node's CPU ranks), where FSDP would use its process group.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from ..backends import Backend
+from ..backends.shm import ShmBackend
 
 if TYPE_CHECKING:
     from .state import CompressionState
@@ -39,12 +45,70 @@ class CompressedReduceScatter(ReduceScatter):
         op: object,
         async_op: bool = False,
     ) -> None:
-        if op not in OPS:
-            raise ValueError(
-                f"compcomm.fsdp reduces gradients by sum or mean, not {op}: leave FSDP's gradient divide "
-                "factor at its default (set_gradient_divide_factor changes it)"
-            )
-        self.state.reduce_scatter(self.name, output_tensor, input_tensor, group, OPS[op])
+        self.state.reduce_scatter(self.name, output_tensor, input_tensor, group, _op_name(op))
+
+
+def _op_name(op: object) -> str:
+    if op not in OPS:
+        raise ValueError(
+            f"compcomm.fsdp reduces gradients by sum or mean, not {op}: leave FSDP's gradient divide "
+            "factor at its default (set_gradient_divide_factor changes it)"
+        )
+    return OPS[op]
+
+
+def _check_group(group: dist.ProcessGroup, be: Backend) -> None:
+    if dist.get_world_size(group) != be.world_size or dist.get_rank(group) != be.rank:
+        raise ValueError(
+            f"FSDP calls a collective over a group of {dist.get_world_size(group)} ranks (this one "
+            f"{dist.get_rank(group)}), not the shard group compcomm.fsdp.compress(intra=...) was built over"
+        )
+
+
+class IntraAllGather(AllGather):
+    """FSDP2's parameter all-gather inside a replica, through a compcomm backend: the bytes of
+    every rank's input, in rank order (FSDP lays its input out in this rank's block of the
+    output, which the backend's copy leaves as it is). Synchronous: the work is done when FSDP
+    gets None back."""
+
+    def __init__(self, be: Backend) -> None:
+        self.be = be
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> None:
+        _check_group(group, self.be)
+        send = input_tensor.reshape(-1).view(torch.uint8)
+        self.be.all_gather(send, output_tensor.view(-1).view(torch.uint8).view(self.be.world_size, -1))
+
+
+class IntraReduceScatter(ReduceScatter):
+    """FSDP2's exact gradient reduce-scatter inside a replica, through the shm backend's
+    `reduce_scatter` (the sum in rank order, then the mean's division), before compcomm's 1-bit
+    average across replicas."""
+
+    def __init__(self, be: ShmBackend) -> None:
+        self.be = be
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: object,
+        async_op: bool = False,
+    ) -> None:
+        name = _op_name(op)
+        _check_group(group, self.be)
+        self.be.reduce_scatter(input_tensor.reshape(-1), output_tensor)
+        if name == "mean":
+            output_tensor.div_(self.be.world_size)
 
 
 def all_reduce_hook(state: CompressionState, name: str) -> Callable[[torch.Tensor], None]:
