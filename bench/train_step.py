@@ -396,7 +396,7 @@ def rank_main(args: argparse.Namespace, label: str) -> None:
         results[name] = merge(everyone)
         if rank == 0 and not args.quiet:
             print(f"[train_step] {name}: done", file=sys.stderr, flush=True)
-    if "ddp_adamw" in names and not args.no_baseline:
+    if not args.no_baseline and {"ddp_adamw", "diloco", "diloco_exact"} & set(names):
         everyone = [None] * world
         dist.all_gather_object(everyone, train(alone, args, text))
         results["alone"] = merge(everyone)
@@ -487,10 +487,12 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
         if base is not None:
             r["target_loss"] = base["final_loss"]
             r["time_to_target_s"] = time_to_target(r, base["final_loss"], window)
-    if base is not None and results.get("alone"):
+    if results.get("alone"):
         compute = summarize("alone", results["alone"], args, world)["step_time_ms"]
-        base["compute_step_time_ms"] = compute
-        base["comm_fraction"] = max(0.0, 1.0 - compute / base["step_time_ms"])
+        for r in records:
+            r["compute_step_time_ms"] = compute
+        if base is not None:
+            base["comm_fraction"] = max(0.0, 1.0 - compute / base["step_time_ms"])
     print(
         f"# compcomm train_step: {label}, world size {world}, gloo, CharMLP {params / 1e6:.1f}M trained params "
         f"({args.setting}), batch {batch}/rank, {args.steps} steps ({args.warmup_steps} warm-up)"
@@ -560,17 +562,19 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
             )
     for name in ("diloco", "diloco_exact"):
         r = by.get(name)
-        if r is not None and base is not None:
+        if r is None:
+            continue
+        if base is not None:
             lines.append(
                 f"{name} mean step with its syncs (every {r['sync_every']} steps): {r['mean_step_time_ms']:.1f} ms, "
                 f"{base['mean_step_time_ms'] / r['mean_step_time_ms']:.2f}x faster than ddp_adamw's mean step"
             )
-            if "compute_step_time_ms" in base:
-                compute = base["compute_step_time_ms"]
-                lines.append(
-                    f"{name} mean step / the step with no communication: {r['mean_step_time_ms'] / compute:.2f}x "
-                    f"(ddp_adamw's: {base['mean_step_time_ms'] / compute:.2f}x)"
-                )
+        if "compute_step_time_ms" in r:
+            compute = r["compute_step_time_ms"]
+            beside = f" (ddp_adamw's: {base['mean_step_time_ms'] / compute:.2f}x)" if base is not None else ""
+            lines.append(
+                f"{name} mean step / the step with no communication: {r['mean_step_time_ms'] / compute:.2f}x{beside}"
+            )
     if "ddp_sgd" in by and "ddp_sgd_onebit" in by:
         a, b = by["ddp_sgd"]["final_loss"], by["ddp_sgd_onebit"]["final_loss"]
         lines.append(f"onebit hook final loss {b:.4f} vs uncompressed DDP + SGD {a:.4f} ({100 * (b - a) / a:+.2f}%)")
@@ -649,7 +653,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--text-bytes", type=int, default=1_000_000, help="characters of stdlib source to train on")
     add_nprocs_argument(p)
-    p.add_argument("--no-baseline", action="store_true", help="skip the no-communication timing of DDP + AdamW")
+    p.add_argument(
+        "--no-baseline", action="store_true", help="skip the no-communication step (timed with ddp_adamw or diloco)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write one record per method")
     p.add_argument("--plot", metavar="PATH", help="PNG of the loss against steps and against bytes sent")
