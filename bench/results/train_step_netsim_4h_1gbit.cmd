@@ -1,1 +1,1 @@
-python bench/netsim.py --hosts 4 --rate 1gbit --subnet 10.77.41.0/24 -- python bench/train_step.py --json bench/results/train_step_netsim_4h_1gbit.json --plot bench/results/train_step_netsim_4h_1gbit.png -q
+python bench/netsim.py --hosts 4 --rate 1gbit --subnet 10.77.161.0/24 -- python bench/train_step.py -q --json bench/results/train_step_netsim_4h_1gbit.json --plot bench/results/train_step_netsim_4h_1gbit.png

@@ -1,0 +1,1 @@
+python bench/cost_model.py --calibrate bench/results/phases_2h_1gbit_emul_c1.json --loopback bench/results/phases_2x2_1gbit_emul_c1.json bench/results/phases_4h_1gbit_emul_c1.json bench/results/phases_8h_1gbit_emul_c1.json bench/results/phases_2x2_1gbit_emul_c1.json bench/results/phases_4x2_1gbit_emul_c1.json

@@ -1,1 +1,0 @@
-python bench/netsim.py --hosts 2 --ranks-per-host 2 --rate 1gbit --subnet 10.77.13.0/24 -- python bench/allreduce_bw.py --hierarchical --min-bytes 100M --max-bytes 100M --iters 5 --warmup 2 --json bench/results/netsim_2x2_1gbit_hier_100MB.json

@@ -1,0 +1,1 @@
+python bench/netsim.py --hosts 4 --rate 1gbit --subnet 10.77.124.0/24 -- python bench/allreduce_bw.py --backend gloo -q -b 1M -e 64M -f 4 -n 5 -w 2 --json bench/results/netsim_4h_1gbit_oversub_sweep.json

@@ -1,0 +1,1 @@
+python bench/netsim.py --hosts 8 --rate 10gbit --cpus-per-host 1 --subnet 10.77.134.0/24 -- python bench/allreduce_bw.py --backend gloo -q -b 4M -e 4M -n 5 -w 2 --json bench/results/netsim_8h_10gbit_emul_c1_sweep.json

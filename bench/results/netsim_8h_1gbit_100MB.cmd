@@ -1,1 +1,0 @@
-python bench/netsim.py --hosts 8 --rate 1gbit --subnet 10.77.13.0/24 -- python bench/allreduce_bw.py --min-bytes 100M --max-bytes 100M --iters 3 --warmup 1 --json bench/results/netsim_8h_1gbit_100MB.json

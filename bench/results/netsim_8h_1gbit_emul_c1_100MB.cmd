@@ -1,0 +1,1 @@
+python bench/netsim.py --hosts 8 --rate 1gbit --cpus-per-host 1 --subnet 10.77.129.0/24 -- python bench/allreduce_bw.py --backend gloo -q -b 100M -e 100M -n 5 -w 2 --json bench/results/netsim_8h_1gbit_emul_c1_100MB.json

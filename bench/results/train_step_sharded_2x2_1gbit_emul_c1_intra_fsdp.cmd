@@ -1,0 +1,2 @@
+# run at commit 043b463, before --hsdp-intra existed: its HSDP methods ran as --hsdp-intra fsdp does now
+python bench/netsim.py --hosts 2 --ranks-per-host 2 --rate 1gbit --cpus-per-host 1 --subnet 10.77.141.0/24 -- python bench/train_step.py --methods fsdp_adamw,fsdp_onebit_adam,fsdp_onebit_sgd,hsdp_adamw,hsdp_onebit_adam,hsdp_onebit_sgd --hsdp-intra fsdp -q --json bench/results/train_step_sharded_2x2_1gbit_emul_c1_intra_fsdp.json

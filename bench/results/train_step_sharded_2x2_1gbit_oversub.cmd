@@ -1,0 +1,1 @@
+python bench/netsim.py --hosts 2 --ranks-per-host 2 --rate 1gbit --subnet 10.77.182.0/24 -- python bench/train_step.py --methods fsdp_adamw,fsdp_onebit_adam,fsdp_onebit_sgd,hsdp_adamw,hsdp_onebit_adam,hsdp_onebit_sgd -q --json bench/results/train_step_sharded_2x2_1gbit_oversub.json

@@ -1,0 +1,1 @@
+python bench/netsim.py --hosts 4 --rate 100mbit --delay 20ms --cpus-per-host 1 --subnet 10.77.191.0/24 -- python bench/train_step.py --methods diloco --sync-every 16 --diloco-fragments 4 --bucket-mb 8 --steps 32 --warmup-steps 4 -q --json bench/results/train_step_wan_4h_100mbit_20ms_emul_c1_diloco_fragments4.json
