@@ -27,15 +27,19 @@ if TYPE_CHECKING:
 OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean"}
 
 
-class CompressedReduceScatter(ReduceScatter):
+class _FreshBuffers:
+    """FSDP2's comms allocate their buffers through the comm; these take plain tensors."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CompressedReduceScatter(_FreshBuffers, ReduceScatter):
     """FSDP2's gradient reduce-scatter of one module, through compcomm (exact for the first
     `start_iter` iterations, then 1-bit with error feedback)."""
 
     def __init__(self, state: CompressionState, name: str) -> None:
         self.state, self.name = state, name
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -65,7 +69,7 @@ def _check_group(group: dist.ProcessGroup, be: Backend) -> None:
         )
 
 
-class IntraAllGather(AllGather):
+class IntraAllGather(_FreshBuffers, AllGather):
     """FSDP2's parameter all-gather inside a replica, through a compcomm backend: the bytes of
     every rank's input, in rank order (FSDP lays its input out in this rank's block of the
     output, which the backend's copy leaves as it is). Synchronous: the work is done when FSDP
@@ -73,9 +77,6 @@ class IntraAllGather(AllGather):
 
     def __init__(self, be: Backend) -> None:
         self.be = be
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -85,16 +86,13 @@ class IntraAllGather(AllGather):
         self.be.all_gather(send, output_tensor.view(-1).view(torch.uint8).view(self.be.world_size, -1))
 
 
-class IntraReduceScatter(ReduceScatter):
+class IntraReduceScatter(_FreshBuffers, ReduceScatter):
     """FSDP2's exact gradient reduce-scatter inside a replica, through the shm backend's
     `reduce_scatter` (the sum in rank order, then the mean's division), before compcomm's 1-bit
     average across replicas."""
 
     def __init__(self, be: ShmBackend) -> None:
         self.be = be
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
