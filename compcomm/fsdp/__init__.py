@@ -25,10 +25,10 @@ averaged across the replicas in G (the ranks holding the same shard on other rep
 module, the size of the shard. `compress` first makes the replicas' parameters equal (those of
 G's first rank). With `intra="shm"` (CPU, a replica's ranks on one host) FSDP's own collectives
 inside the replica, its parameter all-gathers and the exact reduce-scatter, go through
-compcomm's shared-memory backend instead of FSDP's process group (gloo's loopback TCP, which on
-a CPU node costs more than the 1-bit step saves); the reduce-scatter sums in rank order. A model
-sharded on a 2-D mesh (FSDP's own HSDP, whose all-reduce no seam
-reaches) is a ValueError naming this fix.
+compcomm's shared-memory backend instead of FSDP's process group (gloo's loopback TCP, whose
+cost on CPU nodes holds back what the 1-bit stage gains); the reduce-scatter sums in rank
+order. A model sharded on a 2-D mesh (FSDP's own HSDP, whose all-reduce no seam reaches) is a
+ValueError naming this fix.
 
 Memory. The FSDP worker error is the full (unsharded) gradient of each module, fp32, per rank:
 it gives back the 1/n that sharding saved on gradients, which is the price of error feedback on
