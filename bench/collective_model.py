@@ -36,7 +36,10 @@ def flat_bytes(numel: int, n: int) -> dict[str, float]:
 
 
 def comm_time(p: dict, bytes_: float, steps: int, share: float, bandwidth: float) -> float:
-    return p["alpha"] * steps * share + max(0.0, bytes_ - p["burst"]) / bandwidth
+    """A collective of `steps` peer steps: (alpha0 + alpha steps) of latency, stretched by the
+    CPU share, plus the bytes beyond the link's burst at its bandwidth. alpha0 (per collective,
+    whatever the peers) is 0 unless calibrated on two cluster sizes."""
+    return (p.get("alpha0", 0.0) + p["alpha"] * steps) * share + max(0.0, bytes_ - p["burst"]) / bandwidth
 
 
 def flat_parts(
@@ -54,7 +57,13 @@ def flat_parts(
     t["gather"] = comm_time(p, b["gather"] * crossing, n - 1, share, link)
     t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, p["B"])
     t["call"] = (
-        t["scan"] + t["header"] + max(t["a2a"], t["werr"]) + t["server"] + max(t["gather"], t["serr"]) + t["decode"]
+        p.get("overhead", 0.0) * share
+        + t["scan"]
+        + t["header"]
+        + max(t["a2a"], t["werr"])
+        + t["server"]
+        + max(t["gather"], t["serr"])
+        + t["decode"]
     )
     return t
 

@@ -12,18 +12,22 @@ Each phase costs latency + bytes / bandwidth, or codec bytes / memory bandwidth:
             or, in an emulated cluster (netsim --cpus-per-host C), max(1, ranks per host / C)
 
 and the call overlaps what it overlaps: scan + header + max(a2a, werr) + server + max(gather,
-serr) + decode (phase 0's all-to-all carries a repeated call's first FOLD_BYTES / n sign bytes per
-peer, phase 1 the rest). The calibration file (one run of bench/phases.py, ideally 2 hosts, so share = 1)
-gives alpha (header), B (a2a and gather bytes), every gamma (its codec passes) and, when it has
-several ranks per host, the loopback bandwidth B_lo (rs); every other file is then predicted
-and printed next to its measurements. `--extrapolate` prints the model at 64-1024 ranks for a
-data-centre network (parameters in EXTRAPOLATION, stated in docs/cost_model.md).
+serr) + decode (phase 0's all-to-all carries a repeated call's first FOLD_BYTES / n sign bytes
+per peer, phase 1 the rest). The calibration file (one run of bench/phases.py, ideally 2 hosts,
+so share = 1) gives alpha (header), B (a2a and gather bytes), every gamma (its codec passes) and,
+when it has several ranks per host, the loopback bandwidth B_lo (rs); every other file is then
+predicted and printed next to its measurements. With `--latency FILE` (a run on more hosts) a
+collective's latency is alpha0 + alpha (g - 1), fitted on the two runs' phase-0 headers (medians
+over their sizes), and the calibration run's smallest call gives a per-call overhead (what the
+call costs beyond its parts, times share). `--extrapolate` prints the model at 64-1024 ranks for
+a data-centre network (parameters in EXTRAPOLATION, stated in docs/cost_model.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 from collective_model import BURST, CODEC, chunk, flat_bytes, flat_parts, hier_parts
 
@@ -56,6 +60,26 @@ def calibrate(record: dict, cores: int, loopback: dict | None = None) -> dict:
         moved = (k - 1) * 4.0 * chunk(loopback["numel"], k)
         p["B_lo"] = moved / max(1e-9, loopback["rs_s"] - p["alpha"] * (k - 1) * lo_share)
     return p
+
+
+def fit_latency(p: dict, calibration: list[dict], latency: list[dict], cores: int) -> None:
+    """alpha0 + alpha (n - 1) through the median phase-0 header of two runs of different sizes
+    (per unit of CPU share), then the per-call overhead: what the calibration run's smallest call
+    took beyond the model's sum of its parts."""
+
+    def per_share(records: list[dict]) -> tuple[int, float]:
+        n = records[0]["world_size"]
+        return n, statistics.median(r["header_s"] / core_share(r, cores) for r in records)
+
+    (n_a, h_a), (n_b, h_b) = per_share(calibration), per_share(latency)
+    if n_a == n_b:
+        raise ValueError(f"--latency needs a run on another number of ranks than the calibration's ({n_a})")
+    p["alpha"] = max(0.0, (h_b - h_a) / (n_b - n_a))
+    p["alpha0"] = max(0.0, h_a - p["alpha"] * (n_a - 1))
+    small = min(calibration, key=lambda r: r["numel"])
+    share = core_share(small, cores)
+    model = flat_parts(p, small["numel"], small["world_size"], share, small.get("ranks_per_host", 1))["call"]
+    p["overhead"] = max(0.0, (small["call_s"] - model) / share)
 
 
 EXTRAPOLATION = {
@@ -122,20 +146,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="*", help="phases JSON files to predict")
     ap.add_argument("--loopback", help="phases JSON with several ranks per host: its largest rs row gives B_lo")
     ap.add_argument(
+        "--latency", help="phases JSON on more ranks: fits latency alpha0 + alpha (n-1) and a per-call overhead"
+    )
+    ap.add_argument(
         "--cores", type=int, default=2, help="cores of the machine the runs shared, where not emulated (default 2)"
     )
     ap.add_argument("--extrapolate", action="store_true", help="print the 64-1024 rank table (100 MiB fp32)")
     args = ap.parse_args(argv)
     with open(args.calibrate) as f:
-        base = max(json.load(f), key=lambda r: r["numel"])
+        calibration = json.load(f)
+    base = max(calibration, key=lambda r: r["numel"])
     loopback = None
     if args.loopback:
         with open(args.loopback) as f:
             loopback = max(json.load(f), key=lambda r: r["numel"])
     p = calibrate(base, args.cores, loopback)
+    latency = ""
+    if args.latency:
+        with open(args.latency) as f:
+            fit_latency(p, calibration, json.load(f), args.cores)
+        latency = f" + {p['alpha0'] * 1e6:.0f} us per collective, overhead {p['overhead'] * 1e6:.0f} us per call"
     print(
         f"# calibrated on {args.calibrate} ({base['world_size']} ranks, {base['size_bytes']} bytes): "
-        f"alpha {p['alpha'] * 1e6:.0f} us/step, B {p['B'] / 1e6:.1f} MB/s"
+        f"alpha {p['alpha'] * 1e6:.0f} us/step{latency}, B {p['B'] / 1e6:.1f} MB/s"
         + (f", B_lo {p['B_lo'] / 1e6:.0f} MB/s" if "B_lo" in p else "")
         + ", gamma (GB/s) "
         + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in p["gamma"].items())

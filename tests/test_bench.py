@@ -210,3 +210,29 @@ def test_fsdp_memory_counts_an_unsharded_error_per_rank(tmp_path):
     assert record["params_bytes"] == whole // record["world_size"]
     peak = record["transient_peak_bytes"]  # one 1-bit reduce-scatter's transient memory
     assert peak is not None and peak <= 0.25 * record["transient_input_bytes"], peak
+
+
+def test_cost_model_fits_latency_on_two_cluster_sizes():
+    """bench/cost_model.py --latency: phase-0 headers of 2 and 8 ranks made from a known
+    alpha0 + alpha (n - 1) give those back, and the per-call overhead is what the calibration
+    run's smallest call took beyond the model's parts."""
+    bench_scripts.load("collective_model")
+    model = bench_scripts.load("cost_model")
+    alpha0, alpha = 700e-6, 200e-6
+
+    def records(n: int) -> list[dict]:
+        header = alpha0 + alpha * (n - 1)
+        return [  # emulated runs, a core per host: no CPU share
+            {"world_size": n, "numel": numel, "header_s": header, "cpus_per_host": 1.0} for numel in (1 << 18, 1 << 22)
+        ]
+
+    p = {"alpha": 1.0, "burst": 0.0, "B": 1e8, "gamma": {part: 1e10 for part in model.CODEC}}
+    calibration = records(2)
+    for r in calibration:  # the smallest call took 1 ms more than its parts
+        r["call_s"] = 0.0
+    p_no_overhead = dict(p, alpha=alpha, alpha0=alpha0)
+    small = calibration[0]
+    calibration[0]["call_s"] = model.flat_parts(p_no_overhead, small["numel"], 2, 1.0)["call"] + 1e-3
+    model.fit_latency(p, calibration, records(8), cores=2)
+    assert p["alpha"] == pytest.approx(alpha) and p["alpha0"] == pytest.approx(alpha0)
+    assert p["overhead"] == pytest.approx(1e-3)
