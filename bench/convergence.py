@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from sharding import host_groups, shard_children
 
 from ranks import add_nprocs_argument, run_ranks
 from records import write_json
@@ -215,28 +216,21 @@ def make_optimizer(
 
 
 def shard(model: torch.nn.Module, name: str, args: argparse.Namespace) -> Any:
-    """fully_shard the model's parameter-holding children and the model (FSDP over every rank,
+    """fully_shard the model's trained children and the model (FSDP over every rank,
     or HSDP: 2 replicas of world/2 shards) and compress its gradient reduction: 1-bit after the
     warm-up for the compressed runs, exact throughout for their baselines. Returns the state,
     whose `bytes_sent` counts the reduction's bytes."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
     import compcomm
 
-    world, rank = dist.get_world_size(), dist.get_rank()
     replicate = None
     if name.startswith("hsdp"):
-        half = world // 2
-        shards = [dist.new_group(list(range(r * half, (r + 1) * half))) for r in range(2)]
-        replicas = [dist.new_group([s, s + half]) for s in range(half)]
-        mesh, replicate = DeviceMesh.from_group(shards[rank // half], "cpu"), replicas[rank % half]
+        shard, replicate = host_groups(dist.get_world_size() // 2)
+        mesh = DeviceMesh.from_group(shard, "cpu")
     else:
         mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_children(model, mesh)
     start = freeze_step(args) if RUNS[name][1] else args.steps
     return compcomm.fsdp.compress(model, start_iter=start, replicate_group=replicate)
 

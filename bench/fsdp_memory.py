@@ -30,6 +30,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from sharding import host_groups, shard_children
 
 from peak_memory import PeakMemory, mmap_threshold_env
 from peak_memory import supported as memory_measurable
@@ -56,7 +57,6 @@ def tensor_bytes(tensors) -> int:
 def measure(mode: str, args: argparse.Namespace) -> dict:
     """One mode on this rank: train past the switch, then count."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
     import compcomm
     import compcomm.optim
@@ -66,15 +66,11 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
     model = CharMLP(32, 32, 2816)
     replicas = None
     if mode == "hsdp":
-        half = world // 2
-        shards = [dist.new_group(list(range(h * half, (h + 1) * half))) for h in range(2)]
-        groups = [dist.new_group([i, i + half]) for i in range(half)]
-        mesh, replicas = DeviceMesh.from_group(shards[rank // half], "cpu"), groups[rank % half]
+        shard, replicas = host_groups(world // 2)
+        mesh = DeviceMesh.from_group(shard, "cpu")
     else:
         mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-    for child in model.children():
-        fully_shard(child, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_children(model, mesh)
     nonfinite = "propagate" if mode == "fsdp_propagate" else "raise"
     state = compcomm.fsdp.compress(model, start_iter=2, replicate_group=replicas, nonfinite=nonfinite)
     opt = compcomm.optim.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2)

@@ -75,6 +75,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from sharding import host_groups, shard_children
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import emulation
@@ -256,28 +257,23 @@ def sharded_method(mode: str, optimizer: str, compress: bool) -> Builder:
 
     def build(model: torch.nn.Module, args: argparse.Namespace) -> Run:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         import compcomm
         import compcomm.optim
 
-        world, rank = dist.get_world_size(), dist.get_rank()
+        world = dist.get_world_size()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if mode == "fsdp":
             k = world  # one shard group: every rank
         else:  # the ranks of a host shard; on a single host, two halves stand for two hosts
             k = local if local < world else world // 2
         hosts = world // k
-        shards = [dist.new_group(list(range(h * k, (h + 1) * k))) for h in range(hosts)]
-        replicas = [dist.new_group([h * k + i for h in range(hosts)]) for i in range(k)]
+        shard, replica = host_groups(k)
         if mode == "hsdp" and not compress:
             mesh = init_device_mesh("cpu", (hosts, k), mesh_dim_names=("replicate", "shard"))
         else:
-            mesh = DeviceMesh.from_group(shards[rank // k] if mode == "hsdp" else dist.group.WORLD, "cpu")
-        for child in model.children():
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            mesh = DeviceMesh.from_group(shard if mode == "hsdp" else dist.group.WORLD, "cpu")
+        shard_children(model, mesh)
         trained = [p for p in model.parameters() if p.requires_grad]
         shard_numel = sum(p.to_local().numel() for p in trained)
         if mode == "hsdp":
@@ -290,7 +286,7 @@ def sharded_method(mode: str, optimizer: str, compress: bool) -> Builder:
         state = compcomm.fsdp.compress(
             model,
             start_iter=args.warmup_steps,
-            replicate_group=replicas[rank % k] if hsdp else None,
+            replicate_group=replica if hsdp else None,
             intra="shm" if hsdp and args.hsdp_intra == "shm" else None,
         )
         if optimizer == "sgd":

@@ -20,6 +20,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from ..backends import Backend
 from ..backends.shm import ShmBackend
+from .modules import check_called_over
 
 if TYPE_CHECKING:
     from .state import CompressionState
@@ -61,14 +62,6 @@ def _op_name(op: object) -> str:
     return OPS[op]
 
 
-def _check_group(group: dist.ProcessGroup, be: Backend) -> None:
-    if dist.get_world_size(group) != be.world_size or dist.get_rank(group) != be.rank:
-        raise ValueError(
-            f"FSDP calls a collective over a group of {dist.get_world_size(group)} ranks (this one "
-            f"{dist.get_rank(group)}), not the shard group compcomm.fsdp.compress(intra=...) was built over"
-        )
-
-
 class IntraAllGather(_FreshBuffers, AllGather):
     """FSDP2's parameter all-gather inside a replica, through a compcomm backend: the bytes of
     every rank's input, in rank order (FSDP lays its input out in this rank's block of the
@@ -81,7 +74,7 @@ class IntraAllGather(_FreshBuffers, AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> None:
-        _check_group(group, self.be)
+        check_called_over(group, self.be, "a parameter all-gather")
         send = input_tensor.reshape(-1).view(torch.uint8)
         self.be.all_gather(send, output_tensor.view(-1).view(torch.uint8).view(self.be.world_size, -1))
 
@@ -103,7 +96,7 @@ class IntraReduceScatter(_FreshBuffers, ReduceScatter):
         async_op: bool = False,
     ) -> None:
         name = _op_name(op)
-        _check_group(group, self.be)
+        check_called_over(group, self.be, "a reduce-scatter")
         self.be.reduce_scatter(input_tensor.reshape(-1), output_tensor)
         if name == "mean":
             output_tensor.div_(self.be.world_size)

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from ..backends import Backend
+
 TWO_D_MESH_FIX = (
     "compcomm.fsdp compresses the cross-replica all-reduce of HSDP itself: shard each replica on a 1-D mesh "
     "of its own ranks (fully_shard(..., mesh=init_device_mesh(device, (ranks_per_replica,)) built per replica, "
@@ -88,3 +90,13 @@ def _shard_group(name: str, params: list[torch.nn.Parameter]) -> dist.ProcessGro
 def group_ranks(group: dist.ProcessGroup) -> list[int]:
     """The global ranks of a torch.distributed group."""
     return dist.get_process_group_ranks(group)
+
+
+def check_called_over(group: dist.ProcessGroup, be: Backend, what: str) -> None:
+    """ValueError unless FSDP calls `what` over the group that `be` was built over (its size,
+    and this rank's place in it)."""
+    if dist.get_world_size(group) != be.world_size or dist.get_rank(group) != be.rank:
+        raise ValueError(
+            f"FSDP calls {what} over a group of {dist.get_world_size(group)} ranks (this one {dist.get_rank(group)}), "
+            f"not the {be.world_size}-rank group compcomm.fsdp.compress built for it"
+        )

@@ -23,7 +23,7 @@ from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import all_gather_object
 from ..optim.shards import register
-from .modules import ShardedModule
+from .modules import ShardedModule, check_called_over
 
 FORMAT = "compcomm.fsdp.CompressionState/1"
 NONFINITE = ("raise", "propagate")
@@ -125,11 +125,7 @@ class CompressionState:
         module = self._modules[name]
         self._enter()
         be = module.shard
-        if dist.get_world_size(group) != be.world_size or dist.get_rank(group) != be.rank:
-            raise ValueError(
-                f"FSDP reduce-scatters module {name!r} over a group of {dist.get_world_size(group)} ranks, not the "
-                f"{be.world_size}-rank group compcomm.fsdp.compress found for it"
-            )
+        check_called_over(group, be, f"module {name!r}'s reduce-scatter")
         spec = CallSpec([tensor], [module.errors], op, self._outs(module), exact=[not self.compressing])
         spec.outputs = [output]
         self._run(module, output, lambda: be.ordered(lambda: schedules.reduce_scatter(spec, be)))
