@@ -62,36 +62,43 @@ def mask_(
     values: torch.Tensor, group: dict[str, Any], masked: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The elements of a communicated momentum that must not move the weights zeroed: those
-    `masked` (by the automatic rule, `negligible`: a bool tensor of the values' shape, the flat
-    indices of the few masked elements as `sparse_mask` gives them, or None when no element is)
-    and by the group's `exp_avg_mask` (1 keeps, 0 masks). In place, or written into `out`."""
+    `masked` (by the automatic rule, `negligible`, in the form `sparse_mask` gives: None when no
+    element is, the flat indices of the few masked elements, or keep bits for many) and by the
+    group's `exp_avg_mask` (1 keeps, 0 masks). In place, or written into `out`."""
     target = values if out is None else out
-    if masked is not None and masked.dtype != torch.bool and not target.is_contiguous():
-        dense = torch.zeros(target.numel(), dtype=torch.bool, device=target.device)
-        masked = dense.index_fill_(0, masked, True).view(target.shape)
-    if masked is not None and masked.dtype == torch.bool:
-        if out is None:
-            values.masked_fill_(masked, 0.0)
-        else:
-            torch.where(masked, values.new_zeros(()), values, out=out)
-    else:
-        if out is not None:
-            out.copy_(values)
-        if masked is not None:
-            target.view(-1).index_fill_(0, masked, 0.0)  # costs only the few masked elements
+    if out is not None:
+        out.copy_(values)
+    if masked is not None and masked.dtype != torch.int8 and not target.is_contiguous():
+        masked = keep_bits(torch.zeros(target.numel(), dtype=torch.bool, device=target.device).index_fill_(0, masked, True))
+        masked = masked.view(target.shape)
+    if masked is not None and masked.dtype == torch.int8:
+        # AND with all-ones or all-zeros bits: a masked element becomes exactly +0.0 (NaN included),
+        # and a kept one keeps its bits; ~10x faster on a CPU than masked_fill_ or torch.where
+        target.view(_SAME_SIZE_INT[target.element_size()]).bitwise_and_(masked)
+    elif masked is not None:
+        target.view(-1).index_fill_(0, masked, 0.0)  # costs only the few masked elements
     user = group.get("exp_avg_mask")
     if user is not None:
         target.mul_(user.to(target.device))
     return target
 
 
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def keep_bits(masked: torch.Tensor) -> torch.Tensor:
+    """A bool mask as int8 keep bits: 0 where masked, -1 (all ones, and all ones again once
+    widened to the values' integer width) where kept; as small as the bool mask."""
+    return (~masked).to(torch.int8).neg_()
+
+
 def sparse_mask(masked: torch.Tensor) -> torch.Tensor | None:
     """A bool mask in the form `mask_` applies fastest: None when nothing is masked, the flat
-    indices of the masked elements when they are few (one in 16 or fewer), else the mask itself."""
+    indices of the masked elements when they are few (one in 16 or fewer), else `keep_bits`."""
     count = int(masked.sum())
     if count == 0:
         return None
-    return masked.view(-1).nonzero().view(-1) if 16 * count <= masked.numel() else masked
+    return masked.view(-1).nonzero().view(-1) if 16 * count <= masked.numel() else keep_bits(masked)
 
 
 class Denominators:
