@@ -69,8 +69,8 @@ def mask_(
     if out is not None:
         out.copy_(values)
     if masked is not None and masked.dtype != torch.int8 and not target.is_contiguous():
-        masked = keep_bits(torch.zeros(target.numel(), dtype=torch.bool, device=target.device).index_fill_(0, masked, True))
-        masked = masked.view(target.shape)
+        dense = torch.zeros(target.numel(), dtype=torch.bool, device=target.device)
+        masked = keep_bits(dense.index_fill_(0, masked, True)).view(target.shape)
     if masked is not None and masked.dtype == torch.int8:
         # AND with all-ones or all-zeros bits: a masked element becomes exactly +0.0 (NaN included),
         # and a kept one keeps its bits; ~10x faster on a CPU than masked_fill_ or torch.where
