@@ -138,7 +138,7 @@ class FlatCall:
                 into.copy_(ef)  # the errors after the call are those before it
         else:
             self.result = self._one_bit()
-        decode_result(self.result, self.flat, self.exact)
+        decode_result(self.result, self.flat, self.exact, decoded=None if self.exact else self.be.rank)
         tensor = self.tensor
         if self.flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(self.flat.view(tensor.shape))
@@ -160,11 +160,14 @@ class FlatCall:
         server_scale = codec.rms_scale(sum_sq, served)
         mine[:SERVER_SCALE_BYTES].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
 
-        def server_update() -> None:
+        def server_update_and_own_chunk() -> None:
             coder.error_update_(server, server_scale, served)
             into.record_server_max()
+            if served:  # every rank decodes these bytes of phase 2 alike: decode them before they return
+                start = be.rank * chunk_size(numel, n)
+                coder.decode(mine[SERVER_SCALE_BYTES:], server_scale, flat[start : start + served])
 
-        return self._gather(mine, server_update)
+        return self._gather(mine, server_update_and_own_chunk)
 
     def _phase1(self, meanwhile: Callable[[], None]) -> torch.Tensor:
         """(n, W): row r is what rank r sent this one, while `meanwhile()` runs."""
@@ -197,9 +200,10 @@ def exact_sum(received: torch.Tensor, divisor: int) -> torch.Tensor:
     return total
 
 
-def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False) -> None:
+def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False, decoded: int | None = None) -> None:
     """out (the N-element flat output, any float dtype) <- the call's result, from phase 2's bytes:
-    row j holds server j's t_j (fp32) and the packed signs of its chunk, or if `exact` its fp32 sums."""
+    row j holds server j's t_j (fp32) and the packed signs of its chunk, or if `exact` its fp32 sums.
+    Row `decoded` is left out: its chunk was already decoded (this rank's own, during phase 2)."""
     n, numel = everyone.shape[0], out.numel()
     if exact:
         out.copy_(as_fp32(everyone).view(-1)[:numel])
@@ -209,7 +213,7 @@ def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False
     server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
     for j in range(n):
         start, k = j * c, real_count(j, numel, n)
-        if k:
+        if k and j != decoded:
             coder.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start : start + k])
 
 
