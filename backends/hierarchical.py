@@ -13,7 +13,7 @@ warm-up, the DDP hook). `bytes_sent` is what this rank handed to both transports
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from . import ordering
 from .base import Backend, Handle
 from .gloo import GlooBackend
 from .nccl import NcclBackend
+from .rank_order import sum_in_rank_order
 from .shm import REDUCE_DTYPES, ShmBackend
 from .shm import runs_here as shm_runs_here
 
@@ -94,14 +95,25 @@ class HierarchicalBackend(Backend):
             self._scratch[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._scratch[slot][:nbytes].view(dtype).view(rows, size)
 
-    def reduce_scatter_in_node(self, flat: torch.Tensor, size: int, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
-        """This rank's part (`size` elements of `dtype`, local rank i owning [i size, (i+1) size),
-        zero beyond the tensor) of the node's exact sum, added in local rank order: an all-to-all
-        of the parts, then a local sum. It lives in the reused buffer of `slot` (one per tensor
-        of a call) until the next call."""
+    def exchange_in_node(
+        self,
+        flat: torch.Tensor,
+        size: int,
+        dtype: torch.dtype,
+        combine: Callable[[list[torch.Tensor], torch.Tensor], object],
+        slot: int = 0,
+    ) -> torch.Tensor:
+        """The node's blocks of `flat` for this rank's part (`size` elements of `dtype`, local
+        rank i owning [i size, (i+1) size), zero beyond the tensor), handed to
+        `combine(blocks, part)` in local rank order to write this rank's part; returns the part.
+        The blocks may be views of the shm segment, valid only during `combine`, and `part` may
+        share memory with blocks[0]. The part lives in the reused buffer of `slot` (one per
+        tensor of a call) until the next call."""
         k = self.intra.world_size
-        if isinstance(self.intra, ShmBackend) and dtype in REDUCE_DTYPES:  # summed in place, fewer copies
-            return self.intra.reduce_scatter(flat, self._received(slot, 1, size, dtype)[0])
+        if isinstance(self.intra, ShmBackend) and dtype in REDUCE_DTYPES:  # read in place, fewer copies
+            part = self._received(slot, 1, size, dtype)[0]
+            self.intra.exchange_blocks(flat, size, dtype, lambda blocks: combine(blocks, part))
+            return part
         if flat.dtype == dtype and flat.numel() == k * size and flat.is_contiguous():
             send = flat.view(k, size)  # already in place: no copy
         else:
@@ -109,10 +121,8 @@ class HierarchicalBackend(Backend):
             send.view(-1)[: flat.numel()].copy_(flat)
         received = self._received(slot, k, size, dtype)
         self.intra.all_to_all(send.view(torch.uint8), received.view(torch.uint8))
-        total = received[0]
-        for row in received[1:]:
-            total += row
-        return total
+        combine(list(received), received[0])
+        return received[0]
 
     def _gather_parts(self, part: torch.Tensor) -> torch.Tensor:
         """(k, S): every local rank's part, in local rank order."""
@@ -142,7 +152,7 @@ class HierarchicalBackend(Backend):
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Exact: reduce-scatter inside the node (rank order), all-reduce across nodes, all-gather."""
         flat = tensor.view(-1)
-        part = self.reduce_scatter_in_node(flat, -(-flat.numel() // self.intra.world_size), tensor.dtype)
+        part = self.exchange_in_node(flat, -(-flat.numel() // self.intra.world_size), tensor.dtype, sum_in_rank_order)
         self.inter.all_reduce(part, "sum")
         flat.copy_(self._gather_parts(part).view(-1)[: flat.numel()])
 

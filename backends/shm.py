@@ -59,13 +59,14 @@ import os
 import platform
 import time
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .base import Backend, Handle
+from .rank_order import sum_in_rank_order
 from .shm_segment import SHM_DIRECTORY, Segment, alive, open_segment
 from .torch_dist import group_timeout, require_member
 from .waiting import timeout_seconds
@@ -78,7 +79,7 @@ _LIVENESS_EVERY_S = 0.2
 _SLOT_ALIGN = 64 * 1024  # slot sizes: multiples of 64 KiB, grown by at least half at a time
 _CHUNK_ALIGN = 16  # elements: the all-reduce's per-rank chunks start on vector boundaries
 
-_ALL_GATHER, _ALL_TO_ALL, _BARRIER, _ALL_REDUCE, _REDUCE_SCATTER = 1, 2, 3, 16, 32
+_ALL_GATHER, _ALL_TO_ALL, _BARRIER, _ALL_REDUCE, _EXCHANGE_BLOCKS = 1, 2, 3, 16, 32
 REDUCE_DTYPES = (
     torch.float32,
     torch.float64,
@@ -324,10 +325,7 @@ class ShmBackend(Backend):
         self._check_same_call(segment, "all_reduce")
         lo, hi = min(me * chunk, numel), min((me + 1) * chunk, numel)
         if hi > lo:  # this rank's chunk, summed in rank order into its own slot
-            part = flat[lo:hi]
-            torch.add(slots[0, lo:hi], slots[1, lo:hi], out=part)
-            for q in range(2, n):
-                part.add_(slots[q, lo:hi])
+            part = sum_in_rank_order([slots[q, lo:hi] for q in range(n)], flat[lo:hi])
             slots[me, lo:hi].copy_(part)
         self._step(segment, "all_reduce")
         for q in range(n):
@@ -336,44 +334,49 @@ class ShmBackend(Backend):
                 flat[lo:hi].copy_(slots[q, lo:hi])
         self._finish(segment)
 
-    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` <- block `rank` (out.numel() elements) of the sum over ranks of the 1-D `flat`,
-        zero-padded to n * out.numel() elements, in out's dtype, added in rank order
-        ((x0 + x1) + x2) + ... (the hierarchical backend's exact step inside a node). Bitwise
-        what an all-to-all of the blocks and a local sum in rank order give, with fewer copies:
-        each rank copies into its slot only the blocks its peers sum, and sums its own block
-        straight out of theirs. bytes_sent counts the (n-1) blocks, as for that all-to-all."""
-        if out.dtype not in REDUCE_DTYPES:
-            raise TypeError(f"the shm backend cannot sum {out.dtype} tensors")
-        if flat.dim() != 1 or flat.numel() > self._size * out.numel() or not out.is_contiguous():
-            raise ValueError(f"reduce_scatter: flat {tuple(flat.shape)} must be 1-D, at most {self._size} x out")
-        self.bytes_sent += (self._size - 1) * out.numel() * out.element_size()
-        self.ordered(self._reduce_scatter, flat, out.view(-1))
-        return out
+    def exchange_blocks(
+        self, flat: torch.Tensor, size: int, dtype: torch.dtype, combine: Callable[[list[torch.Tensor]], object]
+    ) -> None:
+        """An all-to-all of the `size`-element blocks of the 1-D `flat` (converted to `dtype`,
+        zero beyond its end) that copies nothing out: `combine(blocks)` gets block `rank` of every
+        rank's `flat`, in rank order, its own a view of `flat` (or a padded copy) and its peers'
+        views of their slots, valid only during the call (what the caller computes from them,
+        e.g. a reduce-scatter's sum, is its own). Each rank copies into its slot only the blocks
+        its peers read. bytes_sent counts the (n-1) blocks, as for that all-to-all."""
+        if dtype not in REDUCE_DTYPES:
+            raise TypeError(f"the shm backend cannot exchange {dtype} blocks")
+        if flat.dim() != 1 or flat.numel() > self._size * size:
+            raise ValueError(f"exchange_blocks: flat {tuple(flat.shape)} must be 1-D, at most {self._size} x {size}")
+        self.bytes_sent += (self._size - 1) * size * torch.empty((), dtype=dtype).element_size()
+        self.ordered(self._exchange_blocks, flat, size, dtype, combine)
 
-    def _reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor) -> None:
-        n, me, size = self._size, self._rank, out.numel()
+    def _exchange_blocks(
+        self, flat: torch.Tensor, size: int, dtype: torch.dtype, combine: Callable[[list[torch.Tensor]], object]
+    ) -> None:
+        n, me = self._size, self._rank
+        own = flat[me * size : (me + 1) * size]
+        if own.numel() < size or own.dtype != dtype:  # a short or converted block: padded copy
+            own = _block(flat, me, torch.empty(size, dtype=dtype, device=flat.device))
         if n == 1 or size == 0:
-            _block(flat, me, out)
+            combine([own] * n)
             return
-        nbytes = n * size * out.element_size()
-        segment = self._start(_REDUCE_SCATTER + REDUCE_DTYPES.index(out.dtype), nbytes)
-        mine = segment.slots[me, :nbytes].view(out.dtype)
+        nbytes = n * size * own.element_size()
+        segment = self._start(_EXCHANGE_BLOCKS + REDUCE_DTYPES.index(dtype), nbytes)
+        mine = segment.slots[me, :nbytes].view(dtype)
         for q in range(n):
             if q != me:
                 _block(flat, q, mine[q * size : (q + 1) * size])
-        self._step(segment, "reduce_scatter")
-        self._check_same_call(segment, "reduce_scatter")
-        own = flat[me * size : (me + 1) * size]
-        if own.numel() < size or own.dtype != out.dtype:  # a short or converted block: padded copy
-            own = _block(flat, me, torch.empty_like(out))
-        terms = [
-            own if q == me else segment.slots[q, :nbytes].view(out.dtype)[me * size : (me + 1) * size] for q in range(n)
-        ]
-        torch.add(terms[0], terms[1], out=out)
-        for term in terms[2:]:
-            out.add_(term)
-        self._finish(segment)
+        self._step(segment, "exchange_blocks")
+        self._check_same_call(segment, "exchange_blocks")
+        try:
+            combine(
+                [
+                    own if q == me else segment.slots[q, :nbytes].view(dtype)[me * size : (me + 1) * size]
+                    for q in range(n)
+                ]
+            )
+        finally:
+            self._finish(segment)  # the peers may write their slots again
 
     def _barrier(self) -> None:
         segment = self._start(_BARRIER, 0)

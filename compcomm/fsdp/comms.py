@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from ..backends import Backend
+from ..backends.rank_order import sum_in_rank_order
 from ..backends.shm import ShmBackend
 from .modules import check_called_over
 
@@ -97,7 +98,10 @@ class IntraReduceScatter(_FreshBuffers, ReduceScatter):
     ) -> None:
         name = _op_name(op)
         check_called_over(group, self.be, "a reduce-scatter")
-        self.be.reduce_scatter(input_tensor.reshape(-1), output_tensor)
+        out = output_tensor.view(-1)
+        self.be.exchange_blocks(
+            input_tensor.reshape(-1), out.numel(), out.dtype, lambda blocks: sum_in_rank_order(blocks, out)
+        )
         if name == "mean":
             output_tensor.div_(self.be.world_size)
 

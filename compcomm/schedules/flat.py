@@ -44,6 +44,7 @@ import torch
 from .. import codec
 from ..agreement import Agreement, CallSpec, Measured, agree_on_call, exchange_rows
 from ..backends import Backend
+from ..backends.rank_order import sum_in_rank_order
 from ..error_feedback import ALLREDUCE, ErrorFeedback
 from ..errors import largest_magnitude
 from ..layout import chunk_size, real_count
@@ -192,9 +193,7 @@ class FlatCall:
 def exact_sum(received: torch.Tensor, divisor: int) -> torch.Tensor:
     """The exact reduction of fp32 rows ((n, 4C) bytes): summed in rank order, then / divisor."""
     parts = as_fp32(received)
-    total = parts[0].clone()
-    for row in parts[1:]:
-        total.add_(row)
+    total = sum_in_rank_order(list(parts), torch.empty_like(parts[0]))
     if divisor != 1:
         total.div_(divisor)
     return total

@@ -36,6 +36,7 @@ import torch
 from ..agreement import CallSpec, Measured, agree_on_call, raise_agreed
 from ..backends.hierarchical import HierarchicalBackend
 from ..backends.ordering import Channel
+from ..backends.rank_order import sum_in_rank_order
 from ..error_feedback import ALLREDUCE
 from ..layout import chunk_size, real_count
 from . import flat
@@ -59,7 +60,9 @@ def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
     parts = []
     for i, tensor in enumerate(spec.tensors):
         numel = tensor.numel()
-        part = be.reduce_scatter_in_node(tensor.detach().reshape(-1), chunk_size(numel, k), torch.float32, slot=i)
+        part = be.exchange_in_node(
+            tensor.detach().reshape(-1), chunk_size(numel, k), torch.float32, sum_in_rank_order, slot=i
+        )
         if spec.op == "mean":
             part.div_(k)
         parts.append(part[: part_of(be, numel)[0]])
