@@ -120,6 +120,7 @@ class FlatCall:
     scale: float  # this rank's s_r (max |x| if exact)
     exact: bool
     result: torch.Tensor | None = None  # after commit: phase 2's bytes, see `decode_result`
+    decode: bool = True  # False: commit leaves the tensor as it is (a composite decodes `result` itself)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -139,8 +140,10 @@ class FlatCall:
                 into.copy_(ef)  # the errors after the call are those before it
         else:
             self.result = self._one_bit()
-        decode_result(self.result, self.flat, self.exact, decoded=None if self.exact else self.be.rank)
         tensor = self.tensor
+        if not self.decode:
+            return tensor
+        decode_result(self.result, self.flat, self.exact, decoded=None if self.exact else self.be.rank)
         if self.flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(self.flat.view(tensor.shape))
         return tensor
@@ -164,7 +167,7 @@ class FlatCall:
         def server_update_and_own_chunk() -> None:
             coder.error_update_(server, server_scale, served)
             into.record_server_max()
-            if served:  # every rank decodes these bytes of phase 2 alike: decode them before they return
+            if served and self.decode:  # every rank decodes these bytes of phase 2 alike: decode before they return
                 start = be.rank * chunk_size(numel, n)
                 coder.decode(mine[SERVER_SCALE_BYTES:], server_scale, flat[start : start + served])
 

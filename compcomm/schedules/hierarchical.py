@@ -82,6 +82,7 @@ def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
         failure = exc
     raise_agreed(failure, be.intra, context="across nodes: ")
     for call, tensor in zip(calls, spec.tensors):
+        call.decode = False  # every part is decoded from the node's gathered results, this one too
         call.commit()
         _share_result(be, call, tensor)
     return spec.tensors
