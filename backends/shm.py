@@ -347,7 +347,7 @@ class ShmBackend(Backend):
             raise TypeError(f"the shm backend cannot exchange {dtype} blocks")
         if flat.dim() != 1 or flat.numel() > self._size * size:
             raise ValueError(f"exchange_blocks: flat {tuple(flat.shape)} must be 1-D, at most {self._size} x {size}")
-        self.bytes_sent += (self._size - 1) * size * torch.empty((), dtype=dtype).element_size()
+        self.bytes_sent += (self._size - 1) * size * dtype.itemsize
         self.ordered(self._exchange_blocks, flat, size, dtype, combine)
 
     def _exchange_blocks(

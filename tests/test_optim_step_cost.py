@@ -97,22 +97,33 @@ def test_error_feedback_copy_of_a_shallow_copy_owns_its_buffers():
 @pytest.mark.parametrize("fraction", [0.0, 0.01, 0.5])
 @pytest.mark.parametrize("into", [False, True])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_sparse_mask_masks_like_the_dense_one(fraction, into, contiguous):
-    """Bit for bit what masked_fill gives: a masked NaN or negative value becomes +0.0."""
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, torch.int32), (torch.bfloat16, torch.int16)])
+def test_sparse_mask_masks_like_the_dense_one(fraction, into, contiguous, dtype, bits):
+    """Bit for bit what masked_fill gives: a masked NaN or negative value becomes +0.0, a kept
+    -0.0 stays -0.0."""
     g = torch.Generator().manual_seed(3)
     dense = torch.rand(64, 48, generator=g) < fraction
     values = torch.randn(64, 48, generator=g)
     values[dense & (torch.rand(64, 48, generator=g) < 0.1)] = float("nan")
-    group = {"exp_avg_mask": (torch.rand(48, generator=g) > 0.2).float()}
-    expected = values.masked_fill(dense, 0.0) * group["exp_avg_mask"]
+    values[~dense & (torch.rand(64, 48, generator=g) < 0.05)] = -0.0
+    values = values.to(dtype)
     form = sparse_mask(dense)
     assert (form is None) == (fraction == 0.0)
     assert form is None or (form.dtype == torch.int8) == (fraction == 0.5)
-    out = torch.empty(48, 64).t() if not contiguous else torch.empty(64, 48)
-    source = values.clone()
-    result = mask_(source, group, form, out=out if into else None)
-    assert torch.equal(result.contiguous().view(torch.int32), expected.view(torch.int32))
-    assert (result is out) if into else (result is source)
+    for options in ({}, {"exp_avg_mask": (torch.rand(48, generator=g) > 0.2).float()}):
+        expected = values.masked_fill(dense, 0.0)
+        if options:
+            expected.mul_(options["exp_avg_mask"])
+        out = torch.empty(48, 64, dtype=dtype).t() if not contiguous else torch.empty(64, 48, dtype=dtype)
+        source = values.clone()
+        result = mask_(source, options, form, out=out if into else None)
+        assert torch.equal(result.contiguous().view(bits), expected.view(bits))
+        assert (result is out) if into else (result is source)
+
+
+def test_mask_refuses_a_bool_mask():
+    with pytest.raises(TypeError, match="sparse_mask"):
+        mask_(torch.ones(4), {}, torch.tensor([True, False, True, False]))
 
 
 def zeroone_masked_nan(automatic: bool) -> tuple[bool, bool, bool]:

@@ -308,7 +308,7 @@ def test_shm_without_process_group_says_init_process_group():
         backends.get("shm")
 
 
-def reduce_scatter(members: tuple[int, ...], numel: int, dtype: torch.dtype) -> dict:
+def exchanged_blocks_summed(members: tuple[int, ...], numel: int, dtype: torch.dtype) -> dict:
     """shm's exchanged blocks, summed in rank order, against gloo's all-to-all of the
     zero-padded fp32 blocks and the same sum (the node sum of the hierarchical schedule over
     either transport)."""
@@ -331,8 +331,36 @@ def reduce_scatter(members: tuple[int, ...], numel: int, dtype: torch.dtype) -> 
     return {"same": torch.equal(out, expected), "sent": shm.bytes_sent - sent == (n - 1) * size * 4}
 
 
+def combine_fails_on_one_rank(members: tuple[int, ...]) -> dict:
+    """Rank 1's combine raises: the segment is released all the same, so the next exchange
+    and all-reduce of every rank are right."""
+    import torch.distributed as dist
+
+    shm, _ = pair(members)
+    me, n = members.index(dist.get_rank()), len(members)
+    x = torch.arange(n * 4, dtype=torch.float32) + me
+
+    def failing(blocks: list[torch.Tensor]) -> None:
+        if me == 1:
+            raise ZeroDivisionError("combine failed")
+
+    raised = caught(lambda: shm.exchange_blocks(x, 4, torch.float32, failing))
+    out = torch.empty(4)
+    shm.exchange_blocks(x, 4, torch.float32, lambda blocks: sum_in_rank_order(blocks, out))
+    expected = sum(torch.arange(me * 4, me * 4 + 4, dtype=torch.float32) + q for q in range(n))
+    total = torch.ones(3)
+    shm.all_reduce(total, "sum")
+    return {"raised": raised is not None, "sum": torch.equal(out, expected), "all_reduce": total.tolist() == [n] * 3}
+
+
+def test_a_combine_that_raises_leaves_the_backend_usable(pool):
+    results = pool.run(combine_fails_on_one_rank, (0, 1, 2), ranks=(0, 1, 2))
+    assert [r["raised"] for r in results] == [False, True, False]
+    assert all(r["sum"] and r["all_reduce"] for r in results)
+
+
 @pytest.mark.parametrize("members", [(0, 1), (0, 1, 2), (0, 1, 2, 3)])
 @pytest.mark.parametrize("numel, dtype", [(1000, torch.float32), (1001, torch.float32), (5, torch.bfloat16)])
 def test_exchanged_blocks_summed_are_the_all_to_all_and_rank_order_sum_bitwise(pool, members, numel, dtype):
-    for r in pool.run(reduce_scatter, members, numel, dtype, ranks=members):
+    for r in pool.run(exchanged_blocks_summed, members, numel, dtype, ranks=members):
         assert r == {"same": True, "sent": True}

@@ -82,7 +82,7 @@ class IntraAllGather(_FreshBuffers, AllGather):
 
 class IntraReduceScatter(_FreshBuffers, ReduceScatter):
     """FSDP2's exact gradient reduce-scatter inside a replica, through the shm backend's
-    `reduce_scatter` (the sum in rank order, then the mean's division), before compcomm's 1-bit
+    `exchange_blocks` (the blocks summed in rank order, then the mean's division), before compcomm's 1-bit
     average across replicas."""
 
     def __init__(self, be: ShmBackend) -> None:

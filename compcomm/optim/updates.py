@@ -65,6 +65,8 @@ def mask_(
     `masked` (by the automatic rule, `negligible`, in the form `sparse_mask` gives: None when no
     element is, the flat indices of the few masked elements, or keep bits for many) and by the
     group's `exp_avg_mask` (1 keeps, 0 masks). In place, or written into `out`."""
+    if masked is not None and masked.dtype not in (torch.int8, torch.int64):
+        raise TypeError(f"mask_ takes the form sparse_mask gives (int8 keep bits or int64 indices), not {masked.dtype}")
     target = values if out is None else out
     if out is not None:
         out.copy_(values)
