@@ -60,11 +60,12 @@ def allreduce(spec: CallSpec, be: Backend) -> list[torch.Tensor]:
     return spec.tensors
 
 
-def prepare(spec: CallSpec, be: Backend) -> list[FlatCall]:
+def prepare(spec: CallSpec, be: Backend, decode: bool = True) -> list[FlatCall]:
     """This rank's checks and worker scans, then phase 0 over `be`: the calls ready to
     `commit()`, or the agreed error raised on every rank with nothing modified. A composite
     schedule that must agree across another group before committing calls the two halves
-    itself, inside its own turn on the channels."""
+    itself, inside its own turn on the channels (with `decode=False` when it decodes the
+    calls' results itself: commit then leaves the tensors as they are)."""
     scanned: list[tuple[torch.Tensor, torch.Tensor, float]] = []
 
     def measure(i: int) -> Measured:
@@ -81,7 +82,7 @@ def prepare(spec: CallSpec, be: Backend) -> list[FlatCall]:
         spec, be, "allreduce", be.sequence_number(), measure, lambda numel: (numel, be.world_size, ALLREDUCE)
     )
     return [
-        FlatCall(spec, i, be, agreement, flat, rows, scale, spec.reduced_exactly(i))
+        FlatCall(spec, i, be, agreement, flat, rows, scale, spec.reduced_exactly(i), decode=decode)
         for i, (flat, rows, scale) in enumerate(scanned)
     ]
 
@@ -167,9 +168,8 @@ class FlatCall:
         def server_update_and_own_chunk() -> None:
             coder.error_update_(server, server_scale, served)
             into.record_server_max()
-            if served and self.decode:  # every rank decodes these bytes of phase 2 alike: decode before they return
-                start = be.rank * chunk_size(numel, n)
-                coder.decode(mine[SERVER_SCALE_BYTES:], server_scale, flat[start : start + served])
+            if self.decode:  # every rank decodes these bytes of phase 2 alike: decode them before they return
+                decode_chunk(mine, server_scale, flat, be.rank, n)
 
         return self._gather(mine, server_update_and_own_chunk)
 
@@ -210,13 +210,20 @@ def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False
     if exact:
         out.copy_(as_fp32(everyone).view(-1)[:numel])
         return
-    c = chunk_size(numel, n)
-    coder = codec.codec_for(out.device)
     server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
     for j in range(n):
-        start, k = j * c, real_count(j, numel, n)
-        if k and j != decoded:
-            coder.decode(everyone[j, SERVER_SCALE_BYTES:], server_scales[j], out[start : start + k])
+        if j != decoded:
+            decode_chunk(everyone[j], server_scales[j], out, j, n)
+
+
+def decode_chunk(message: torch.Tensor, scale: float, out: torch.Tensor, j: int, n: int) -> None:
+    """Chunk j of the N-element flat output `out` <- t_j sign(y_j), from server j's phase-2
+    message (its scale's bytes, then the packed signs); `scale` is t_j, read from them."""
+    numel = out.numel()
+    k = real_count(j, numel, n)
+    if k:
+        start = j * chunk_size(numel, n)
+        codec.codec_for(out.device).decode(message[SERVER_SCALE_BYTES:], scale, out[start : start + k])
 
 
 def result_bytes(numel: int, n: int, exact: bool) -> int:

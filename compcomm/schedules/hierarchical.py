@@ -77,12 +77,11 @@ def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
     calls: list[flat.FlatCall] = []
     failure: Exception | None = None
     try:
-        calls = flat.prepare(across, be.inter)
+        calls = flat.prepare(across, be.inter, decode=False)  # each part is decoded from the node's gathered results
     except Exception as exc:  # agreed on this inter group: now agreed inside the node too
         failure = exc
     raise_agreed(failure, be.intra, context="across nodes: ")
     for call, tensor in zip(calls, spec.tensors):
-        call.decode = False  # every part is decoded from the node's gathered results, this one too
         call.commit()
         _share_result(be, call, tensor)
     return spec.tensors
