@@ -68,19 +68,25 @@ def flat_parts(
     return t
 
 
+def node_time(p: dict, bytes_: float, k: int, share: float) -> float:
+    """A collective among the k ranks of a host (shared memory or loopback): alpha_lo per peer
+    step, stretched by the CPU share, plus the bytes at the host's own bandwidth B_lo."""
+    return p["alpha_lo"] * (k - 1) * share + bytes_ / p["B_lo"]
+
+
 def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float) -> dict[str, float]:
-    """The hierarchical call: exact reduce-scatter over the host's loopback (all-to-all, then a
-    sum and the mean's division over the part, at the werr pass's bandwidth), the flat call on the
-    N/k-element part across hosts (its k ranks sharing the host's link), the parts' results
-    shared, and every part decoded."""
+    """The hierarchical call: the node's exact reduce-scatter (the fp32 parts exchanged inside the
+    host, summed in rank order and divided as the schedule does it, which B_lo is calibrated on),
+    the flat call on the N/k-element part across hosts (its k ranks sharing the host's link,
+    without its decode), the parts' results shared inside the host, and every part decoded.
+    Phase 0 spans all ranks: one collective across hosts and two inside the host."""
     part = chunk(numel, k)
     inner = flat_parts(p, part, hosts, share, 1, sharing_link=k)
-    local = ((k + 1) * 4.0 + 8.0) * part / p["gamma"]["werr"] * share
     t = {
-        "rs": comm_time(p, (k - 1) * 4.0 * part, k - 1, share, p["B_lo"]),
-        "share": comm_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k - 1, share, p["B_lo"]),
-        "agree": comm_time(p, 0.0, 2 * (k - 1) + (hosts - 1), share, p["B_lo"]),
+        "rs": node_time(p, (k - 1) * 4.0 * part, k, share),
+        "share": node_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k, share),
+        "agree": comm_time(p, 0.0, hosts - 1, share, p["B"]) + 2 * node_time(p, 0.0, k, share),
         "decode_all": flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share,
     }
-    t["hier"] = t["agree"] + t["rs"] + local + inner["call"] + t["share"] + t["decode_all"]
+    t["hier"] = t["agree"] + t["rs"] + inner["call"] - inner["decode"] + t["share"] + t["decode_all"]
     return t

@@ -14,8 +14,9 @@ Each phase costs latency + bytes / bandwidth, or codec bytes / memory bandwidth:
 and the call overlaps what it overlaps: scan + header + max(a2a, werr) + server + max(gather,
 serr) + decode (phase 0's all-to-all carries a repeated call's first FOLD_BYTES / n sign bytes
 per peer, phase 1 the rest). The calibration file (one run of bench/phases.py, ideally 2 hosts,
-so share = 1) gives alpha (header), B (a2a and gather bytes), every gamma (its codec passes) and,
-when it has several ranks per host, the loopback bandwidth B_lo (rs); every other file is then
+so share = 1) gives alpha (header), B (a2a and gather bytes) and every gamma (its codec passes);
+`--loopback FILE` (a run with several ranks per host) gives a collective inside the host its own
+latency alpha_lo (share, at its smallest size) and bandwidth B_lo (rs); every other file is then
 predicted and printed next to its measurements. With `--latency FILE` (a run on more hosts) a
 collective's latency is alpha0 + alpha (g - 1), fitted on the two runs' phase-0 headers (medians
 over their sizes), and the calibration run's smallest call gives a per-call overhead (what the
@@ -42,9 +43,11 @@ def core_share(record: dict, cores: int) -> float:
     return max(1.0, record["world_size"] * record.get("threads", 1) / cores)
 
 
-def calibrate(record: dict, cores: int, loopback: dict | None = None) -> dict:
-    """alpha, B and the gammas from one flat run (1 rank per host); B_lo from the `rs` part of
-    a run with several ranks per host."""
+def calibrate(record: dict, cores: int, loopback: list[dict] | None = None) -> dict:
+    """alpha, B and the gammas from one flat run (1 rank per host); from the records of a run
+    with several ranks per host, the latency of a collective inside the host alpha_lo (its
+    smallest `share`, a few KiB) and the host's bandwidth B_lo (its largest `rs`, the node's
+    reduce-scatter with its sum)."""
     n, numel = record["world_size"], record["numel"]
     share = core_share(record, cores)
     b = flat_bytes(numel, n)
@@ -55,10 +58,12 @@ def calibrate(record: dict, cores: int, loopback: dict | None = None) -> dict:
     }
     sent = b["a2a"] + b["gather"] + b["allreduce"] - 3 * BURST
     p["B"] = sent / (record["a2a_s"] + record["gather_s"] + record["allreduce_s"] - 4 * p["alpha"] * (n - 1) * share)
-    if loopback is not None:
-        k, lo_share = loopback["ranks_per_host"], core_share(loopback, cores)
-        moved = (k - 1) * 4.0 * chunk(loopback["numel"], k)
-        p["B_lo"] = moved / max(1e-9, loopback["rs_s"] - p["alpha"] * (k - 1) * lo_share)
+    if loopback:
+        small, large = min(loopback, key=lambda r: r["numel"]), max(loopback, key=lambda r: r["numel"])
+        k, lo_share = large["ranks_per_host"], core_share(large, cores)
+        p["alpha_lo"] = small["share_s"] / ((k - 1) * core_share(small, cores))
+        moved = (k - 1) * 4.0 * chunk(large["numel"], k)
+        p["B_lo"] = moved / max(1e-9, large["rs_s"] - p["alpha_lo"] * (k - 1) * lo_share)
     return p
 
 
@@ -108,6 +113,7 @@ def extrapolate(numel: int) -> list[str]:
             "alpha": x["alpha"],
             "burst": 0.0,
             "B": bandwidth * x["k"],
+            "alpha_lo": x["alpha"],
             "B_lo": x["nvlink"],
             "gamma": {part: x["gamma_codec"] for part in CODEC},
         }
@@ -144,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibrate", required=True, help="phases JSON whose largest size calibrates the model")
     ap.add_argument("files", nargs="*", help="phases JSON files to predict")
-    ap.add_argument("--loopback", help="phases JSON with several ranks per host: its largest rs row gives B_lo")
+    ap.add_argument(
+        "--loopback",
+        help="phases JSON, several ranks per host: alpha_lo from its smallest share row, B_lo from its largest rs row",
+    )
     ap.add_argument(
         "--latency", help="phases JSON on more ranks: fits latency alpha0 + alpha (n-1) and a per-call overhead"
     )
@@ -159,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     loopback = None
     if args.loopback:
         with open(args.loopback) as f:
-            loopback = max(json.load(f), key=lambda r: r["numel"])
+            loopback = json.load(f)
     p = calibrate(base, args.cores, loopback)
     latency = ""
     if args.latency:
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# calibrated on {args.calibrate} ({base['world_size']} ranks, {base['size_bytes']} bytes): "
         f"alpha {p['alpha'] * 1e6:.0f} us/step{latency}, B {p['B'] / 1e6:.1f} MB/s"
-        + (f", B_lo {p['B_lo'] / 1e6:.0f} MB/s" if "B_lo" in p else "")
+        + (f", alpha_lo {p['alpha_lo'] * 1e6:.0f} us/step, B_lo {p['B_lo'] / 1e6:.0f} MB/s" if "B_lo" in p else "")
         + ", gamma (GB/s) "
         + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in p["gamma"].items())
     )

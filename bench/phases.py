@@ -20,7 +20,8 @@ all ranks at once, each part of the flat 1-bit collective on its own, then the w
 
 and with K > 1 ranks per host (LOCAL_WORLD_SIZE), for the hierarchical backend:
 
-    rs        the reduce-scatter's all-to-all of fp32 parts inside the host, (K-1) blocks of 4N/K bytes
+    rs        the node's exact reduce-scatter as the hierarchical schedule runs it: (K-1) blocks of
+              4N/K fp32 bytes exchanged inside the host, summed in local rank order, / K
     share     the all-gather of the parts' phase-2 bytes inside the host, (K-1) blocks of ~N/(8K)
     hier      compressed_allreduce over the hierarchical backend
 
@@ -64,6 +65,7 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
     """One record: every part's time for a `numel`-element fp32 tensor on this group."""
     import compcomm
     from compcomm.agreement import FOLD_BYTES, HEADER
+    from compcomm.backends.rank_order import sum_in_rank_order
     from compcomm.layout import chunk_size
 
     n, rank = be.world_size, be.rank
@@ -90,8 +92,6 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
     if hier is not None:
         k = hier.intra.world_size
         size = chunk_size(numel, k)
-        fp32_parts = torch.zeros(k, 4 * size, dtype=torch.uint8)
-        fp32_received = torch.empty_like(fp32_parts)
         result = torch.zeros(
             hier.inter.world_size * (4 + chunk_size(size, hier.inter.world_size) // 8), dtype=torch.uint8
         )
@@ -99,7 +99,7 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
         ef_hier = compcomm.ErrorFeedback()
         calls.update(
             {
-                "rs": lambda: hier.intra.all_to_all(fp32_parts, fp32_received),
+                "rs": lambda: hier.exchange_in_node(x, size, torch.float32, sum_in_rank_order).div_(k),
                 "share": lambda: hier.intra.all_gather(result, results),
                 "hier": lambda: compcomm.compressed_allreduce(buf, ef_hier, backend=hier),
             }

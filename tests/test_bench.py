@@ -236,3 +236,34 @@ def test_cost_model_fits_latency_on_two_cluster_sizes():
     model.fit_latency(p, calibration, records(8), cores=2)
     assert p["alpha"] == pytest.approx(alpha) and p["alpha0"] == pytest.approx(alpha0)
     assert p["overhead"] == pytest.approx(1e-3)
+
+
+def test_cost_model_calibrates_the_node_step_on_itself():
+    """bench/cost_model.py --loopback: the latency of a collective inside a host comes from the
+    smallest `share` and the host's bandwidth from the largest `rs` (the node's reduce-scatter
+    with its sum, as the schedule runs it); the hierarchical model then predicts that rs back
+    and charges no separate pass for the sum."""
+    bench_scripts.load("collective_model")
+    model = bench_scripts.load("cost_model")
+    alpha_lo, b_lo, k, share = 300e-6, 2e9, 2, 2.0  # two ranks on one core
+
+    def node_record(numel: int) -> dict:
+        moved = (k - 1) * 4.0 * model.chunk(numel, k)
+        return {
+            "world_size": 4,
+            "ranks_per_host": k,
+            "cpus_per_host": 1.0,
+            "numel": numel,
+            "share_s": alpha_lo * (k - 1) * share,
+            "rs_s": alpha_lo * (k - 1) * share + moved / b_lo,
+        }
+
+    flat_run = {"world_size": 2, "numel": 1 << 24, "cpus_per_host": 1.0, "header_s": 1e-3, "allreduce_s": 1.0}
+    flat_run.update({part + "_s": 1e-2 for part in ("a2a", "gather", *model.CODEC)})
+    loopback = [node_record(1 << 18), node_record(1 << 24)]
+    p = model.calibrate(flat_run, 2, loopback)
+    assert p["alpha_lo"] == pytest.approx(alpha_lo) and p["B_lo"] == pytest.approx(b_lo)
+    hier = model.hier_parts(p, 1 << 24, 2, k, share)
+    assert hier["rs"] == pytest.approx(loopback[1]["rs_s"])
+    small = model.hier_parts(p, 1 << 18, 2, k, share)  # its results are a few KiB: latency
+    assert small["share"] == pytest.approx(loopback[0]["share_s"], rel=0.05)
