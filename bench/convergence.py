@@ -28,6 +28,9 @@ allreduce (what DDP + AdamW computes):
                      pseudo-gradients; baselines adam and diloco_exact_hH
     diloco_exact_hH  the same with the exact mean of the pseudo-gradients
 
+(`--diloco-passes P --diloco-passes-until T`: the 1-bit runs send the syncs up to step T in P
+1-bit calls each, DiLoCo's `passes` and `passes_until`.)
+
 A DiLoCo run is evaluated on its synced parameters (`opt.global_parameters()`, the same on every
 rank), and its last step is followed by `opt.sync()`, which syncs the inner steps taken since the
 last scheduled sync (its bytes are counted), so that the final model holds every step.
@@ -131,6 +134,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="DiLoCo's communication buckets, KiB (default 25 MiB: one bucket for these models)",
     )
+    ap.add_argument(
+        "--diloco-passes",
+        type=int,
+        default=1,
+        help="1-bit calls per sync of the compressed DiLoCo runs (DiLoCo's passes, default 1)",
+    )
+    ap.add_argument(
+        "--diloco-passes-until",
+        type=int,
+        default=None,
+        help="the last step whose sync takes --diloco-passes calls (DiLoCo's passes_until; default: every sync)",
+    )
     ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma-separated subset of " + ",".join(RUNS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -193,6 +208,8 @@ def make_optimizer(
             compress=compressed,
             backend=backend,
             bucket_bytes=DEFAULT_BUCKET_BYTES if args.diloco_bucket_kb is None else args.diloco_bucket_kb * 1024,
+            passes=args.diloco_passes if compressed else 1,
+            passes_until=args.diloco_passes_until,
         )
     freeze = freeze_step(args) if compressed else args.steps
     if kind.endswith("adam"):

@@ -45,7 +45,14 @@ def initial(numel: int) -> torch.Tensor:
 
 
 def vector_run(
-    steps: int, compress: bool, fragments: int, sync_every: int, overlap: int | None, bucket_bytes: int = 128
+    steps: int,
+    compress: bool,
+    fragments: int,
+    sync_every: int,
+    overlap: int | None,
+    bucket_bytes: int = 128,
+    passes: int = 1,
+    passes_until: int | None = None,
 ) -> dict:
     """Inner SGD on synthetic gradients; after every step: the parameters, theta and the bytes
     this rank sent (the collectives in flight waited for, not applied)."""
@@ -63,6 +70,8 @@ def vector_run(
         overlap_steps=overlap,
         bucket_bytes=bucket_bytes,
         **OUTER,
+        passes=passes,
+        passes_until=passes_until,
     )
     out: dict[str, list] = {"params": [], "theta": [], "bytes": [], "errors": []}
     for t in range(1, steps + 1):
@@ -96,8 +105,18 @@ class Reference:
     per fragment the pseudo-gradient mean (exact, or SPEC's 1-bit allreduce with error feedback),
     the outer Nesterov SGD and the mix w <- theta + (w - w_sent)."""
 
-    def __init__(self, compress: bool, fragments: list[list[int]], offsets: list[int], sync_every: int, overlap: int):
+    def __init__(
+        self,
+        compress: bool,
+        fragments: list[list[int]],
+        offsets: list[int],
+        sync_every: int,
+        overlap: int,
+        passes: int = 1,
+        passes_until: int | None = None,
+    ):
         self.compress, self.fragments, self.offsets = compress, fragments, offsets
+        self.passes, self.passes_until = passes, passes_until
         self.sync_every, self.overlap = sync_every, overlap
         self.w = [[initial(n).double().numpy() for n in SIZES] for _ in range(WORLD)]
         self.theta = [x.copy() for x in self.w[0]]
@@ -131,6 +150,10 @@ class Reference:
         if self.compress:
             worker, server = self.errors[f]
             flat, worker, server = reference_allreduce(deltas, worker, server)
+            calls = self.passes if self.passes_until is None or s <= self.passes_until else 1
+            for _ in range(calls - 1):  # each later call reduces zeros: the errors left so far
+                rest, worker, server = reference_allreduce([np.zeros_like(d) for d in deltas], worker, server)
+                flat = flat + rest
             self.errors[f] = (worker, server)
         else:
             flat = sum(deltas) / WORLD
@@ -179,6 +202,27 @@ def test_outer_step_matches_float64_reference_and_ranks_agree_bitwise(pool, comp
     assert worst < (1e-5 if compress else 1e-6), worst
     assert per_rank[0]["buckets"] == 1
     assert len({run["after_sync"] for run in per_rank}) == 1
+
+
+@pytest.mark.parametrize("passes_until", [None, 6])
+def test_syncs_in_several_passes_match_float64_reference(pool, passes_until):
+    """passes=2: each sync reduces the pseudo-gradient, then the errors that call left, and
+    adds the two means; with passes_until=6 the syncs after step 6 take one call again."""
+    steps, h = 12, 3
+    per_rank = pool.run(vector_run, steps, True, 1, h, None, 1 << 20, 2, passes_until)
+    ref = Reference(True, [[0, 1]], [0], h, 0, passes=2, passes_until=passes_until)
+    worst = 0.0
+    for t in range(1, steps + 1):
+        worst = max(worst, reference_step(ref, per_rank, t))
+        assert len({run["theta"][t - 1] for run in per_rank}) == 1
+    assert worst < 1e-5, worst
+    for r, run in enumerate(per_rank):
+        assert relative(run["errors"][-1][0][: sum(SIZES)], ref.errors[0][0][r][: sum(SIZES)]) < 1e-4
+    sent = [b for b in per_rank[0]["bytes"] if b]
+    if passes_until is None:
+        assert len(set(sent)) == 1
+    else:  # syncs at steps 3 and 6 in two calls, 9 and 12 in one (the same call's bytes again)
+        assert sent[0] == sent[1] and sent[2] == sent[3] and sent[0] > sent[2]
 
 
 # ------------------------------------------------------------------ streaming fragments
@@ -412,12 +456,12 @@ def test_grad_scaler_unscales_exactly(pool, start_iter):
     assert len({r[3] for r in scaled}) == 4, "between syncs the ranks differ"
 
 
-def nan_pseudo_gradient() -> dict:
+def nan_pseudo_gradient(passes: int) -> dict:
     """H = 3. Step 2: rank 1's gradient is NaN (it alone skips its inner step). Step 6 (a sync):
     rank 2's parameters are poisoned, so its pseudo-gradient is NaN."""
     rank = rank_of(WORLD)
     model = make_model()
-    opt = make_diloco(model, sync_every=3, fragments=1, overlap_steps=0)
+    opt = make_diloco(model, sync_every=3, fragments=1, overlap_steps=0, passes=passes)
     out: dict = {}
     caught_warnings = []
     for step in range(1, 10):
@@ -450,8 +494,10 @@ def nan_pseudo_gradient() -> dict:
     return out
 
 
-def test_non_finite_pseudo_gradient_skips_the_sync_everywhere(pool):
-    results = pool.run(nan_pseudo_gradient)
+@pytest.mark.parametrize("passes", [1, 2])
+def test_non_finite_pseudo_gradient_skips_the_sync_everywhere(pool, passes):
+    """With passes=2 the refused first call makes no second one: the errors stay as they were."""
+    results = pool.run(nan_pseudo_gradient, passes)
     for rank, res in enumerate(results):
         assert res["skipped_at_2"] == (rank == 1)
         assert res["unchanged"] and res["reset_to_theta"]
@@ -527,6 +573,9 @@ def local_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         (dict(outer_momentum=1.0), ValueError),
         (dict(outer_momentum=0.0), ValueError),  # with nesterov=True
         (dict(start_iter=-1), ValueError),
+        (dict(passes=0), ValueError),
+        (dict(passes=2, compress=False), ValueError),
+        (dict(passes_until=-1), ValueError),
         (dict(compress=1), TypeError),
         (dict(backend=3), TypeError),
     ],

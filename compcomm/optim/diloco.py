@@ -33,7 +33,8 @@ not whenever the bytes arrive, so runs are reproducible and checkpoints resume e
 
 What travels: nothing during inner steps (but see GradScaler below); per sync of a fragment of N
 elements in buckets padded to M, about 2 (n-1)/n * M/8 bytes per rank plus a few scalars per
-bucket (compress=True), or 2 (n-1)/n * 4N (compress=False). Over H steps: the model once, against
+bucket (compress=True; times `passes` for the syncs that take several 1-bit calls, see
+`OuterSync._in_passes`), or 2 (n-1)/n * 4N (compress=False). Over H steps: the model once, against
 H times for data-parallel training: H x 32 fewer bytes than fp32 DDP with compression.
 
 Warm-up (`start_iter`, default 0): the first start_iter steps are plain data-parallel steps (the
@@ -70,7 +71,7 @@ from .scaler import BackwardAgreement, unscale_and_check
 from .updates import check_count, check_range
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SCHEDULE = ("sync_every", "fragments", "overlap_steps", "start_iter", "compress")
+_SCHEDULE = ("sync_every", "fragments", "overlap_steps", "start_iter", "compress", "passes", "passes_until")
 
 
 class DiLoCo(torch.optim.Optimizer):
@@ -83,6 +84,12 @@ class DiLoCo(torch.optim.Optimizer):
     `fragments` > 1 is Streaming DiLoCo, overlapping each fragment's collective with
     `overlap_steps` inner steps. `bucket_bytes` sizes the communication buckets (25 MiB, like
     DDP); a fragment holds whole buckets, so there must be at least `fragments` of them.
+
+    `passes` > 1 (with compress=True) sends each sync's pseudo-gradient in that many 1-bit calls
+    with the same error feedback, the later ones carrying the errors the earlier left (about
+    `passes` bits per element, `passes` times the bytes); `passes_until` limits that to the
+    syncs sent up to that `step_count` (None: every sync), after which syncs take one call. The
+    early syncs, whose pseudo-gradients are the largest, are where the 1-bit error costs most.
 
     Built collectively: every rank constructs it together, and ranks whose parameters differ
     get rank 0's (with a warning). `param_groups` are the inner optimizer's, so an LR scheduler
@@ -123,6 +130,8 @@ class DiLoCo(torch.optim.Optimizer):
         start_iter: int = 0,
         overlap_steps: int | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        passes: int = 1,
+        passes_until: int | None = None,
     ) -> None:
         check_backend_argument(backend)
         if not isinstance(inner, torch.optim.Optimizer):
@@ -136,6 +145,11 @@ class DiLoCo(torch.optim.Optimizer):
         check_count("fragments", fragments, 1)
         check_count("start_iter", start_iter, 0)
         check_count("bucket_bytes", bucket_bytes, 1)
+        check_count("passes", passes, 1)
+        if passes_until is not None:
+            check_count("passes_until", passes_until, 0)
+        if passes > 1 and not compress:
+            raise ValueError(f"passes={passes} needs compress=True: an exact sync is exact in one call")
         if fragments > sync_every:
             raise ValueError(f"fragments={fragments} must be at most sync_every={sync_every} (one sync per step)")
         overlap = (0 if fragments == 1 else 1) if overlap_steps is None else overlap_steps
@@ -170,6 +184,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._params = mine
         self.sync_every, self.fragments, self.overlap_steps = int(sync_every), int(fragments), overlap
         self.start_iter, self.compress = int(start_iter), compress
+        self.passes, self.passes_until = int(passes), None if passes_until is None else int(passes_until)
         self._backend = resolve(backend, mine[0])
         be = self._backend
         equalize_from_rank0(mine, be)
@@ -250,7 +265,7 @@ class DiLoCo(torch.optim.Optimizer):
         for entry in self._sync.due(s):
             self._land(entry)
         for f in self._sync.schedule.sending(s):
-            entry = self._sync.send(f, s)
+            entry = self._sync.send(f, s, self._passes_now())
             if entry.apply_at <= s:
                 self._land(entry)
         return loss
@@ -270,7 +285,13 @@ class DiLoCo(torch.optim.Optimizer):
                 self._land(entry)
             for f, sent_at in enumerate(self._sync.sent_at):
                 if sent_at != s:
-                    self._land(self._sync.send(f, s))
+                    self._land(self._sync.send(f, s, self._passes_now()))
+
+    def _passes_now(self) -> int:
+        """1-bit calls for a sync sent after the current step (see `passes`)."""
+        if self.passes_until is None or self._step_count <= self.passes_until:
+            return self.passes
+        return 1
 
     def _average_gradients(self, skip: bool) -> bool:
         """A warm-up step's exact gradient average, written back into `.grad` (absent gradients

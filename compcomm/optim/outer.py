@@ -23,6 +23,7 @@ import torch
 from ..allreduce import compressed_allreduce_coalesced
 from ..backends import Backend
 from ..backends.ordering import Pending
+from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..layout import unflatten
 from .buckets import BucketLayout
@@ -88,8 +89,9 @@ class OuterSync:
 
     # ----------------------------------------------------------------- send and land
 
-    def send(self, f: int, s: int) -> InFlight:
-        """Start fragment f's collective of this rank's pseudo-gradient after local step s."""
+    def send(self, f: int, s: int, passes: int = 1) -> InFlight:
+        """Start fragment f's collective of this rank's pseudo-gradient after local step s, in
+        `passes` 1-bit calls (see `_in_passes`)."""
         buckets = self.schedule.buckets[f]
         sent = None
         if self.schedule.overlap:
@@ -101,18 +103,44 @@ class OuterSync:
                 if keep is not None:
                     source = keep[j].copy_(source)
                 torch.sub(theta, source, out=slot)
-        handle = compressed_allreduce_coalesced(
-            [self.layout.buckets[b].flat for b in buckets],
-            [self.layout.error_feedback[b] for b in buckets],
-            backend=self.backend,
-            op="mean",
-            async_op=True,
-            min_compress_bytes=None if self.compress else EXACT_BYTES,
-        )
+        tensors = [self.layout.buckets[b].flat for b in buckets]
+        errors = [self.layout.error_feedback[b] for b in buckets]
+        if passes == 1:
+            handle = compressed_allreduce_coalesced(
+                tensors,
+                errors,
+                backend=self.backend,
+                op="mean",
+                async_op=True,
+                min_compress_bytes=None if self.compress else EXACT_BYTES,
+            )
+        else:
+            handle = self.backend.ordered(self._in_passes, tensors, errors, passes, async_op=True)
         assert isinstance(handle, Pending)
         self.sent_at[f] = s
         entry = self.in_flight[f] = InFlight(f, s + self.schedule.overlap, handle, sent)
         return entry
+
+    def _in_passes(self, tensors: list[torch.Tensor], errors: list[ErrorFeedback], passes: int) -> list[torch.Tensor]:
+        """The 1-bit mean of `tensors` in `passes` calls with the same error feedback: the first
+        reduces the pseudo-gradients, each later one a zero input, i.e. the worker and server
+        errors the calls before it left, and the means are summed in call order:
+
+            D = CA(d) + CA(0) + ... + CA(0)     (about `passes` bits per element, `passes` x the bytes)
+
+        By the identity of the error feedback, what D leaves out of the true mean is the error
+        after the last call, which shrinks with every pass. A refused first call (non-finite
+        pseudo-gradients) raises before anything changed, and the later calls, which carry only
+        the finite errors that call left, are not made."""
+        compressed_allreduce_coalesced(tensors, errors, backend=self.backend, op="mean")
+        rests = [torch.empty_like(t) for t in tensors]
+        for _ in range(passes - 1):
+            for rest in rests:
+                rest.zero_()
+            compressed_allreduce_coalesced(rests, errors, backend=self.backend, op="mean")
+            for t, rest in zip(tensors, rests):
+                t.add_(rest)
+        return tensors
 
     @staticmethod
     def wait(entry: InFlight) -> None:
