@@ -228,10 +228,11 @@ def test_syncs_in_several_passes_match_float64_reference(pool, passes_until):
 # ------------------------------------------------------------------ streaming fragments
 
 
-def test_fragments_are_staggered_and_mix_on_arrival_as_documented(pool):
+@pytest.mark.parametrize("passes", [1, 2])
+def test_fragments_are_staggered_and_mix_on_arrival_as_documented(pool, passes):
     steps, h, overlap = 13, 4, 1
-    per_rank = pool.run(vector_run, steps, True, 2, h, overlap)
-    ref = Reference(True, [[0], [1]], [2, 0], h, overlap)
+    per_rank = pool.run(vector_run, steps, True, 2, h, overlap, 128, passes)
+    ref = Reference(True, [[0], [1]], [2, 0], h, overlap, passes=passes)
     worst = 0.0
     for t in range(1, steps + 1):
         worst = max(worst, reference_step(ref, per_rank, t))
