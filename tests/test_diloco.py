@@ -225,6 +225,42 @@ def test_syncs_in_several_passes_match_float64_reference(pool, passes_until):
         assert sent[0] == sent[1] and sent[2] == sent[3] and sent[0] > sent[2]
 
 
+def huge_pseudo_gradient(passes: int) -> dict:
+    """Before the sync after step 6, 4 of the first parameter's elements are -0.95 * fp32 max on
+    every rank: the first call's bound still fits fp32, but the worker error it leaves would make
+    a second call's overflow."""
+    rank = rank_of(WORLD)
+    params = [torch.nn.Parameter(initial(n)) for n in SIZES]
+    opt = DiLoCo(params, torch.optim.SGD(params, lr=INNER_LR), 3, backend=gloo(), passes=passes, **OUTER)
+    out: dict = {}
+    for t in range(1, 7):
+        for p in params:
+            p.grad = synthetic_grad(rank, t, p.numel())
+        if t == 6:
+            with torch.no_grad():
+                params[0][:4] = -0.95 * torch.finfo(torch.float32).max
+            errors = b"".join(raw_tensor(ef.worker_error) + raw_tensor(ef.server_error) for ef in opt.error_feedback)
+            theta = b"".join(raw_tensor(g) for g in opt.global_parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+    out["skipped_syncs"] = opt.skipped_syncs
+    out["errors_unchanged"] = errors == b"".join(
+        raw_tensor(ef.worker_error) + raw_tensor(ef.server_error) for ef in opt.error_feedback
+    )
+    out["theta_unchanged"] = theta == b"".join(raw_tensor(g) for g in opt.global_parameters())
+    return out
+
+
+def test_a_refused_later_pass_leaves_the_error_feedback_as_it_was(pool):
+    """passes=1 takes that sync; with passes=2 the second call is refused on every rank and the
+    sync is skipped with nothing changed, though the first call had passed."""
+    for res in pool.run(huge_pseudo_gradient, 1):
+        assert res["skipped_syncs"] == 0 and not res["theta_unchanged"]
+    for res in pool.run(huge_pseudo_gradient, 2):
+        assert res["skipped_syncs"] == 1 and res["theta_unchanged"] and res["errors_unchanged"]
+
+
 # ------------------------------------------------------------------ streaming fragments
 
 
@@ -680,3 +716,19 @@ def test_sync_now_sends_only_fragments_that_moved():
     theta = [g.clone() for g in opt.global_parameters()]
     opt.sync()  # nothing moved since
     assert all(torch.equal(a, b) for a, b in zip(theta, opt.global_parameters()))
+
+
+def test_a_checkpoint_saved_before_passes_existed_loads_as_one_pass():
+    model, inner = local_model()
+    opt = DiLoCo(model.parameters(), inner, sync_every=2, backend="local")
+    for step in range(3):
+        backward(model, 0, step)
+        opt.step()
+    state = opt.state_dict()
+    for key in ("passes", "passes_until"):
+        del state["schedule"][key]
+    model, inner = local_model()
+    DiLoCo(model.parameters(), inner, sync_every=2, backend="local").load_state_dict(state)
+    model, inner = local_model()
+    with pytest.raises(ValueError, match="schedule"):
+        DiLoCo(model.parameters(), inner, sync_every=2, backend="local", passes=2).load_state_dict(state)

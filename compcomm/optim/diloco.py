@@ -43,7 +43,8 @@ theta is taken from the parameters at its end.
 
 Memory beyond the inner optimizer: theta, the outer momentum, the communication buckets and
 the worker error, each the model's size in fp32, plus the server error (1/n of it), and with
-overlap > 0 a copy of each fragment in flight.
+overlap > 0 a copy of each fragment in flight; with passes > 1, the buckets' spare errors (kept
+once used) and, during such a sync, one zero input per bucket of the fragment.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ from .updates import check_count, check_range
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SCHEDULE = ("sync_every", "fragments", "overlap_steps", "start_iter", "compress", "passes", "passes_until")
+_SCHEDULE_DEFAULTS = {"passes": 1, "passes_until": None}
+"""What a checkpoint saved before `passes` existed ran with."""
 
 
 class DiLoCo(torch.optim.Optimizer):
@@ -417,7 +420,7 @@ class DiLoCo(torch.optim.Optimizer):
         extra = state_dict.get(checkpoints.EXTRA_KEY) if isinstance(state_dict, dict) else None
         if extra is None or "synced" not in state_dict or "schedule" not in state_dict:
             return {}, "not a DiLoCo state dict (no 'compcomm', 'synced' or 'schedule' entry)"
-        if state_dict["schedule"] != self._schedule():
+        if {**_SCHEDULE_DEFAULTS, **state_dict["schedule"]} != self._schedule():
             return {}, f"the checkpoint's schedule {state_dict['schedule']} is not this optimizer's {self._schedule()}"
         saved_world = extra.get("world_size")
         if saved_world != self._backend.world_size:

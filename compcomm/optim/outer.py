@@ -23,7 +23,6 @@ import torch
 from ..allreduce import compressed_allreduce_coalesced
 from ..backends import Backend
 from ..backends.ordering import Pending
-from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..layout import unflatten
 from .buckets import BucketLayout
@@ -103,43 +102,51 @@ class OuterSync:
                 if keep is not None:
                     source = keep[j].copy_(source)
                 torch.sub(theta, source, out=slot)
-        tensors = [self.layout.buckets[b].flat for b in buckets]
-        errors = [self.layout.error_feedback[b] for b in buckets]
         if passes == 1:
             handle = compressed_allreduce_coalesced(
-                tensors,
-                errors,
+                [self.layout.buckets[b].flat for b in buckets],
+                [self.layout.error_feedback[b] for b in buckets],
                 backend=self.backend,
                 op="mean",
                 async_op=True,
                 min_compress_bytes=None if self.compress else EXACT_BYTES,
             )
         else:
-            handle = self.backend.ordered(self._in_passes, tensors, errors, passes, async_op=True)
+            handle = self.backend.ordered(self._in_passes, list(buckets), passes, async_op=True)
         assert isinstance(handle, Pending)
         self.sent_at[f] = s
         entry = self.in_flight[f] = InFlight(f, s + self.schedule.overlap, handle, sent)
         return entry
 
-    def _in_passes(self, tensors: list[torch.Tensor], errors: list[ErrorFeedback], passes: int) -> list[torch.Tensor]:
-        """The 1-bit mean of `tensors` in `passes` calls with the same error feedback: the first
-        reduces the pseudo-gradients, each later one a zero input, i.e. the worker and server
-        errors the calls before it left, and the means are summed in call order:
+    def _in_passes(self, buckets: list[int], passes: int) -> list[torch.Tensor]:
+        """The 1-bit mean of the buckets' pseudo-gradients in `passes` calls carrying one error
+        feedback along: the first reduces the pseudo-gradients, each later one a zero input, i.e.
+        the worker and server errors the calls before it left, and the means are summed in call
+        order:
 
             D = CA(d) + CA(0) + ... + CA(0)     (about `passes` bits per element, `passes` x the bytes)
 
         By the identity of the error feedback, what D leaves out of the true mean is the error
-        after the last call, which shrinks with every pass. A refused first call (non-finite
-        pseudo-gradients) raises before anything changed, and the later calls, which carry only
-        the finite errors that call left, are not made."""
-        compressed_allreduce_coalesced(tensors, errors, backend=self.backend, op="mean")
+        after the last call, which shrinks with every pass. The calls write their errors into the
+        buckets' spares (`BucketLayout.keep`), which become the error feedback only when every
+        call has passed: a call refused on every rank (non-finite pseudo-gradients, or a later
+        pass whose errors would overflow) leaves the error feedback as it was, and the sync is
+        skipped. Transient memory: the spares' errors and one zero input per bucket."""
+        layout = self.layout
+        tensors = [layout.buckets[b].flat for b in buckets]
+        spares = [layout.spare[b] for b in buckets]
+        compressed_allreduce_coalesced(
+            tensors, [layout.error_feedback[b] for b in buckets], self.backend, "mean", error_feedbacks_out=spares
+        )
         rests = [torch.empty_like(t) for t in tensors]
         for _ in range(passes - 1):
             for rest in rests:
                 rest.zero_()
-            compressed_allreduce_coalesced(rests, errors, backend=self.backend, op="mean")
+            compressed_allreduce_coalesced(rests, spares, self.backend, "mean", error_feedbacks_out=spares)
             for t, rest in zip(tensors, rests):
                 t.add_(rest)
+        for b, spare in zip(buckets, spares):
+            layout.keep(b, spare)
         return tensors
 
     @staticmethod
