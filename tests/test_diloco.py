@@ -338,6 +338,9 @@ def trained(steps: int, **kw) -> tuple[torch.nn.Module, DiLoCo]:
 
 
 def state_bytes(model: torch.nn.Module, opt: DiLoCo) -> tuple[bytes, bytes, bytes]:
+    """Parameters, theta and errors, once the collectives in flight have ended (not applied):
+    read earlier, the errors of a fragment still in flight are being written meanwhile."""
+    opt._sync.wait_all()
     theta = b"".join(raw_tensor(g) for g in opt.global_parameters())
     errors = b"|".join(
         raw_tensor(ef.worker_error) + raw_tensor(ef.server_error) for ef in opt.error_feedback if ef.initialized
