@@ -121,6 +121,14 @@ def test_sparse_mask_masks_like_the_dense_one(fraction, into, contiguous, dtype,
         assert (result is out) if into else (result is source)
 
 
+def test_mask_into_an_out_of_another_dtype_converts_first():
+    values = torch.randn(32, 16, generator=torch.Generator().manual_seed(5))
+    dense = torch.rand(32, 16, generator=torch.Generator().manual_seed(6)) < 0.5
+    out = torch.empty(32, 16, dtype=torch.bfloat16)
+    mask_(values, {}, sparse_mask(dense), out=out)
+    assert torch.equal(out.view(torch.int16), values.to(torch.bfloat16).masked_fill(dense, 0.0).view(torch.int16))
+
+
 def test_mask_refuses_a_bool_mask():
     with pytest.raises(TypeError, match="sparse_mask"):
         mask_(torch.ones(4), {}, torch.tensor([True, False, True, False]))
