@@ -1,10 +1,13 @@
 """The codec passes of one compressed allreduce, each callable alone, on realistic buffers.
 
-A call over n ranks on N fp32 elements makes five passes over memory on each rank (the byte
-counts are bench/collective_model.py's `flat_bytes`): the worker scan, the worker error update,
-the server pass over the n received sign rows, the server error update and the decode of the
-whole output. bench/phases.py times them inside a multi-rank run; bench/allreduce_bw.py times
-them alone to predict what the collective would do on other links.
+A call over n ranks on N fp32 elements makes four passes over memory on each rank (the byte
+counts are bench/collective_model.py's `flat_bytes`): the worker scan (with the worker error in
+the x' form, as an ErrorFeedback reduced in place holds it: it reads x and the previous x' and
+writes the new one), the server pass over the n received sign rows, the server error update and
+the decode of the whole output. A fifth, the worker error update, is what an ErrorFeedback with
+`double_buffer=False` makes instead of writing x'. bench/phases.py times them inside a
+multi-rank run; bench/allreduce_bw.py times them alone to predict what the collective would do on
+other links.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def codec_passes(numel: int, n: int, rank: int = 0) -> dict[str, Callable[[], ob
     coder = codec.codec_for(torch.device("cpu"))
     served = real_count(rank, numel, n)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-    worker, server, out = torch.zeros(m), torch.zeros(c), torch.empty(m)
+    worker, server, out, x_prime = torch.zeros(m), torch.zeros(c), torch.empty(m), torch.empty(m)
     signs = torch.zeros(n, c // 8, dtype=torch.uint8)
     received = torch.randint(0, 256, (n, c // 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     scales = torch.ones(n)
@@ -39,7 +42,7 @@ def codec_passes(numel: int, n: int, rank: int = 0) -> dict[str, Callable[[], ob
             coder.decode(everyone[j, 4:], 1.0, out[j * c : (j + 1) * c])
 
     return {
-        "scan": lambda: coder.worker_scan(x, worker, signs.view(-1)),
+        "scan": lambda: coder.worker_scan(x, worker, signs.view(-1), 1.0, x_prime),
         "werr": lambda: coder.error_update_(worker, 1.0, numel, x),
         "server": lambda: coder.server_scan_(received, scales, n, server, served, mine[4:]),
         "serr": lambda: coder.error_update_(server, 1.0, served),

@@ -26,8 +26,8 @@ def flat_bytes(numel: int, n: int) -> dict[str, float]:
         "header": (n - 1) * (16.0 + room),
         "a2a": (n - 1) * (c / 8 - room),
         "gather": (n - 1) * (4 + c / 8),
-        "scan": 8.0 * numel + m / 8,
-        "werr": 12.0 * numel,
+        "scan": 12.0 * numel + m / 8,  # x, the previous x' and the new x' (the x' form), the signs
+        "werr": 12.0 * numel,  # only with double_buffer=False, after phase 0
         "server": n * c / 8 + 8.0 * c + c / 8,
         "serr": 8.0 * c,
         "decode": 4.0 * m + m / 8,
@@ -60,7 +60,7 @@ def flat_parts(
         p.get("overhead", 0.0) * share
         + t["scan"]
         + t["header"]
-        + max(t["a2a"], t["werr"])
+        + t["a2a"]
         + t["server"]
         + max(t["gather"], t["serr"])
         + t["decode"]

@@ -11,17 +11,18 @@ Each phase costs latency + bytes / bandwidth, or codec bytes / memory bandwidth:
     share = max(1, ranks on the machine / cores): ranks of a simulated cluster share its cores,
             or, in an emulated cluster (netsim --cpus-per-host C), max(1, ranks per host / C)
 
-and the call overlaps what it overlaps: scan + header + max(a2a, werr) + server + max(gather,
-serr) + decode (phase 0's all-to-all carries a repeated call's first FOLD_BYTES / n sign bytes
-per peer, phase 1 the rest). The calibration file (one run of bench/phases.py, ideally 2 hosts,
-so share = 1) gives alpha (header), B (a2a and gather bytes) and every gamma (its codec passes);
-`--loopback FILE` (a run with several ranks per host) gives a collective inside the host its own
-latency alpha_lo (share, at its smallest size) and bandwidth B_lo (rs); every other file is then
-predicted and printed next to its measurements. With `--latency FILE` (a run on more hosts) a
-collective's latency is alpha0 + alpha (g - 1), fitted on the two runs' phase-0 headers (medians
-over their sizes), and the calibration run's smallest call gives a per-call overhead (what the
-call costs beyond its parts, times share). `--extrapolate` prints the model at 64-1024 ranks for
-a data-centre network (parameters in EXTRAPOLATION, stated in docs/cost_model.md).
+and the call overlaps what it overlaps: scan + header + a2a + server + max(gather, serr) +
+decode (the worker error held in the x' form, which the scan writes: no werr pass; phase 0's
+all-to-all carries a repeated call's first FOLD_BYTES / n sign bytes per peer, phase 1 the rest).
+The calibration file (one run of bench/phases.py, ideally 2 hosts, so share = 1) gives alpha
+(header), B (a2a and gather bytes) and every gamma (its codec passes); `--loopback FILE` (a run with
+several ranks per host) gives a collective inside the host its own latency alpha_lo (share, at its
+smallest size) and bandwidth B_lo (rs); every other file is then predicted and printed next to its
+measurements. With `--latency FILE` (a run on more hosts) a collective's latency is alpha0 + alpha
+(g - 1), fitted on the two runs' phase-0 headers (medians over their sizes), and the calibration
+run's smallest call gives a per-call overhead (what the call costs beyond its parts, times share).
+`--extrapolate` prints the model at 64-1024 ranks for a data-centre network (parameters in
+EXTRAPOLATION, stated in docs/cost_model.md).
 """
 
 from __future__ import annotations

@@ -7,15 +7,17 @@ Run under torchrun or bench/netsim.py (it reads RANK/WORLD_SIZE). For every size
 all ranks at once, each part of the flat 1-bit collective on its own, then the whole call:
 
     header    phase 0: all-to-all of a 16-byte header + min(C/8, FOLD_BYTES / n) bytes of signs per peer
-    scan      worker pass: reads x and the worker error (N elements), packs the signs of x'
+    scan      worker pass: reads x and the previous x' (N elements), writes the new x' and packs
+              its signs (the x' form of an ErrorFeedback reduced in place)
     a2a       phase 1: all-to-all of the rest of the packed signs (none when C/8 <= FOLD_BYTES / n)
-    werr      worker error update: reads x and the error, writes the error (N elements)
+    werr      worker error update: reads x and the error, writes the error (N elements): what
+              an ErrorFeedback(double_buffer=False) makes instead, overlapping a2a; not in `call`
     server    server pass: n rows of C/8 sign bytes and the server error -> y, its signs
     gather    phase 2: all-gather of each server's (t_j, signs), (n-1) blocks of 4 + C/8 bytes
     serr      server error update (C elements)
     decode    writes the M-element output from the n gathered chunks
-    call      compressed_allreduce over the group (the phases above, werr overlapping a2a and
-              serr overlapping gather)
+    call      compressed_allreduce over the group (the phases above but werr, serr overlapping
+              gather)
     allreduce the uncompressed fp32 all_reduce (the baseline)
 
 and with K > 1 ranks per host (LOCAL_WORLD_SIZE), for the hierarchical backend:

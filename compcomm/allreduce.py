@@ -81,7 +81,9 @@ def compressed_allreduce(
     the call, and `error_feedback` is then left as it was: for a caller that keeps the old state
     until it knows that a larger step succeeded (an optimizer whose later bucket may fail), at
     the cost of no copy (the errors are written once, into its buffers, which it reuses).
-    Whatever `error_feedback_out` held before is replaced, its tag too.
+    Whatever `error_feedback_out` held before is replaced, its tag too: a compressed call's scan
+    writes the new worker state into its buffer before the ranks have agreed, so a call rejected
+    after that leaves it holding no errors (as after `reset()`), and `error_feedback` as it was.
     """
     be = resolve(backend, tensor)
     spec = CallSpec.of(

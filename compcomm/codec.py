@@ -4,8 +4,11 @@ A value v is coded as one bit, 1 for sign(v) = +1 (v >= 0, so -0.0 too) and 0 fo
 MSB-first into bytes, plus one fp32 scale per rank and chunk. A `Codec` has four passes, which
 the allreduce calls in this order:
 
-- `worker_scan`: v = x + e_w; bits = sign(v); returns sum(v[:N]^2). Writes only the bits,
-  so the call can still be rejected afterwards with nothing changed.
+- `worker_scan`: v = x + e_w; bits = sign(v); returns sum(v[:N]^2). e_w may be held in the x'
+  form (the previous call's v and scale s: e_w = v - s sign(v) on [:N], 0 beyond, computed on
+  the fly), and v may be written to a buffer apart from the error state: the next x', which
+  spares the worker its `error_update_`. Writes nothing else, so the call can still be
+  rejected afterwards with nothing changed.
 - `error_update_`: e <- v - s sign(v) on the real elements, 0 on padding (worker and server),
   in place or into another buffer.
 - `server_scan_`: y = (1/n) sum_r s_r sign_r + e_s, stored in e_s; bits = sign(y); sum(y^2).
@@ -143,28 +146,47 @@ class Codec:
         self.kernels.launch(kernel, device, count, [*args, partial.data_ptr()])
         return float(partial.sum())
 
-    def worker_scan(self, x: torch.Tensor, error: torch.Tensor | None, bits: torch.Tensor) -> float:
-        """bits <- sign(v) for v = pad(x) + error over the padded length 8 * len(bits);
-        returns sum(v[:len(x)]^2) in float64. `error` may be None (zeros)."""
+    def worker_scan(
+        self,
+        x: torch.Tensor,
+        error: torch.Tensor | None,
+        bits: torch.Tensor,
+        pending_scale: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> float:
+        """bits <- sign(v) for v = pad(x) + e over the padded length 8 * len(bits); returns
+        sum(v[:len(x)]^2) in float64. e is `error` (None: zeros), or with `pending_scale` s
+        the error that `error` holds in the x' form: error - s sign(error) on x's length, 0
+        beyond (the same fp32 operations as `error_update_`, so the same bits). `out` (fp32,
+        sharing no memory with x or error) receives v: the new x', so that this call's error
+        update needs no pass of its own."""
         m, n = 8 * bits.numel(), x.numel()
+        pending = pending_scale is not None and error is not None
+        scale = pending_scale if pending and pending_scale is not None else 0.0
         total = self._fused_sum(
             "cc_worker_scan",
             bits.device,
             m,
-            (x, error, bits),
-            (x.data_ptr(), DTYPE_CODES[x.dtype], n, _ptr(error), m, bits.data_ptr()),
+            (x, error, out, bits),
+            (x.data_ptr(), DTYPE_CODES[x.dtype], n, _ptr(error), scale, int(pending), m, _ptr(out), bits.data_ptr()),
         )
         if total is not None:
             return total
         acc = torch.zeros((), dtype=torch.float64, device=bits.device)
         step = block_size(bits.device)
+        plus = torch.tensor(scale, dtype=torch.float32, device=bits.device)
         for start in range(0, m, step):
             stop = min(start + step, m)
             v = torch.zeros(stop - start, dtype=torch.float32, device=bits.device)
             live = max(0, min(n, stop) - start)
             v[:live] = x[start : start + live]
-            if error is not None:
+            if pending and error is not None:
+                e = error[start : start + live]
+                v[:live] += e - torch.where(e >= 0, plus, -plus)
+            elif error is not None:
                 v += error[start:stop]
+            if out is not None:
+                out[start:stop] = v
             head = v[:live].double()
             acc += torch.dot(head, head)
             pack_signs(v, bits[start // 8 : stop // 8])

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import codec
 from .errors import largest_magnitude
 from .layout import chunk_size, padded_size
 
@@ -37,21 +38,56 @@ class ErrorFeedback:
     instead of mixing tensors. By default it is where the instance was created (function, line
     and column), which is the same on every rank of an SPMD program; pass a string where that is
     not enough (ErrorFeedbacks made in one loop share their site).
+
+    `double_buffer` (default True): an allreduce in place keeps a second worker buffer of M fp32
+    (allocated at the first such call), into which each call's scan writes the next state, so
+    that no separate pass updates the worker error (see `worker_error`). False keeps one
+    buffer, for one more pass over the errors per call.
     """
 
-    def __init__(self, tag: str | None = None) -> None:
-        self.worker_error: torch.Tensor | None = None
+    def __init__(self, tag: str | None = None, double_buffer: bool = True) -> None:
+        self._worker: torch.Tensor | None = None
+        self._pending_scale: float | None = None  # not None: _worker holds x' (see `worker_error`)
+        self._spare: torch.Tensor | None = None  # the in-place call's next x' goes here
+        self._spare_server: torch.Tensor | None = None  # a given-up server buffer, for reuse
         self.server_error: torch.Tensor | None = None
         self.numel: int | None = None
         self.world_size: int | None = None
         self.layout: str | None = None
         self._server_max: float | None = None
+        self.double_buffer = double_buffer
         self.tag = tag if tag is not None else _creation_site(sys._getframe(1))
+
+    @property
+    def worker_error(self) -> torch.Tensor | None:
+        """The worker error, fp32 (M,), or None before first use.
+
+        A compressed allreduce keeps it in the x' form: the last call's v = x + e and its scale
+        s, from which the next call's scan computes e = v - s sign(v) (0 on the padding) on the
+        fly and writes its own v into a second buffer, so that no pass of its own updates the
+        error. Reading this attribute turns the state back into e, in place (one pass), with the
+        bits the update would have given."""
+        if self._pending_scale is not None:
+            assert self._worker is not None and self.numel is not None
+            codec.codec_for(self._worker.device).error_update_(self._worker, self._pending_scale, self.numel)
+            self._pending_scale = None
+        return self._worker
+
+    @worker_error.setter
+    def worker_error(self, value: torch.Tensor | None) -> None:
+        self._worker, self._pending_scale = value, None
+
+    def worker_form(self, device: torch.device) -> tuple[torch.Tensor | None, float | None]:
+        """What a scan reads the worker error from, on `device`, as it is held: (the buffer, None)
+        for e itself, (the buffer, s) for the x' form (see `worker_error`), (None, None) before
+        first use. Changes nothing."""
+        worker = None if self._worker is None else self._worker.to(device)
+        return worker, self._pending_scale
 
     @property
     def initialized(self) -> bool:
         """Whether a call (or `load_state_dict`) has sized the errors yet."""
-        return self.worker_error is not None
+        return self._worker is not None
 
     @property
     def fingerprint(self) -> int:
@@ -92,14 +128,78 @@ class ErrorFeedback:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The (worker, server) error tensors on `device`, allocated as zeros on first use (no
         server error for a reduce-scatter)."""
-        if self.worker_error is None:
+        if self._worker is None:
             self.worker_error = torch.zeros(padded_size(numel, world_size), dtype=torch.float32, device=device)
             self.server_error = _server_zeros(numel, world_size, device, layout)
             self.numel, self.world_size, self.layout, self._server_max = numel, world_size, layout, 0.0
-        elif self.worker_error.device != device:
-            self.worker_error = self.worker_error.to(device)
+        else:
+            self._to(device)
+        worker = self.worker_error
+        assert worker is not None
+        return worker, self.server_error
+
+    def _to(self, device: torch.device) -> None:
+        """Move the errors to `device` (the x' form stays as it is)."""
+        if self._worker is not None and self._worker.device != device:
+            self._worker = self._worker.to(device)
             self.server_error = None if self.server_error is None else self.server_error.to(device)
-        return self.worker_error, self.server_error
+            self._spare = self._spare_server = None
+
+    def next_x_prime_buffer(
+        self, source: ErrorFeedback, numel: int, world_size: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Where an allreduce from `source`'s errors into this instance writes its new x'
+        during its scan, before the verdict: a buffer of M fp32 that shares no memory with
+        `source`'s errors; None when there is none to write into (the call then updates the
+        errors in a pass of its own, after the verdict).
+
+        In place (`source` is self), it is a second buffer kept for the purpose, when
+        `double_buffer`: that costs the tensor's fp32 size once more per ErrorFeedback, and
+        saves a pass over 3 x 4 bytes per element per call. Into another ErrorFeedback (an
+        `error_feedback_out`), it is that one's own buffer: it gives up its errors now, so a
+        call rejected afterwards leaves it holding none (its memory is kept for reuse)."""
+        shape = (padded_size(numel, world_size),)
+        theirs = _storages(source._worker, source.server_error)
+        if self is source:
+            if not self.double_buffer:
+                return None
+            if not _fits(self._spare, shape, device, theirs):
+                self._spare = torch.empty(shape, dtype=torch.float32, device=device)
+            return self._spare
+        theirs |= _storages(source._spare)  # copy.copy shares it: the source's next in-place x' goes there
+        buffer = next((t for t in (self._worker, self._spare) if _fits(t, shape, device, theirs)), None)
+        server = self.server_error if self.server_error is not None else self._spare_server
+        self.reset()
+        self._spare_server = server
+        return buffer if buffer is not None else torch.empty(shape, dtype=torch.float32, device=device)
+
+    def take_x_prime(
+        self, source: ErrorFeedback, x_prime: torch.Tensor, scale: float, numel: int, world_size: int
+    ) -> torch.Tensor:
+        """After the verdict, the call's errors become this instance's: the worker error in the
+        x' form (`x_prime`, from `next_x_prime_buffer`, with this rank's scale), and the server
+        error as `source`'s, which the call goes on to update in place: returned."""
+        device, server_shape = x_prime.device, (chunk_size(numel, world_size),)
+        if self is source:
+            if self._worker is None:
+                self.server_error = _server_zeros(numel, world_size, device, ALLREDUCE)
+                self.numel, self.world_size, self.layout = numel, world_size, ALLREDUCE
+            self._to(device)
+            self._spare, self._worker = self._worker, x_prime
+        else:
+            server = self._spare_server
+            if server is None or not _fits(server, server_shape, device, _storages(source.server_error)):
+                server = torch.empty(server_shape, dtype=torch.float32, device=device)
+            if source.server_error is None:
+                server.zero_()
+            else:
+                server.copy_(source.server_error)
+            self._worker, self.server_error, self._spare_server = x_prime, server, None
+            self.tag, self.numel, self.world_size, self.layout = source.tag, numel, world_size, ALLREDUCE
+        self._pending_scale = scale
+        self._server_max = None
+        assert self.server_error is not None
+        return self.server_error
 
     def follow(
         self, source: ErrorFeedback, numel: int, world_size: int, device: torch.device, layout: str = ALLREDUCE
@@ -133,7 +233,7 @@ class ErrorFeedback:
 
     def clone(self) -> ErrorFeedback:
         """An independent copy (same tag, buffers cloned): work on it, keep it if the work succeeds."""
-        return ErrorFeedback(tag=self.tag).copy_(self)
+        return ErrorFeedback(tag=self.tag, double_buffer=self.double_buffer).copy_(self)
 
     def copy_(self, source: ErrorFeedback) -> ErrorFeedback:
         """Become an independent copy of `source` (as `source.clone()`), writing into this
@@ -142,13 +242,14 @@ class ErrorFeedback:
         if source is self:
             return self
         self.tag = source.tag
-        if source.worker_error is None:
+        if source._worker is None:
             self.reset()
             return self
         server_shape = None if source.server_error is None else tuple(source.server_error.shape)
-        self._own_buffers(tuple(source.worker_error.shape), server_shape, source.worker_error.device, source)
-        assert self.worker_error is not None
-        self.worker_error.copy_(source.worker_error)
+        self._own_buffers(tuple(source._worker.shape), server_shape, source._worker.device, source)
+        assert self._worker is not None
+        self._worker.copy_(source._worker)
+        self._pending_scale = source._pending_scale  # the same form as the source's
         if self.server_error is not None and source.server_error is not None:
             self.server_error.copy_(source.server_error)
         self.numel, self.world_size, self.layout = source.numel, source.world_size, source.layout
@@ -165,30 +266,25 @@ class ErrorFeedback:
         """fp32 error buffers of these shapes on `device` (contents unspecified; no server error
         when `server_shape` is None): the present ones where they fit and share no memory with
         `source`'s (e.g. after `copy.copy`), else new."""
-        theirs = {t.untyped_storage().data_ptr() for t in (source.worker_error, source.server_error) if t is not None}
-
-        def fits(t: torch.Tensor | None, shape: tuple[int, ...] | None) -> bool:
-            if shape is None:
-                return t is None
-            return (
-                t is not None
-                and tuple(t.shape) == shape
-                and t.device == device
-                and t.dtype == torch.float32
-                and t.untyped_storage().data_ptr() not in theirs
-            )
-
-        if not (fits(self.worker_error, worker_shape) and fits(self.server_error, server_shape)):
+        theirs = _storages(source._worker, source.server_error)
+        server_fits = (
+            self.server_error is None
+            if server_shape is None
+            else _fits(self.server_error, server_shape, device, theirs)
+        )
+        if not (_fits(self._worker, worker_shape, device, theirs) and server_fits):
             self.worker_error = torch.empty(worker_shape, dtype=torch.float32, device=device)
             self.server_error = (
                 None if server_shape is None else torch.empty(server_shape, dtype=torch.float32, device=device)
             )
+        self._pending_scale = None
 
     def reset(self) -> None:
         """Forget the carried errors (the next call starts from zero)."""
         self.worker_error = self.server_error = None
         self.numel = self.world_size = self.layout = None
         self._server_max = None
+        self._spare = self._spare_server = None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's errors and what they belong to: `worker_error`, `server_error`, `numel`,
@@ -238,6 +334,21 @@ class ErrorFeedback:
             raise ValueError("ErrorFeedback state: worker_error is not zero on the padding")
         self.worker_error, self.server_error = worker, server
         self.numel, self.world_size, self.layout, self._server_max = numel, world, layout, None
+
+
+def _storages(*tensors: torch.Tensor | None) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+
+
+def _fits(t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device, avoid: set[int]) -> bool:
+    """Whether `t` is an fp32 buffer of `shape` on `device` sharing no memory with `avoid`."""
+    return (
+        t is not None
+        and tuple(t.shape) == shape
+        and t.device == device
+        and t.dtype == torch.float32
+        and t.untyped_storage().data_ptr() not in avoid
+    )
 
 
 def _server_zeros(numel: int, world_size: int, device: torch.device, layout: str) -> torch.Tensor | None:

@@ -116,6 +116,34 @@ def test_worker_scan_and_update(kind, numel, dtype):
     assert same_bits(o_args[0], error) and same_bits(u_args[0], error)
 
 
+@pytest.mark.parametrize("numel", [1, 7, 8, 1000, 70001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_worker_scan_in_the_x_prime_form(kind, numel, dtype):
+    """A scan whose errors come as the previous call's v and scale (error = v - s sign(v) on the
+    real elements, 0 on the padding) gives the bits and sum of a scan over those errors made
+    by `error_update_`, and writes the new v (x + error) into `out`."""
+    x = data(numel, dtype, 2)
+    m = -(-numel // 32) * 32
+    previous = torch.zeros(m)
+    previous[:numel] = data(numel, torch.float32, 3)
+    errors = previous.clone()
+    TORCH.error_update_(errors, 0.375, numel)
+    expected_bits = torch.empty(m // 8, dtype=torch.uint8)
+    expected_sum = TORCH.worker_scan(x, errors, expected_bits)
+    expected_v = x.float().clone()
+    expected_v = torch.cat([expected_v, torch.zeros(m - numel)]) + errors
+    for out in (None, torch.full((m,), 7.0)):
+        (n_sum, n_args), (t_sum, t_args) = both(
+            kind, "worker_scan", x, previous, torch.empty(m // 8, dtype=torch.uint8), 0.375, out
+        )
+        for bits in (n_args[2], t_args[2]):
+            assert same_bits(bits, expected_bits)
+        assert n_sum == pytest.approx(expected_sum, rel=1e-12) and t_sum == expected_sum
+        assert same_bits(n_args[1], previous)  # the previous call's v is only read
+        if out is not None:
+            assert same_bits(n_args[4], expected_v) and same_bits(t_args[4], expected_v)
+
+
 def test_update_into_a_buffer_overlapping_the_errors_is_refused(kind):
     """`out` is the errors themselves or separate memory: a shifted view of them would be read
     after being written (the C kernel gave wrong values, the torch code raised)."""

@@ -93,6 +93,34 @@ def test_worker_scan_is_the_same_in_every_configuration(codecs, numel, dtype, of
         assert total == reference_sum(x.float() if e is None else x.float() + e[:numel], m)
 
 
+@pytest.mark.parametrize("numel", [*LENGTHS, STREAMED // 4 + 1001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_x_prime_scan_is_the_same_in_every_configuration(codecs, numel, dtype, offset):
+    """The scan over errors held in the x' form (previous v and scale), writing the new v: the
+    same bits, sum and v in every configuration as the torch kernels, and as a plain scan over
+    the errors that `error_update_` makes of them. From STREAMED bytes the new v is written with
+    streaming stores when its buffer is aligned (offset 0), with plain ones otherwise."""
+    m = -(-numel // 64) * 64 + 8
+    x = data(numel, dtype, numel + 4, offset)
+    previous = torch.zeros(m + offset)[offset:]
+    previous[:numel] = data(numel, torch.float32, numel + 5)
+    errors = previous.clone()
+    TORCH.error_update_(errors, 0.5, numel)
+    expected_bits = torch.empty(m // 8, dtype=torch.uint8)
+    expected_sum = TORCH.worker_scan(x, errors, expected_bits)
+    expected_v = torch.zeros(m)
+    expected_v[:numel] = x.float()
+    expected_v += errors
+    for config, coder in codecs.items():
+        bits = torch.full((m // 8,), 0xA5, dtype=torch.uint8)
+        out = torch.full((m + offset,), 7.0)[offset:]
+        total = coder.worker_scan(x, previous, bits, 0.5, out)
+        assert total == coder.worker_scan(x, errors, torch.empty_like(bits)), config
+        assert total == pytest.approx(expected_sum, rel=1e-12), config
+        assert same_bits(bits, expected_bits) and same_bits(out, expected_v), config
+
+
 @pytest.mark.parametrize("numel", LENGTHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("offset", [0, 1])

@@ -1,19 +1,24 @@
 """`error_feedback_out` on 4 real gloo ranks: the errors after a call written into another
 ErrorFeedback, the input one left as it was. The result and the new errors are bitwise those of
-the same call in place; a rejected call changes neither; bad outputs are an agreed error."""
+the same call in place; a rejected call leaves the input as it was and the output as it was or
+holding no errors; bad outputs are an agreed error. Also the worker error's two forms (in place,
+with and without `double_buffer`) against each other and the float64 reference."""
 
 from __future__ import annotations
 
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import compcomm
 from compcomm import ErrorFeedback
+from compcomm.layout import padded_size
 
 from rankpool import caught, group
+from reference import reference_allreduce
 
 WORLD = 4
 
@@ -85,7 +90,9 @@ def test_below_min_compress_bytes_the_output_takes_the_unchanged_errors(pool):
 
 def rejected(case: str) -> tuple[tuple[str, str] | None, bool]:
     """A bad call on one rank (rank 1): the error every rank raised, and whether this rank's
-    input and output ErrorFeedbacks are exactly as before."""
+    input ErrorFeedback is exactly as before and its output either as before or holding no
+    errors (a call that has scanned writes the new worker state into the output's buffer before
+    the verdict, giving up what it held: a spare's old errors, which no caller reads)."""
     be = gloo()
     kept, spare = ErrorFeedback(tag="t"), ErrorFeedback(tag="t")
     compcomm.compressed_allreduce(make_input(be.rank, 0, 100), kept, backend=be)  # errors to keep
@@ -132,7 +139,8 @@ def rejected(case: str) -> tuple[tuple[str, str] | None, bool]:
         )
     else:
         err = caught(compcomm.compressed_allreduce, x, kept, backend=be, error_feedback_out=out)
-    return err, (snapshot(kept), snapshot(spare)) == before
+    given_up = not spare.initialized and spare.server_error is None and spare.numel is None
+    return err, snapshot(kept) == before[0] and (snapshot(spare) == before[1] or given_up)
 
 
 @pytest.mark.parametrize(
@@ -171,3 +179,63 @@ def shallow_copied_spare() -> dict:
 def test_a_spare_sharing_the_inputs_tensors_gets_its_own(pool):
     for r in pool.run(shallow_copied_spare):
         assert r == {"kept": True, "errors": True, "result": True}, r
+
+
+def two_forms(numel: int, steps: int) -> dict:
+    """In-place calls from the same inputs into an ErrorFeedback kept in the x' form (never read
+    between calls) and one with a single buffer (read at every step, for the reference); at
+    step 2 rank 1 sends a NaN, rejected on every rank; at step 4 the x' one is checkpointed and
+    restored into a new instance."""
+    be = gloo()
+    fast, slow = ErrorFeedback(tag="t"), ErrorFeedback(tag="t", double_buffer=False)
+    records, buffers = [], []
+    for step in range(steps):
+        x = make_input(be.rank, step, numel)
+        if step == 2:
+            bad = x.clone()
+            if be.rank == 1:
+                bad[3] = math.nan
+            for ef in (fast, slow):
+                assert caught(compcomm.compressed_allreduce, bad.clone(), ef, backend=be)[0] == "NonFiniteError"
+        if step == 4:
+            restored = ErrorFeedback(tag="t")
+            restored.load_state_dict(copy.deepcopy(fast.state_dict()))
+            fast = restored
+        a, b = x.clone(), x.clone()
+        compcomm.compressed_allreduce(a, fast, backend=be)
+        compcomm.compressed_allreduce(b, slow, backend=be)
+        buffers.append(fast.worker_form(torch.device("cpu"))[0].data_ptr())
+        records.append(
+            {
+                "input": x.double().numpy(),
+                "same": torch.equal(a, b),
+                "output": a.double().numpy(),
+                "worker": slow.worker_error.double().numpy(),
+                "server": slow.server_error.double().numpy(),
+            }
+        )
+    in_turn = buffers[2:4] == buffers[0:2] and buffers[6] == buffers[4]  # the restored one from step 4
+    return {"records": records, "errors": snapshot(fast) == snapshot(slow), "in_turn": in_turn}
+
+
+@pytest.mark.parametrize("numel", [13, 70_001])
+def test_the_x_prime_form_gives_the_single_buffer_bits_and_the_reference(pool, numel):
+    """Held as (x', s) across calls, through a rejected call and a checkpoint, the worker error
+    gives every output and, at the end, the errors of the single-buffer form bit for bit, which
+    follow the float64 reference; the x' form uses two buffers in turn, no more (two before the
+    checkpoint, the restored instance's two after it)."""
+    results = pool.run(two_forms, numel, 7)
+    for r in results:
+        assert r["errors"] and r["in_turn"] and all(rec["same"] for rec in r["records"])
+    m = padded_size(numel, WORLD)
+    worker, server = np.zeros((WORLD, m)), np.zeros((WORLD, m // WORLD))
+    for step in range(7):
+        records = [r["records"][step] for r in results]
+        expected, ref_worker, ref_server = reference_allreduce([rec["input"] for rec in records], worker, server)
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(records[0]["output"], expected, rtol=1e-5, atol=1e-5 * scale)
+        got_worker = np.stack([rec["worker"] for rec in records])
+        got_server = np.stack([rec["server"] for rec in records])
+        np.testing.assert_allclose(got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale)
+        np.testing.assert_allclose(got_server, ref_server, rtol=1e-5, atol=1e-5 * scale)
+        worker, server = got_worker, got_server

@@ -116,11 +116,8 @@ static inline double sum8(const double *lanes) {
     return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
 }
 
-/* v[k] = x[i+k] (0 beyond n) + e[i+k] (when e), for the 8 elements of byte i/8. */
-static inline void load8(const void *x, int dtype, int64_t n, const float *e, int64_t i, float *v) {
-    for (int k = 0; k < 8; k++) v[k] = i + k < n ? load(x, i + k, dtype) : 0.0f;
-    if (e)
-        for (int k = 0; k < 8; k++) v[k] += e[i + k];
+static inline float minus_signed(float v, float s) {
+    return v - (v >= 0.0f ? s : -s);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -344,23 +341,45 @@ static inline int64_t blocks_of(int64_t count) {
 
 /* ------------------------------------------------------------------------------------------ */
 /* Pass 1 on a worker: v = x + e (x zero beyond n, e optional), bits = sign(v); returns         */
-/* sum(v[:n]^2). Writes nothing but `bits`, so a call rejected afterwards leaves no trace.     */
+/* sum(v[:n]^2). With `pending`, e holds the previous call's x' and s its scale: the error is   */
+/* e - s sign(e) on [:n] and 0 beyond (the x' form; the same fp32 operations as the update that */
+/* it replaces). With `out`, v is also written there, over [0, m): the new x'. Writes nothing   */
+/* but `bits` and `out`, so a call rejected afterwards leaves no trace in the error state.      */
 
 struct scan_args {
     const void *x;
     int dtype;
     int64_t n;
     const float *e;
+    float s;
+    int pending;
     int64_t m;
+    float *out;
     uint8_t *bits;
+    int streaming;
     int features;
 };
+
+/* The previous error at element i < n (see above). */
+static inline float previous_error(const struct scan_args *a, int64_t i) {
+    return a->pending ? minus_signed(a->e[i], a->s) : a->e[i];
+}
+
+/* v[k] for the 8 elements of byte i/8 (also written to out, when the scan has one). */
+static inline void load8(const struct scan_args *a, int64_t i, float *v) {
+    for (int k = 0; k < 8; k++) {
+        int64_t j = i + k;
+        v[k] = j < a->n ? load(a->x, j, a->dtype) : 0.0f;
+        if (a->e) v[k] += j < a->n || !a->pending ? previous_error(a, j) : 0.0f;
+        if (a->out) a->out[j] = v[k];
+    }
+}
 
 /* The bytes of [i, hi) one at a time, into `lanes`; the block's sum. */
 static double scan_tail(const struct scan_args *a, int64_t i, int64_t hi, double *lanes) {
     float v[8];
     for (; i < hi; i += 8) {
-        load8(a->x, a->dtype, a->n, a->e, i, v);
+        load8(a, i, v);
         a->bits[i / 8] = pack8(v, lanes, live_lanes(a->n - i));
     }
     return sum8(lanes);
@@ -373,7 +392,8 @@ INLINE double scan_block_portable(const struct scan_args *a, int64_t lo, int64_t
     for (; i + 32 <= end; i += 32) {
         for (int k = 0; k < 32; k++) v[k] = load(a->x, i + k, dtype);
         if (a->e)
-            for (int k = 0; k < 32; k++) v[k] += a->e[i + k];
+            for (int k = 0; k < 32; k++) v[k] += previous_error(a, i + k);
+        if (a->out) memcpy(a->out + i, v, sizeof v);
         for (int k = 0; k < 32; k++) acc[k] += (double)v[k] * (double)v[k];
         for (int b = 0; b < 4; b++) a->bits[i / 8 + b] = sign_byte(v + 8 * b);
     }
@@ -387,6 +407,16 @@ TARGET_AVX2 INLINE __m256 load8_avx2(const void *x, int dtype, int64_t i) {
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
     if (dtype == F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+TARGET_AVX2 INLINE __m256 minus_signed8(__m256 v, __m256 plus, __m256 minus) {
+    return _mm256_sub_ps(v, _mm256_blendv_ps(minus, plus, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)));
+}
+
+/* Eight floats to out (32-byte aligned when streaming: out is, and lo and i are multiples of 8). */
+TARGET_AVX2 INLINE void put8(float *out, __m256 v, int streaming) {
+    if (streaming) _mm256_stream_ps(out, v);
+    else _mm256_storeu_ps(out, v);
 }
 
 /* acc[0], acc[1] += the float64 squares of v's low and high halves. */
@@ -433,22 +463,32 @@ TARGET_AVX2 INLINE int64_t vector_part_avx2(values_avx2 values, const void *args
     return i;
 }
 
-/* The scan's values (v = x + e) and block for one kernel set, whose vectors hold `width`
- * floats: `load` converts x's elements, `add` and `loadu` are the set's. */
-#define SCAN_WITH(isa, target, vector, width, load, add, loadu)                                            \
+/* The scan's values (v = x + e, e in the x' form when pending; v stored to out when there is
+ * one) and block for one kernel set, whose vectors hold `width` floats: `load` converts x's
+ * elements; `add`, `loadu` and `set1` are the set's, `minus_signed` and `put` as above. The
+ * vector part covers real elements only (i < n), where the x' form's error needs no mask. */
+#define SCAN_WITH(isa, target, vector, width, load, add, loadu, set1, minus_signed, put)                 \
     target INLINE void scan_values_##isa(const void *p, int64_t i, int groups, int dtype, vector *v) {     \
         const struct scan_args *a = p;                                                                     \
+        vector plus = set1(a->s), minus = set1(-a->s);                                                     \
         for (int j = 0; j < groups; j++) {                                                                 \
             v[j] = load(a->x, dtype, i + width * j);                                                       \
-            if (a->e) v[j] = add(v[j], loadu(a->e + i + width * j));                                       \
+            if (a->e) {                                                                                    \
+                vector e = loadu(a->e + i + width * j);                                                    \
+                v[j] = add(v[j], a->pending ? minus_signed(e, plus, minus) : e);                           \
+            }                                                                                              \
+            if (a->out) put(a->out + i + width * j, v[j], a->streaming);                                   \
         }                                                                                                  \
     }                                                                                                      \
     target INLINE double scan_block_##isa(const struct scan_args *a, int64_t lo, int64_t hi, int dtype) {  \
         double lanes[8];                                                                                   \
         int64_t i = vector_part_##isa(scan_values_##isa, a, dtype, lo, min64(hi, a->n), a->bits, lanes);  \
-        return scan_tail(a, i, hi, lanes);                                                                 \
+        double sum = scan_tail(a, i, hi, lanes);                                                           \
+        if (a->streaming) _mm_sfence();                                                                    \
+        return sum;                                                                                        \
     }
-SCAN_WITH(avx2, TARGET_AVX2, __m256, 8, load8_avx2, _mm256_add_ps, _mm256_loadu_ps)
+SCAN_WITH(avx2, TARGET_AVX2, __m256, 8, load8_avx2, _mm256_add_ps, _mm256_loadu_ps, _mm256_set1_ps, minus_signed8,
+          put8)
 
 TARGET_AVX512 INLINE __m512 load16_avx512(const void *x, int dtype, int64_t i) {
     if (dtype == F32) return _mm512_loadu_ps((const float *)x + i);
@@ -518,7 +558,18 @@ TARGET_AVX512 INLINE int64_t vector_part_avx512(values_avx512 values, const void
     return i;
 }
 
-SCAN_WITH(avx512, TARGET_AVX512, __m512, 16, load16_avx512, _mm512_add_ps, _mm512_loadu_ps)
+TARGET_AVX512 INLINE __m512 minus_signed16(__m512 v, __m512 plus, __m512 minus) {
+    return _mm512_sub_ps(v, _mm512_mask_blend_ps(nonnegative(v), minus, plus));
+}
+
+/* Sixteen floats to out (64-byte aligned when streaming). */
+TARGET_AVX512 INLINE void put16(float *out, __m512 v, int streaming) {
+    if (streaming) _mm512_stream_ps(out, v);
+    else _mm512_storeu_ps(out, v);
+}
+
+SCAN_WITH(avx512, TARGET_AVX512, __m512, 16, load16_avx512, _mm512_add_ps, _mm512_loadu_ps, _mm512_set1_ps,
+          minus_signed16, put16)
 #endif
 
 /* One scan block per call, specialized for each kernel set and dtype. */
@@ -545,9 +596,15 @@ static block_sum_fn pick_scan(int features) {
     return scan_portable;
 }
 
-void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, cc_index m, unsigned char *bits,
-                    double *partial) {
-    struct scan_args a = {x, dtype, n, e, m, bits, cc_features()};
+void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, float s, int pending, cc_index m,
+                    float *out, unsigned char *bits, double *partial) {
+    struct scan_args a = {x, dtype, n, e, s, pending && e, m, out, bits, 0, cc_features()};
+#ifdef __SSE2__
+    /* Streaming stores (see STREAM_BYTES) for a large new x', on aligned vectors: the vector part
+     * starts every block at a multiple of 32 elements, so an out on a 64-byte boundary is. */
+    a.streaming = out && (a.features & (HAVE_AVX2 | HAVE_AVX512)) && (uintptr_t)out % 64 == 0 &&
+                  m * (int64_t)sizeof(float) >= STREAM_BYTES;
+#endif
     int64_t blocks = blocks_of(m);
     *partial = sum_blocks(pick_scan(a.features), &a, blocks, threads_for(m, blocks));
 }
@@ -555,10 +612,6 @@ void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, cc_ind
 /* ------------------------------------------------------------------------------------------ */
 /* Pass 2: out <- v - s sign(v), v = x + e (x may be NULL: v = e), on [:real]; 0 on [real:m].  */
 /* out may be e itself (in place) or another buffer (e is then left as it was).                */
-
-static inline float minus_signed(float v, float s) {
-    return v - (v >= 0.0f ? s : -s);
-}
 
 struct update_args {
     const void *x;
@@ -579,16 +632,6 @@ INLINE void update_portable(const struct update_args *a, int64_t lo, int64_t hi,
 }
 
 #ifdef __SSE2__
-TARGET_AVX2 INLINE __m256 minus_signed8(__m256 v, __m256 plus, __m256 minus) {
-    return _mm256_sub_ps(v, _mm256_blendv_ps(minus, plus, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ)));
-}
-
-/* Eight floats to out (32-byte aligned when streaming: out is, and lo and i are multiples of 8). */
-TARGET_AVX2 INLINE void put8(float *out, __m256 v, int streaming) {
-    if (streaming) _mm256_stream_ps(out, v);
-    else _mm256_storeu_ps(out, v);
-}
-
 TARGET_AVX2 INLINE void update_avx2(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
     __m256 plus = _mm256_set1_ps(a->s), minus = _mm256_set1_ps(-a->s);
     const float *e = a->e;
@@ -617,7 +660,7 @@ TARGET_AVX512 INLINE void update16(const struct update_args *a, int64_t i, __mma
         __mmask16 kx = (__mmask16)(k & (left >= 16 ? 0xFFFF : (1u << left) - 1));
         v = _mm512_mask_add_ps(v, kx, load16_masked(a->x, dtype, i, kx), v);
     }
-    __m512 r = _mm512_sub_ps(v, _mm512_mask_blend_ps(nonnegative(v), minus, plus));
+    __m512 r = minus_signed16(v, plus, minus);
     if (!full) _mm512_mask_storeu_ps(a->out + i, k, r);
     else if (streaming) _mm512_stream_ps(a->out + i, r);
     else _mm512_storeu_ps(a->out + i, r);

@@ -30,8 +30,12 @@ class BucketLayout:
         self.order = list(order)  # bucket slot -> parameter index
         self.bucketer = Bucketer([params[i] for i in self.order], bucket_bytes, world_size, dtype=torch.float32)
         self.bucket_of = {self.order[k]: b for b, bucket in enumerate(self.bucketer) for k in bucket.indices}
-        self.error_feedback = [ErrorFeedback(tag=f"{tag}.bucket{b}") for b in range(len(self.bucketer))]
-        self.spare = [ErrorFeedback(tag=ef.tag) for ef in self.error_feedback]
+        # Steps write into the spare (its buffer takes the new x'), so a second buffer per
+        # ErrorFeedback would only serve DiLoCo's rare syncs in place: not worth its memory.
+        self.error_feedback = [
+            ErrorFeedback(tag=f"{tag}.bucket{b}", double_buffer=False) for b in range(len(self.bucketer))
+        ]
+        self.spare = [ErrorFeedback(tag=ef.tag, double_buffer=False) for ef in self.error_feedback]
 
     def __len__(self) -> int:
         return len(self.bucketer)

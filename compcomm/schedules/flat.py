@@ -4,7 +4,9 @@ For world size n, rank r and N elements padded to M = ceil(N / 8n) * 8n, chunk C
 serves elements [jC, (j+1)C), k_j = clamp(N - jC, 0, C) of them real):
 
     worker r:   x' = pad(x as fp32) + e_w        s_r = ||x'[:N]|| / sqrt(N)
-                e_w <- x' - s_r sign(x')          (0 on padding)
+                e_w <- x' - s_r sign(x')          (0 on padding; held as (x', s_r) and
+                                                   computed in the next call's scan when the
+                                                   scan has a second buffer to write x' into)
     phase 0:    the agreement (`compcomm.agreement`): every rank's header (s_r, max |e_s|, a
                 digest of the call, its own error if any), in an all-to-all whose slot j also
                 carries the first bytes of the packed signs for server j
@@ -66,36 +68,40 @@ def prepare(spec: CallSpec, be: Backend, decode: bool = True) -> list[FlatCall]:
     schedule that must agree across another group before committing calls the two halves
     itself, inside its own turn on the channels (with `decode=False` when it decodes the
     calls' results itself: commit then leaves the tensors as they are)."""
-    scanned: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+    scanned: list[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]] = []
 
     def measure(i: int) -> Measured:
         tensor, ef = spec.tensors[i], spec.error_feedbacks[i]
         if spec.reduced_exactly(i):
             flat, rows, bound = _exact_rows(tensor, be.world_size)
-            scanned.append((flat, rows, bound))
+            scanned.append((flat, rows, bound, None))
             return Measured(bound, 0.0, rows)
-        flat, rows, scale = _worker_scan(tensor, ef, be.world_size)
-        scanned.append((flat, rows, scale))
+        flat, rows, scale, x_prime = _worker_scan(tensor, ef, spec.into(i), be.world_size)
+        scanned.append((flat, rows, scale, x_prime))
         return Measured(scale, ef.server_error_max(), rows)
 
     agreement = agree_on_call(
         spec, be, "allreduce", be.sequence_number(), measure, lambda numel: (numel, be.world_size, ALLREDUCE)
     )
     return [
-        FlatCall(spec, i, be, agreement, flat, rows, scale, spec.reduced_exactly(i), decode=decode)
-        for i, (flat, rows, scale) in enumerate(scanned)
+        FlatCall(spec, i, be, agreement, flat, rows, scale, spec.reduced_exactly(i), x_prime, decode=decode)
+        for i, (flat, rows, scale, x_prime) in enumerate(scanned)
     ]
 
 
-def _worker_scan(tensor: torch.Tensor, ef: ErrorFeedback, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The flattened tensor (a view when contiguous), its packed worker signs (n, C/8) and s_r.
-    Nothing is modified."""
+def _worker_scan(
+    tensor: torch.Tensor, ef: ErrorFeedback, into: ErrorFeedback, n: int
+) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]:
+    """The flattened tensor (a view when contiguous), its packed worker signs (n, C/8), s_r and
+    the new x' (x + e_w, written where `into` lends a buffer for it; None when it lends none).
+    The error state is not modified (an `into` other than `ef` gives its errors up)."""
     numel = tensor.numel()
     signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
-    worker = ef.worker_error.to(tensor.device) if ef.worker_error is not None else None
+    worker, pending_scale = ef.worker_form(tensor.device)
+    x_prime = into.next_x_prime_buffer(ef, numel, n, tensor.device)
     flat = tensor.detach().reshape(-1)
-    sum_sq = codec.codec_for(tensor.device).worker_scan(flat, worker, signs.view(-1))
-    return flat, signs, codec.rms_scale(sum_sq, numel)
+    sum_sq = codec.codec_for(tensor.device).worker_scan(flat, worker, signs.view(-1), pending_scale, x_prime)
+    return flat, signs, codec.rms_scale(sum_sq, numel), x_prime
 
 
 def _exact_rows(tensor: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -120,6 +126,7 @@ class FlatCall:
     rows: torch.Tensor  # (n, W) bytes of phase 1, row j for server j: packed signs, or fp32 if exact
     scale: float  # this rank's s_r (max |x| if exact)
     exact: bool
+    x_prime: torch.Tensor | None  # x' = x + e_w from the scan: the worker error state after the call
     result: torch.Tensor | None = None  # after commit: phase 2's bytes, see `decode_result`
     decode: bool = True  # False: commit leaves the tensor as it is (a composite decodes `result` itself)
 
@@ -152,11 +159,16 @@ class FlatCall:
     def _one_bit(self) -> torch.Tensor:
         be, flat, numel = self.be, self.flat, self.flat.numel()
         n, device = be.world_size, flat.device
-        into = self.spec.into(self.index)
-        worker, server, worker_out = into.follow(self.spec.error_feedbacks[self.index], numel, n, device)
-        assert server is not None  # an allreduce's errors have a server side
+        into, source = self.spec.into(self.index), self.spec.error_feedbacks[self.index]
         coder = codec.codec_for(device)
-        received = self._phase1(lambda: coder.error_update_(worker, self.scale, numel, flat, worker_out))
+        if self.x_prime is not None:  # the scan wrote the worker error's new state
+            server = into.take_x_prime(source, self.x_prime, self.scale, numel, n)
+            received = self._phase1(lambda: None)
+        else:
+            worker, maybe_server, worker_out = into.follow(source, numel, n, device)
+            assert maybe_server is not None  # an allreduce's errors have a server side
+            server = maybe_server
+            received = self._phase1(lambda: coder.error_update_(worker, self.scale, numel, flat, worker_out))
         served = real_count(be.rank, numel, n)
         mine = torch.empty(SERVER_SCALE_BYTES + received.shape[1], dtype=torch.uint8, device=device)
         divisor = n if self.spec.op == "mean" else 1
