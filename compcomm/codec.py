@@ -106,10 +106,6 @@ def _bf16_bits(f32: int) -> int:
     return (f32 + 0x7FFF + ((f32 >> 16) & 1)) >> 16
 
 
-def _storage(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.untyped_storage().data_ptr()
-
-
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -165,8 +161,6 @@ class Codec:
         sharing no memory with x or error) receives v: the new x', so that this call's error
         update needs no pass of its own."""
         m, n = 8 * bits.numel(), x.numel()
-        if out is not None and _storage(out) in {_storage(x), _storage(error)}:
-            raise ValueError("worker_scan: `out` must share no storage with x or the errors")
         pending = pending_scale is not None and error is not None
         scale = pending_scale if pending and pending_scale is not None else 0.0
         total = self._fused_sum(
@@ -211,7 +205,7 @@ class Codec:
         the old errors: the fused kernels write the new ones in one pass, with no copy of the
         old first (the torch code copies, then updates in place)."""
         target = error if out is None else out
-        if target is not error and _storage(target) == _storage(error):
+        if target is not error and target.untyped_storage().data_ptr() == error.untyped_storage().data_ptr():
             raise ValueError("error_update_: `out` must be the error tensor itself or share no storage with it")
         n = 0 if x is None else x.numel()
         if self._fused(
