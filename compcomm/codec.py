@@ -106,6 +106,14 @@ def _bf16_bits(f32: int) -> int:
     return (f32 + 0x7FFF + ((f32 >> 16) & 1)) >> 16
 
 
+def _shares_storage(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether a and b are views of one allocation (empty tensors share none: their pointers
+    may all be 0)."""
+    if a is None or b is None or a.untyped_storage().nbytes() == 0 or b.untyped_storage().nbytes() == 0:
+        return False
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -161,6 +169,8 @@ class Codec:
         sharing no memory with x or error) receives v: the new x', so that this call's error
         update needs no pass of its own."""
         m, n = 8 * bits.numel(), x.numel()
+        if _shares_storage(out, x) or _shares_storage(out, error):
+            raise ValueError("worker_scan: `out` must share no storage with x or the errors")
         pending = pending_scale is not None and error is not None
         scale = pending_scale if pending and pending_scale is not None else 0.0
         total = self._fused_sum(
@@ -205,7 +215,7 @@ class Codec:
         the old errors: the fused kernels write the new ones in one pass, with no copy of the
         old first (the torch code copies, then updates in place)."""
         target = error if out is None else out
-        if target is not error and target.untyped_storage().data_ptr() == error.untyped_storage().data_ptr():
+        if target is not error and _shares_storage(target, error):
             raise ValueError("error_update_: `out` must be the error tensor itself or share no storage with it")
         n = 0 if x is None else x.numel()
         if self._fused(

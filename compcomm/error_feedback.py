@@ -46,8 +46,10 @@ class ErrorFeedback:
     """
 
     def __init__(self, tag: str | None = None, double_buffer: bool = True) -> None:
-        self._worker: torch.Tensor | None = None
-        self._pending_scale: float | None = None  # not None: _worker holds x' (see `worker_error`)
+        # (worker buffer, scale): the scale is None when the buffer holds e itself, else the
+        # buffer holds x' (see `worker_error`). One attribute, so that a reader on another
+        # thread never pairs one call's buffer with another's scale.
+        self._state: tuple[torch.Tensor | None, float | None] = (None, None)
         self._spare: torch.Tensor | None = None  # the in-place call's next x' goes here
         self._spare_server: torch.Tensor | None = None  # a given-up server buffer, for reuse
         self.server_error: torch.Tensor | None = None
@@ -66,23 +68,49 @@ class ErrorFeedback:
         s, from which the next call's scan computes e = v - s sign(v) (0 on the padding) on the
         fly and writes its own v into a second buffer, so that no pass of its own updates the
         error. Reading this attribute turns the state back into e, in place (one pass), with the
-        bits the update would have given."""
-        if self._pending_scale is not None:
-            assert self._worker is not None and self.numel is not None
-            codec.codec_for(self._worker.device).error_update_(self._worker, self._pending_scale, self.numel)
-            self._pending_scale = None
-        return self._worker
+        bits the update would have given, in a new tensor: reading changes nothing, and the
+        values are those of this moment (a later call may write over a buffer read earlier)."""
+        worker, scale = self._state
+        if worker is None or scale is None:
+            return worker
+        assert self.numel is not None
+        errors = torch.empty_like(worker)
+        codec.codec_for(worker.device).error_update_(worker, scale, self.numel, out=errors)
+        return errors
 
     @worker_error.setter
     def worker_error(self, value: torch.Tensor | None) -> None:
-        self._worker, self._pending_scale = value, None
+        self._state = (value, None)
+
+    @property
+    def _worker(self) -> torch.Tensor | None:
+        return self._state[0]
+
+    @property
+    def _pending_scale(self) -> float | None:
+        return self._state[1]
+
+    def _materialize_(self) -> None:
+        """Turn the x' form back into e in place (a call that updates e itself, after its verdict)."""
+        worker, scale = self._state
+        if worker is not None and scale is not None:
+            assert self.numel is not None
+            codec.codec_for(worker.device).error_update_(worker, scale, self.numel)
+            self._state = (worker, None)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle, also an instance pickled before the x' form (its `worker_error` an attribute)."""
+        if "worker_error" in state:
+            state["_state"] = (state.pop("worker_error"), None)
+        defaults = {"_spare": None, "_spare_server": None, "double_buffer": True}
+        self.__dict__.update({**defaults, **state})
 
     def worker_form(self, device: torch.device) -> tuple[torch.Tensor | None, float | None]:
         """What a scan reads the worker error from, on `device`, as it is held: (the buffer, None)
         for e itself, (the buffer, s) for the x' form (see `worker_error`), (None, None) before
         first use. Changes nothing."""
-        worker = None if self._worker is None else self._worker.to(device)
-        return worker, self._pending_scale
+        worker, scale = self._state
+        return (None if worker is None else worker.to(device)), scale
 
     @property
     def initialized(self) -> bool:
@@ -134,14 +162,16 @@ class ErrorFeedback:
             self.numel, self.world_size, self.layout, self._server_max = numel, world_size, layout, 0.0
         else:
             self._to(device)
-        worker = self.worker_error
+            self._materialize_()
+        worker = self._worker
         assert worker is not None
         return worker, self.server_error
 
     def _to(self, device: torch.device) -> None:
         """Move the errors to `device` (the x' form stays as it is)."""
-        if self._worker is not None and self._worker.device != device:
-            self._worker = self._worker.to(device)
+        worker, scale = self._state
+        if worker is not None and worker.device != device:
+            self._state = (worker.to(device), scale)
             self.server_error = None if self.server_error is None else self.server_error.to(device)
             self._spare = self._spare_server = None
 
@@ -157,7 +187,7 @@ class ErrorFeedback:
         `double_buffer`: that costs the tensor's fp32 size once more per ErrorFeedback, and
         saves a pass over 3 x 4 bytes per element per call. Into another ErrorFeedback (an
         `error_feedback_out`), it is that one's own buffer: it gives up its errors now, so a
-        call rejected afterwards leaves it holding none (its memory is kept for reuse)."""
+        call rejected afterwards leaves it holding none (its server buffer is kept for reuse)."""
         shape = (padded_size(numel, world_size),)
         theirs = _storages(source._worker, source.server_error)
         if self is source:
@@ -185,7 +215,7 @@ class ErrorFeedback:
                 self.server_error = _server_zeros(numel, world_size, device, ALLREDUCE)
                 self.numel, self.world_size, self.layout = numel, world_size, ALLREDUCE
             self._to(device)
-            self._spare, self._worker = self._worker, x_prime
+            self._spare = self._worker
         else:
             server = self._spare_server
             if server is None or not _fits(server, server_shape, device, _storages(source.server_error)):
@@ -194,9 +224,9 @@ class ErrorFeedback:
                 server.zero_()
             else:
                 server.copy_(source.server_error)
-            self._worker, self.server_error, self._spare_server = x_prime, server, None
+            self.server_error, self._spare_server = server, None
             self.tag, self.numel, self.world_size, self.layout = source.tag, numel, world_size, ALLREDUCE
-        self._pending_scale = scale
+        self._state = (x_prime, scale)
         self._server_max = None
         assert self.server_error is not None
         return self.server_error
@@ -242,14 +272,16 @@ class ErrorFeedback:
         if source is self:
             return self
         self.tag = source.tag
-        if source._worker is None:
+        worker, scale = source._state
+        if worker is None:
             self.reset()
             return self
         server_shape = None if source.server_error is None else tuple(source.server_error.shape)
-        self._own_buffers(tuple(source._worker.shape), server_shape, source._worker.device, source)
-        assert self._worker is not None
-        self._worker.copy_(source._worker)
-        self._pending_scale = source._pending_scale  # the same form as the source's
+        self._own_buffers(tuple(worker.shape), server_shape, worker.device, source)
+        mine = self._worker
+        assert mine is not None
+        mine.copy_(worker)
+        self._state = (mine, scale)  # the same form as the source's
         if self.server_error is not None and source.server_error is not None:
             self.server_error.copy_(source.server_error)
         self.numel, self.world_size, self.layout = source.numel, source.world_size, source.layout
@@ -277,7 +309,7 @@ class ErrorFeedback:
             self.server_error = (
                 None if server_shape is None else torch.empty(server_shape, dtype=torch.float32, device=device)
             )
-        self._pending_scale = None
+        self._state = (self._worker, None)
 
     def reset(self) -> None:
         """Forget the carried errors (the next call starts from zero)."""
@@ -289,7 +321,8 @@ class ErrorFeedback:
     def state_dict(self) -> dict[str, Any]:
         """This rank's errors and what they belong to: `worker_error`, `server_error`, `numel`,
         `world_size` (and `layout` for a reduce-scatter). They differ across ranks: save one file
-        per rank."""
+        per rank. The tensors hold this moment's values, which a later call may write over: save
+        them (or clone them) before the next call."""
         state: dict[str, Any] = {
             "worker_error": self.worker_error,
             "server_error": self.server_error,

@@ -150,6 +150,20 @@ def test_update_into_a_buffer_overlapping_the_errors_is_refused(kind):
     base = torch.zeros(40, device=kind.device)
     with pytest.raises(ValueError, match="share no storage"):
         kind.codec.error_update_(base[:32], 0.5, 30, torch.ones(32, device=kind.device), base[1:33])
+    x, bits = torch.ones(32, device=kind.device), torch.empty(4, dtype=torch.uint8, device=kind.device)
+    with pytest.raises(ValueError, match="share no storage"):
+        kind.codec.worker_scan(x, base[:32], bits, 0.5, base[8:40])  # the scan's x' over its errors
+    with pytest.raises(ValueError, match="share no storage"):
+        kind.codec.worker_scan(x, None, bits, None, x)
+
+
+def test_empty_buffers_overlap_nothing(kind):
+    """Empty tensors may all have address 0: an empty part (a hierarchical rank whose share of
+    a 1-element tensor is nothing) is not an overlap (refusing it hung the other ranks' call)."""
+    empty = torch.empty(0, device=kind.device)
+    out = torch.empty(0, device=kind.device)
+    kind.codec.error_update_(empty, 0.5, 0, out=out)
+    assert kind.codec.worker_scan(empty, empty, torch.empty(0, dtype=torch.uint8), 0.5, out) == 0.0
 
 
 @pytest.mark.parametrize("n, c, real", [(1, 8, 3), (3, 64, 64), (4, 4096, 4000), (5, 8192, 8013), (4, 4096, 0)])

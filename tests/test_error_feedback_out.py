@@ -43,7 +43,7 @@ def out_against_in_place(be, numel: int, steps: int, exact_from: int | None = No
     for step in range(steps):
         x = make_input(be.rank, step, numel)
         a, b = x.clone(), x.clone()
-        before, buffers = snapshot(kept), spare.worker_error
+        before, buffers = snapshot(kept), spare.worker_form(torch.device("cpu"))[0]
         min_compress_bytes = 1 << 30 if exact_from is not None and step >= exact_from else None
         compcomm.compressed_allreduce(
             a, kept, backend=be, error_feedback_out=spare, min_compress_bytes=min_compress_bytes
@@ -54,7 +54,7 @@ def out_against_in_place(be, numel: int, steps: int, exact_from: int | None = No
                 "kept": snapshot(kept) == before,
                 "result": torch.equal(a, b),
                 "errors": snapshot(spare) == snapshot(twin),
-                "reused": buffers is None or spare.worker_error is buffers,
+                "reused": buffers is None or spare.worker_form(torch.device("cpu"))[0] is buffers,
                 "output": a.numpy().tobytes(),
             }
         )
@@ -185,7 +185,7 @@ def two_forms(numel: int, steps: int) -> dict:
     """In-place calls from the same inputs into an ErrorFeedback kept in the x' form (never read
     between calls) and one with a single buffer (read at every step, for the reference); at
     step 2 rank 1 sends a NaN, rejected on every rank; at step 4 the x' one is checkpointed and
-    restored into a new instance."""
+    restored into a new instance; at step 5 a shallow copy of it is read."""
     be = gloo()
     fast, slow = ErrorFeedback(tag="t"), ErrorFeedback(tag="t", double_buffer=False)
     records, buffers = [], []
@@ -197,6 +197,9 @@ def two_forms(numel: int, steps: int) -> dict:
                 bad[3] = math.nan
             for ef in (fast, slow):
                 assert caught(compcomm.compressed_allreduce, bad.clone(), ef, backend=be)[0] == "NonFiniteError"
+        if step == 5:  # reads change nothing, also through a shallow copy sharing the buffers
+            copy.copy(fast).state_dict()
+            assert fast.worker_error is not fast.worker_form(torch.device("cpu"))[0]
         if step == 4:
             restored = ErrorFeedback(tag="t")
             restored.load_state_dict(copy.deepcopy(fast.state_dict()))
@@ -221,7 +224,8 @@ def two_forms(numel: int, steps: int) -> dict:
 @pytest.mark.parametrize("numel", [13, 70_001])
 def test_the_x_prime_form_gives_the_single_buffer_bits_and_the_reference(pool, numel):
     """Held as (x', s) across calls, through a rejected call and a checkpoint, the worker error
-    gives every output and, at the end, the errors of the single-buffer form bit for bit, which
+    gives every output and, at the end, the errors of the single-buffer form bit for bit (reading
+    it, even through a copy sharing its buffers, changes nothing), which
     follow the float64 reference; the x' form uses two buffers in turn, no more (two before the
     checkpoint, the restored instance's two after it)."""
     results = pool.run(two_forms, numel, 7)
@@ -239,3 +243,14 @@ def test_the_x_prime_form_gives_the_single_buffer_bits_and_the_reference(pool, n
         np.testing.assert_allclose(got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale)
         np.testing.assert_allclose(got_server, ref_server, rtol=1e-5, atol=1e-5 * scale)
         worker, server = got_worker, got_server
+
+
+def test_an_error_feedback_pickled_before_the_x_prime_form_loads():
+    """An instance pickled when `worker_error` was a plain attribute unpickles with its errors."""
+    errors = torch.arange(16, dtype=torch.float32)
+    old = ErrorFeedback(tag="t")
+    state = {k: v for k, v in old.__dict__.items() if k not in ("_state", "_spare", "_spare_server", "double_buffer")}
+    state["worker_error"] = errors
+    loaded = ErrorFeedback.__new__(ErrorFeedback)
+    loaded.__setstate__(state)
+    assert torch.equal(loaded.worker_error, errors) and loaded.double_buffer and loaded.tag == "t"

@@ -32,8 +32,9 @@ ValueError naming this fix.
 
 Memory. The FSDP worker error is the full (unsharded) gradient of each module, fp32, per rank:
 it gives back the 1/n that sharding saved on gradients, which is the price of error feedback on
-the sending side of a reduce-scatter. The HSDP error is the shard's size. With
-nonfinite="propagate" each holds a second copy (see below).
+the sending side of a reduce-scatter. The HSDP error is the shard's size, plus a second buffer
+of that size for the x' form's next state (see `compcomm.ErrorFeedback`'s `double_buffer`). With
+nonfinite="propagate" each holds a second copy instead (see below).
 
 Errors. Every rank raises the same error or none. NaN/Inf in any rank's gradients raises
 `NonFiniteError` on every rank from `backward()` (the failing module's error state unchanged;
