@@ -81,10 +81,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
         opt.step()
     params = list(model.parameters())
     whole = sum(p.numel() for p in params) * 4
-    errors = [ef.worker_error for ef in state.error_feedback.values()]
-    errors += [ef.server_error for ef in state.error_feedback.values()]
-    spares = [m.spare for m in state._modules.values() if m.spare is not None]
-    errors += [t for ef in spares for t in (ef.worker_error, ef.server_error)]
+    held = list(state.error_feedback.values()) + [m.spare for m in state._modules.values() if m.spare is not None]
     moments = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     transient = transient_peak(replicas)
     return {
@@ -94,7 +91,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
         "params_bytes": tensor_bytes(params),
         "grads_bytes": tensor_bytes([p.grad for p in params]),
         "optimizer_bytes": tensor_bytes(moments),
-        "error_bytes": tensor_bytes(errors),
+        "error_bytes": sum(ef.nbytes for ef in held),
         "unsharded_bytes": 4 * whole,  # parameters, gradients, Adam's two moments, all whole
         "transient_input_bytes": 4 * TRANSIENT_NUMEL,
         "transient_peak_bytes": transient,

@@ -46,10 +46,11 @@ class ErrorFeedback:
     """
 
     def __init__(self, tag: str | None = None, double_buffer: bool = True) -> None:
-        # (worker buffer, scale): the scale is None when the buffer holds e itself, else the
-        # buffer holds x' (see `worker_error`). One attribute, so that a reader on another
-        # thread never pairs one call's buffer with another's scale.
-        self._state: tuple[torch.Tensor | None, float | None] = (None, None)
+        # (worker buffer, scale, real elements): the scale is None when the buffer holds e
+        # itself, else the buffer holds x' for that many real elements (see `worker_error`).
+        # One attribute, so that a reader on another thread never pairs one call's buffer with
+        # another's scale or size.
+        self._state: tuple[torch.Tensor | None, float | None, int] = (None, None, 0)
         self._spare: torch.Tensor | None = None  # the in-place call's next x' goes here
         self._spare_server: torch.Tensor | None = None  # a given-up server buffer, for reuse
         self.server_error: torch.Tensor | None = None
@@ -67,20 +68,19 @@ class ErrorFeedback:
         A compressed allreduce keeps it in the x' form: the last call's v = x + e and its scale
         s, from which the next call's scan computes e = v - s sign(v) (0 on the padding) on the
         fly and writes its own v into a second buffer, so that no pass of its own updates the
-        error. Reading this attribute turns the state back into e, in place (one pass), with the
-        bits the update would have given, in a new tensor: reading changes nothing, and the
-        values are those of this moment (a later call may write over a buffer read earlier)."""
-        worker, scale = self._state
+        error. Reading this attribute in that form computes e (one pass) into a new tensor, with
+        the bits the update would have given: reading changes nothing, and the values are those
+        of this moment (a later call may write over a buffer read earlier)."""
+        worker, scale, real = self._state
         if worker is None or scale is None:
             return worker
-        assert self.numel is not None
         errors = torch.empty_like(worker)
-        codec.codec_for(worker.device).error_update_(worker, scale, self.numel, out=errors)
+        codec.codec_for(worker.device).error_update_(worker, scale, real, out=errors)
         return errors
 
     @worker_error.setter
     def worker_error(self, value: torch.Tensor | None) -> None:
-        self._state = (value, None)
+        self._state = (value, None, 0)
 
     @property
     def _worker(self) -> torch.Tensor | None:
@@ -92,25 +92,53 @@ class ErrorFeedback:
 
     def _materialize_(self) -> None:
         """Turn the x' form back into e in place (a call that updates e itself, after its verdict)."""
-        worker, scale = self._state
+        worker, scale, real = self._state
         if worker is not None and scale is not None:
-            assert self.numel is not None
-            codec.codec_for(worker.device).error_update_(worker, scale, self.numel)
-            self._state = (worker, None)
+            codec.codec_for(worker.device).error_update_(worker, scale, real)
+            self._state = (worker, None, 0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The errors and what they belong to, without the scratch buffers: a copy or a pickle
+        starts with none (a `copy.copy` sharing the spare let two instances write one buffer)."""
+        return {**self.__dict__, "_spare": None, "_spare_server": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle, also an instance pickled before the x' form (its `worker_error` an attribute)."""
+        """Unpickle, also an instance pickled by an earlier version: `worker_error` a plain
+        attribute (0.1.0 had no tag, layout or server maximum either), or the x' form kept as
+        `_worker` and `_pending_scale`."""
+        state = dict(state)
         if "worker_error" in state:
-            state["_state"] = (state.pop("worker_error"), None)
-        defaults = {"_spare": None, "_spare_server": None, "double_buffer": True}
-        self.__dict__.update({**defaults, **state})
+            state["_state"] = (state.pop("worker_error"), None, 0)
+        elif "_worker" in state:
+            scale = state.pop("_pending_scale", None)
+            state["_state"] = (state.pop("_worker"), scale, state.get("numel") or 0)
+        held = state.get("_state", (None, None, 0))[0] is not None
+        defaults: dict[str, Any] = {
+            "_state": (None, None, 0),
+            "server_error": None,
+            "numel": None,
+            "world_size": None,
+            "layout": ALLREDUCE if held else None,
+            "_server_max": None,
+            "double_buffer": True,
+            "tag": "",
+        }
+        self.__dict__.update({**defaults, **state, "_spare": None, "_spare_server": None})
 
     def worker_form(self, device: torch.device) -> tuple[torch.Tensor | None, float | None]:
         """What a scan reads the worker error from, on `device`, as it is held: (the buffer, None)
         for e itself, (the buffer, s) for the x' form (see `worker_error`), (None, None) before
         first use. Changes nothing."""
-        worker, scale = self._state
+        worker, scale, _ = self._state
         return (None if worker is None else worker.to(device)), scale
+
+    @property
+    def nbytes(self) -> int:
+        """The memory this instance holds: its errors and the buffers it keeps for the next
+        call (the x' form's second buffer, a given-up server buffer)."""
+        buffers = (self._worker, self.server_error, self._spare, self._spare_server)
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers if t is not None}
+        return sum(held.values())
 
     @property
     def initialized(self) -> bool:
@@ -169,9 +197,9 @@ class ErrorFeedback:
 
     def _to(self, device: torch.device) -> None:
         """Move the errors to `device` (the x' form stays as it is)."""
-        worker, scale = self._state
+        worker, scale, real = self._state
         if worker is not None and worker.device != device:
-            self._state = (worker.to(device), scale)
+            self._state = (worker.to(device), scale, real)
             self.server_error = None if self.server_error is None else self.server_error.to(device)
             self._spare = self._spare_server = None
 
@@ -226,7 +254,7 @@ class ErrorFeedback:
                 server.copy_(source.server_error)
             self.server_error, self._spare_server = server, None
             self.tag, self.numel, self.world_size, self.layout = source.tag, numel, world_size, ALLREDUCE
-        self._state = (x_prime, scale)
+        self._state = (x_prime, scale, numel)
         self._server_max = None
         assert self.server_error is not None
         return self.server_error
@@ -272,7 +300,7 @@ class ErrorFeedback:
         if source is self:
             return self
         self.tag = source.tag
-        worker, scale = source._state
+        worker, scale, real = source._state
         if worker is None:
             self.reset()
             return self
@@ -281,7 +309,7 @@ class ErrorFeedback:
         mine = self._worker
         assert mine is not None
         mine.copy_(worker)
-        self._state = (mine, scale)  # the same form as the source's
+        self._state = (mine, scale, real)  # the same form as the source's
         if self.server_error is not None and source.server_error is not None:
             self.server_error.copy_(source.server_error)
         self.numel, self.world_size, self.layout = source.numel, source.world_size, source.layout
@@ -297,8 +325,11 @@ class ErrorFeedback:
     ) -> None:
         """fp32 error buffers of these shapes on `device` (contents unspecified; no server error
         when `server_shape` is None): the present ones where they fit and share no memory with
-        `source`'s (e.g. after `copy.copy`), else new."""
-        theirs = _storages(source._worker, source.server_error)
+        `source`'s (e.g. after `copy.copy`), else new; a spare shared with `source` is dropped
+        (`source`'s next in-place call may write into any of its buffers)."""
+        theirs = _storages(source._worker, source.server_error, source._spare)
+        if _storages(self._spare) & theirs:
+            self._spare = None
         server_fits = (
             self.server_error is None
             if server_shape is None
@@ -309,7 +340,7 @@ class ErrorFeedback:
             self.server_error = (
                 None if server_shape is None else torch.empty(server_shape, dtype=torch.float32, device=device)
             )
-        self._state = (self._worker, None)
+        self._state = (self._worker, None, 0)
 
     def reset(self) -> None:
         """Forget the carried errors (the next call starts from zero)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -254,3 +255,37 @@ def test_an_error_feedback_pickled_before_the_x_prime_form_loads():
     loaded = ErrorFeedback.__new__(ErrorFeedback)
     loaded.__setstate__(state)
     assert torch.equal(loaded.worker_error, errors) and loaded.double_buffer and loaded.tag == "t"
+
+
+def test_an_error_feedback_pickled_by_0_1_0_loads_and_serves_a_call():
+    """0.1.0 pickled four attributes (no tag, layout or server maximum); its errors carry on."""
+    be = compcomm.backends.get("local")
+    today = ErrorFeedback(tag="")
+    compcomm.compressed_allreduce(torch.randn(100), today, backend=be)
+    state = {key: value for key, value in today.state_dict().items()}
+    loaded = ErrorFeedback.__new__(ErrorFeedback)
+    loaded.__setstate__(state)
+    x = torch.randn(100)
+    a, b = x.clone(), x.clone()
+    compcomm.compressed_allreduce(a, today, backend=be)
+    compcomm.compressed_allreduce(b, loaded, backend=be)
+    assert torch.equal(a, b) and torch.equal(loaded.worker_error, today.worker_error)
+
+
+def test_a_pickle_or_copy_carries_no_scratch_buffer():
+    ef = ErrorFeedback()
+    for _ in range(2):
+        compcomm.compressed_allreduce(torch.randn(100), ef, backend=compcomm.backends.get("local"))
+    assert ef._spare is not None
+    for twin in (pickle.loads(pickle.dumps(ef)), copy.deepcopy(ef), copy.copy(ef)):
+        assert twin._spare is None and torch.equal(twin.worker_error, ef.worker_error)
+
+
+@pytest.mark.parametrize("double_buffer", [True, False])
+def test_nbytes_counts_the_errors_and_the_second_buffer(double_buffer):
+    ef = ErrorFeedback(double_buffer=double_buffer)
+    assert ef.nbytes == 0
+    for _ in range(3):
+        compcomm.compressed_allreduce(torch.randn(100), ef, backend=compcomm.backends.get("local"))
+    m = padded_size(100, 1)
+    assert ef.nbytes == 4 * (m * (2 if double_buffer else 1) + ef.server_error.numel())

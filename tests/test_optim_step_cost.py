@@ -98,6 +98,72 @@ def test_error_feedback_copy_of_a_shallow_copy_owns_its_buffers():
     assert torch.equal(twin.worker_error, source.worker_error)
 
 
+def in_place_calls(ef: compcomm.ErrorFeedback, seeds: list[int]) -> list[torch.Tensor]:
+    be = compcomm.backends.get("local")
+    outputs = []
+    for seed in seeds:
+        t = torch.randn(100, generator=torch.Generator().manual_seed(seed))
+        compcomm.compressed_allreduce(t, ef, backend=be)
+        outputs.append(t)
+    return outputs
+
+
+def test_copies_and_their_source_never_write_into_each_others_buffers():
+    """The x' form writes each in-place call's state into a spare: a copy made with copy.copy,
+    or copied into with copy_ after one, must not share it (the twin's or the source's next
+    call wrote into the other's live state)."""
+    source = compcomm.ErrorFeedback()
+    in_place_calls(source, [0, 1])
+    twin = copy.copy(source).copy_(source)
+    reference = source.clone()
+    assert all(torch.equal(a, b) for a, b in zip(in_place_calls(twin, [2, 3]), in_place_calls(reference, [2, 3])))
+    in_place_calls(source, [4, 5])
+    assert torch.equal(twin.worker_error, reference.worker_error)
+    assert torch.equal(in_place_calls(twin, [6])[0], in_place_calls(reference, [6])[0])
+
+    shallow = copy.copy(source)
+    before = source.clone()
+    in_place_calls(source, [7])
+    in_place_calls(before, [7])
+    shallow.copy_(source)
+    in_place_calls(shallow, [8, 9])
+    assert torch.equal(source.worker_error, before.worker_error)
+
+
+def test_reading_an_output_buffer_while_calls_write_it_never_fails():
+    """A reader of `worker_error` on another thread sees one call's buffer, scale and size
+    together (it read the size apart, and a call giving up the output's errors left it None)."""
+    import threading
+
+    source, out = compcomm.ErrorFeedback(), compcomm.ErrorFeedback()
+    in_place_calls(source, [0])
+    failures: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                _ = out.worker_error
+            except BaseException as e:  # the test reports whatever the read raised
+                failures.append(e)
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        be = compcomm.backends.get("local")
+        for seed in range(40):
+            t = torch.randn(100, generator=torch.Generator().manual_seed(seed))
+            compcomm.compressed_allreduce(t, source, backend=be, error_feedback_out=out)
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert not failures, failures[0]
+
+
 # ------------------------------------------------------------------ masks
 
 
