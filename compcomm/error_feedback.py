@@ -40,7 +40,7 @@ class ErrorFeedback:
     not enough (ErrorFeedbacks made in one loop share their site).
 
     `double_buffer` (default True): an allreduce in place keeps a second worker buffer of M fp32
-    (allocated at the first such call), into which each call's scan writes the next state, so
+    (allocated at the second such call), into which each call's scan writes the next state, so
     that no separate pass updates the worker error (see `worker_error`). False keeps one
     buffer, for one more pass over the errors per call.
     """
@@ -105,13 +105,15 @@ class ErrorFeedback:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle, also an instance pickled by an earlier version: `worker_error` a plain
         attribute (0.1.0 had no tag, layout or server maximum either), or the x' form kept as
-        `_worker` and `_pending_scale`."""
+        `_worker` and `_pending_scale`, or as a (buffer, scale) pair."""
         state = dict(state)
         if "worker_error" in state:
             state["_state"] = (state.pop("worker_error"), None, 0)
         elif "_worker" in state:
             scale = state.pop("_pending_scale", None)
             state["_state"] = (state.pop("_worker"), scale, state.get("numel") or 0)
+        elif len(state.get("_state", ())) == 2:  # (buffer, scale): the size was not kept with them
+            state["_state"] = (*state["_state"], state.get("numel") or 0)
         held = state.get("_state", (None, None, 0))[0] is not None
         defaults: dict[str, Any] = {
             "_state": (None, None, 0),

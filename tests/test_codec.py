@@ -163,7 +163,8 @@ def test_empty_buffers_overlap_nothing(kind):
     empty = torch.empty(0, device=kind.device)
     out = torch.empty(0, device=kind.device)
     kind.codec.error_update_(empty, 0.5, 0, out=out)
-    assert kind.codec.worker_scan(empty, empty, torch.empty(0, dtype=torch.uint8), 0.5, out) == 0.0
+    bits = torch.empty(0, dtype=torch.uint8, device=kind.device)
+    assert kind.codec.worker_scan(empty, empty, bits, 0.5, out) == 0.0
 
 
 @pytest.mark.parametrize("n, c, real", [(1, 8, 3), (3, 64, 64), (4, 4096, 4000), (5, 8192, 8013), (4, 4096, 0)])

@@ -289,3 +289,28 @@ def test_nbytes_counts_the_errors_and_the_second_buffer(double_buffer):
         compcomm.compressed_allreduce(torch.randn(100), ef, backend=compcomm.backends.get("local"))
     m = padded_size(100, 1)
     assert ef.nbytes == 4 * (m * (2 if double_buffer else 1) + ef.server_error.numel())
+
+
+@pytest.mark.parametrize("form", ["attributes", "pair"])
+def test_an_x_prime_state_pickled_by_an_earlier_form_loads(form):
+    """The x' form was pickled as `_worker` and `_pending_scale`, then as a (buffer, scale)
+    pair; both load with the size from `numel` and carry on bit for bit."""
+    be = compcomm.backends.get("local")
+    today = ErrorFeedback()
+    for _ in range(2):
+        compcomm.compressed_allreduce(torch.randn(100), today, backend=be)
+    state = today.__getstate__()
+    buffer, scale, _ = state.pop("_state")
+    assert scale is not None  # the x' form
+    if form == "attributes":
+        state.update(_worker=buffer.clone(), _pending_scale=scale)
+    else:
+        state["_state"] = (buffer.clone(), scale)
+    loaded = ErrorFeedback.__new__(ErrorFeedback)
+    loaded.__setstate__(state)
+    assert torch.equal(loaded.worker_error, today.worker_error)
+    x = torch.randn(100)
+    a, b = x.clone(), x.clone()
+    compcomm.compressed_allreduce(a, today, backend=be)
+    compcomm.compressed_allreduce(b, loaded, backend=be)
+    assert torch.equal(a, b)

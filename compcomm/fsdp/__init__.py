@@ -33,7 +33,8 @@ ValueError naming this fix.
 Memory. The FSDP worker error is the full (unsharded) gradient of each module, fp32, per rank:
 it gives back the 1/n that sharding saved on gradients, which is the price of error feedback on
 the sending side of a reduce-scatter. The HSDP error is the shard's size, plus a second buffer
-of that size for the x' form's next state (see `compcomm.ErrorFeedback`'s `double_buffer`). With
+of that size for the x' form's next state (see `compcomm.ErrorFeedback`'s `double_buffer`) and
+the server error (1/R of the shard over R replicas). With
 nonfinite="propagate" each holds a second copy instead (see below).
 
 Errors. Every rank raises the same error or none. NaN/Inf in any rank's gradients raises
