@@ -106,12 +106,14 @@ def _bf16_bits(f32: int) -> int:
     return (f32 + 0x7FFF + ((f32 >> 16) & 1)) >> 16
 
 
+def storages(*tensors: torch.Tensor | None) -> set[int]:
+    """The allocations these tensors view, by address: two tensors share memory when their sets
+    meet. Empty allocations count as none (their addresses may all be 0)."""
+    return {t.untyped_storage().data_ptr() for t in tensors if t is not None and t.untyped_storage().nbytes()}
+
+
 def _shares_storage(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Whether a and b are views of one allocation (empty tensors share none: their pointers
-    may all be 0)."""
-    if a is None or b is None or a.untyped_storage().nbytes() == 0 or b.untyped_storage().nbytes() == 0:
-        return False
-    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    return bool(storages(a) & storages(b))
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -172,7 +174,7 @@ class Codec:
         if _shares_storage(out, x) or _shares_storage(out, error):
             raise ValueError("worker_scan: `out` must share no storage with x or the errors")
         pending = pending_scale is not None and error is not None
-        scale = pending_scale if pending and pending_scale is not None else 0.0
+        scale = 0.0 if pending_scale is None else pending_scale
         total = self._fused_sum(
             "cc_worker_scan",
             bits.device,

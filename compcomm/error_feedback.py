@@ -86,10 +86,6 @@ class ErrorFeedback:
     def _worker(self) -> torch.Tensor | None:
         return self._state[0]
 
-    @property
-    def _pending_scale(self) -> float | None:
-        return self._state[1]
-
     def _materialize_(self) -> None:
         """Turn the x' form back into e in place (a call that updates e itself, after its verdict)."""
         worker, scale, real = self._state
@@ -219,14 +215,14 @@ class ErrorFeedback:
         `error_feedback_out`), it is that one's own buffer: it gives up its errors now, so a
         call rejected afterwards leaves it holding none (its server buffer is kept for reuse)."""
         shape = (padded_size(numel, world_size),)
-        theirs = _storages(source._worker, source.server_error)
+        theirs = codec.storages(source._worker, source.server_error)
         if self is source:
             if not self.double_buffer:
                 return None
             if not _fits(self._spare, shape, device, theirs):
                 self._spare = torch.empty(shape, dtype=torch.float32, device=device)
             return self._spare
-        theirs |= _storages(source._spare)  # copy.copy shares it: the source's next in-place x' goes there
+        theirs |= codec.storages(source._spare)  # copy.copy shares it: the source's next in-place x' goes there
         buffer = next((t for t in (self._worker, self._spare) if _fits(t, shape, device, theirs)), None)
         server = self.server_error if self.server_error is not None else self._spare_server
         self.reset()
@@ -248,7 +244,7 @@ class ErrorFeedback:
             self._spare = self._worker
         else:
             server = self._spare_server
-            if server is None or not _fits(server, server_shape, device, _storages(source.server_error)):
+            if server is None or not _fits(server, server_shape, device, codec.storages(source.server_error)):
                 server = torch.empty(server_shape, dtype=torch.float32, device=device)
             if source.server_error is None:
                 server.zero_()
@@ -329,8 +325,8 @@ class ErrorFeedback:
         when `server_shape` is None): the present ones where they fit and share no memory with
         `source`'s (e.g. after `copy.copy`), else new; a spare shared with `source` is dropped
         (`source`'s next in-place call may write into any of its buffers)."""
-        theirs = _storages(source._worker, source.server_error, source._spare)
-        if _storages(self._spare) & theirs:
+        theirs = codec.storages(source._worker, source.server_error, source._spare)
+        if codec.storages(self._spare) & theirs:
             self._spare = None
         server_fits = (
             self.server_error is None
@@ -402,10 +398,6 @@ class ErrorFeedback:
         self.numel, self.world_size, self.layout, self._server_max = numel, world, layout, None
 
 
-def _storages(*tensors: torch.Tensor | None) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
-
-
 def _fits(t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device, avoid: set[int]) -> bool:
     """Whether `t` is an fp32 buffer of `shape` on `device` sharing no memory with `avoid`."""
     return (
@@ -413,7 +405,7 @@ def _fits(t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device, 
         and tuple(t.shape) == shape
         and t.device == device
         and t.dtype == torch.float32
-        and t.untyped_storage().data_ptr() not in avoid
+        and not codec.storages(t) & avoid
     )
 
 
