@@ -21,8 +21,8 @@ initial model:
                   uncompressed baseline is adam
 
 and, asked for by name (`--runs adam,diloco_h16,diloco_exact_h16,...`), DiLoCo around AdamW with
-the same learning rate and schedule as adam, whose every step is data-parallel AdamW over an fp32
-allreduce (what DDP + AdamW computes):
+adam's schedule and its learning rate (or `--lr-diloco`'s), adam's every step being data-parallel
+AdamW over an fp32 allreduce (what DDP + AdamW computes):
 
     diloco_hH        compcomm.optim.DiLoCo, sync_every = H (8, 16 or 32), 1-bit error-feedback
                      pseudo-gradients; baselines adam and diloco_exact_hH
@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr-adam", type=float, default=3e-3)
     ap.add_argument("--lr-lamb", type=float, default=1e-2)
+    ap.add_argument(
+        "--lr-diloco", type=float, default=None, help="DiLoCo's inner AdamW learning rate (default: --lr-adam)"
+    )
     ap.add_argument("--lr-sgd", type=float, default=0.05, help="SGD with momentum 0.9 (the FSDP/HSDP sgd runs)")
     ap.add_argument(
         "--var-update-scaler",
@@ -197,7 +200,7 @@ def make_optimizer(
     if kind.endswith("_sgd"):
         return torch.optim.SGD(model.parameters(), lr=args.lr_sgd, momentum=0.9, weight_decay=args.weight_decay)
     if kind == "diloco":
-        inner = torch.optim.AdamW(model.parameters(), lr=args.lr_adam, weight_decay=args.weight_decay)
+        inner = torch.optim.AdamW(model.parameters(), lr=diloco_inner_lr(args), weight_decay=args.weight_decay)
         return DiLoCo(
             model.parameters(),
             inner,
@@ -250,6 +253,11 @@ def shard(model: torch.nn.Module, name: str, args: argparse.Namespace) -> Any:
     shard_children(model, mesh)
     start = freeze_step(args) if RUNS[name][1] else args.steps
     return compcomm.fsdp.compress(model, start_iter=start, replicate_group=replicate)
+
+
+def diloco_inner_lr(args: argparse.Namespace) -> float:
+    """DiLoCo's inner AdamW learning rate: --lr-diloco, else adam's (the same schedule either way)."""
+    return args.lr_adam if args.lr_diloco is None else args.lr_diloco
 
 
 def diloco_h(name: str) -> int:

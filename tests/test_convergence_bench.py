@@ -52,6 +52,12 @@ def test_an_explicit_scaler_is_kept():
     assert cv.parse_args(["--local-step-scaler", "40"]).local_step_scaler == 40
 
 
+def test_diloco_takes_adams_learning_rate_unless_given_its_own():
+    cv = _load_module()
+    assert cv.diloco_inner_lr(cv.parse_args(["--lr-adam", "6e-3"])) == 6e-3
+    assert cv.diloco_inner_lr(cv.parse_args(["--lr-adam", "6e-3", "--lr-diloco", "8e-3"])) == 8e-3
+
+
 def test_tiny_run_writes_every_run_and_its_bytes(tmp_path):
     """bench/convergence.py end to end on 2 self-spawned ranks: every run reported, the
     compressed one sending fewer bytes than its baseline."""
