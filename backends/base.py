@@ -12,6 +12,11 @@ from . import ordering
 
 REDUCE_OPS = ("sum", "mean")
 
+Task = Callable[[], None]
+"""Work a caller runs while a collective is on the wire."""
+OnRow = Callable[[int], None]
+"""What a caller does with row j of an all-gather once it is in (`Backend.all_gather_arriving`)."""
+
 
 class Handle(Protocol):
     """A collective in flight: `wait()` returns once its receive buffer is filled."""
@@ -109,6 +114,29 @@ class Backend(ABC):
             raise ValueError(f"all_gather: recv shape {tuple(recv.shape)} != ({self.world_size}, {send.numel()})")
         self.bytes_sent += (self.world_size - 1) * send.numel()
         return self._in_turn(self._all_gather, send, recv, async_op)
+
+    def all_gather_arriving(self, send: torch.Tensor, recv: torch.Tensor, meanwhile: Task, arrived: OnRow) -> None:
+        """The all-gather of `all_gather`, running `meanwhile()` once it is on the wire and
+        `arrived(j)` for every other rank's row j once that row is in `recv` (each once, in some
+        order), so that the caller works on the rows that are in while the rest travel. Only
+        inside a running compcomm call (which holds the channels). Here every row arrives at the
+        end; a transport that receives row by row overrides `_all_gather_arriving`."""
+        self._check_bytes(send, recv)
+        if recv.shape != (self.world_size, send.numel()):
+            raise ValueError(f"all_gather: recv shape {tuple(recv.shape)} != ({self.world_size}, {send.numel()})")
+        if not all(ordering.holds(ch) for ch in self.channels):
+            raise RuntimeError("all_gather_arriving runs inside a compcomm call (in its turn on the channels)")
+        self.bytes_sent += (self.world_size - 1) * send.numel()
+        self._all_gather_arriving(send, recv, meanwhile, arrived)
+
+    def _all_gather_arriving(self, send: torch.Tensor, recv: torch.Tensor, meanwhile: Task, arrived: OnRow) -> None:
+        handle = self._all_gather(send, recv, True)
+        meanwhile()
+        if handle is not None:
+            handle.wait()
+        for j in range(self.world_size):
+            if j != self.rank:
+                arrived(j)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False) -> Handle:
         """recv[r] <- rank r's send[self.rank], for `send` and `recv` of shape (n, L) (async as all_gather)."""

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import Backend, Handle
+from .base import Backend, Handle, OnRow, Task
 
 DIRECT_GATHER_BYTES = 128 * 1024
 """On gloo, an all-gather of at most this many bytes per rank goes as an all-to-all of n copies
@@ -18,6 +18,10 @@ messages, but one latency instead of the n - 1 steps of gloo's ring, which is wh
 message pays for. Beyond this size the ring wins (its steps are bandwidth-bound, and the copies
 would cost memory); the crossover was measured on a simulated cluster (bench/results/README.md).
 NCCL keeps its own all-gather."""
+
+RING_TAG = 0
+"""The point-to-point tag of the ring in `_all_gather_arriving`: compcomm's private group carries no
+other point-to-point traffic, and one call runs on it at a time."""
 
 
 class TorchDistBackend(Backend):
@@ -82,6 +86,30 @@ class TorchDistBackend(Backend):
 
     def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
         return self.transport.alltoall_base(recv.view(-1), send.view(-1), [], [])
+
+    def _all_gather_arriving(self, send: torch.Tensor, recv: torch.Tensor, meanwhile: Task, arrived: OnRow) -> None:
+        """On gloo, beyond DIRECT_GATHER_BYTES and over more than two ranks: a ring of n - 1
+        point-to-point steps (the same bytes as gloo's ring all-gather), in which each row that
+        comes in from the left is passed on to the right and then handed to `arrived` while the
+        next step is on the wire. Elsewhere, gloo's or NCCL's own all-gather."""
+        n, me = self.world_size, self.rank
+        if self.pg_backend != "gloo" or n <= 2 or send.numel() <= DIRECT_GATHER_BYTES:
+            super()._all_gather_arriving(send, recv, meanwhile, arrived)
+            return
+        recv[me].copy_(send)
+        right, left = (me + 1) % n, (me - 1) % n
+        row = left  # step s brings the row that left its rank s steps ago: me - 1 - s
+        receiving = self.transport.recv([recv[row]], left, RING_TAG)
+        sending = self.transport.send([recv[me]], right, RING_TAG)
+        meanwhile()
+        for step in range(n - 1):
+            receiving.wait()
+            sending.wait()
+            if step < n - 2:
+                sending = self.transport.send([recv[row]], right, RING_TAG)
+                receiving = self.transport.recv([recv[(row - 1) % n]], left, RING_TAG)
+            arrived(row)
+            row = (row - 1) % n
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self.transport.allreduce([tensor]).wait()

@@ -330,14 +330,15 @@ def count_collectives(name: str) -> list[dict]:
     opt.bucket_bytes = 200  # 4 fp32 parameters of 128, 16, 64 and 4 elements -> several buckets
     be = opt.backend
     counts = {"all_reduce": 0, "all_gather": 0, "all_to_all": 0}
-    for op in counts:
-        original = getattr(be, op)
+    kinds = {**{op: op for op in counts}, "all_gather_arriving": "all_gather"}  # phase 2 hands rows over as they come
+    for method, op in kinds.items():
+        original = getattr(be, method)
 
         def counted(*a, _op=op, _original=original, **k):
             counts[_op] += 1
             return _original(*a, **k)
 
-        setattr(be, op, counted)
+        setattr(be, method, counted)
     per_step = []
     try:
         for step in range(4):  # a step's collectives start during its backward (overlap)
@@ -348,8 +349,8 @@ def count_collectives(name: str) -> list[dict]:
             opt.step()
             per_step.append(dict(counts, buckets=len(opt.error_feedback), bytes=be.bytes_sent - sent))
     finally:
-        for op in counts:
-            delattr(be, op)
+        for method in kinds:
+            delattr(be, method)
     return per_step
 
 

@@ -239,6 +239,69 @@ def gathered(numel: int) -> dict:
     return {"rows": rows, "bytes": be.bytes_sent - before, **spy.calls}
 
 
+def arriving(numel: int) -> dict:
+    """all_gather_arriving of `numel` bytes per rank inside a call: each row handed over once,
+    filled when it is, `meanwhile` run once, and which of gloo's primitives moved it; and
+    the error it raises outside a call."""
+    be = _backend()
+    everyone = torch.zeros(WORLD, numel, dtype=torch.uint8)
+    order, complete, meanwhile = [], [], []
+
+    def arrived(j: int) -> None:
+        order.append(j)
+        complete.append(bool((everyone[j] == j + 1).all()))
+
+    def gather() -> dict:
+        channel = be.channel
+        spy = channel.transport = _Spy(channel.transport)
+        spy.calls.update(send=0)
+        try:
+            be.all_gather_arriving(
+                torch.full((numel,), be.rank + 1, dtype=torch.uint8), everyone, lambda: meanwhile.append(1), arrived
+            )
+        finally:
+            channel.transport = spy.inner
+        return spy.calls
+
+    before = be.bytes_sent
+    calls = be.ordered(gather)
+    sent = be.bytes_sent - before
+    outside = caught(
+        lambda: be.all_gather_arriving(
+            torch.zeros(1, dtype=torch.uint8), torch.zeros(WORLD, 1, dtype=torch.uint8), list, list
+        )
+    )
+    rows = [sorted(set(row.tolist())) for row in everyone]
+    return {
+        "rank": be.rank,
+        "order": order,
+        "complete": complete,
+        "meanwhile": len(meanwhile),
+        "rows": rows,
+        "bytes": sent,
+        "calls": calls,
+        "outside": outside,
+    }
+
+
+@pytest.mark.parametrize("numel", [4096, DIRECT_GATHER_BYTES + 1])
+def test_rows_are_handed_over_as_they_arrive(pool, numel):
+    """Beyond DIRECT_GATHER_BYTES, gloo's all-gather with per-row arrival is a ring of
+    point-to-point steps: the left neighbour's row first, then the one before it, each complete
+    when handed over; below, one collective and every row at its end. The same rows and bytes."""
+    for rec in pool.run(arriving, numel):
+        me = rec["rank"]
+        assert rec["rows"] == [[r + 1] for r in range(WORLD)]
+        assert rec["bytes"] == (WORLD - 1) * numel and rec["meanwhile"] == 1
+        assert all(rec["complete"]) and sorted(rec["order"]) == [r for r in range(WORLD) if r != me]
+        if numel > DIRECT_GATHER_BYTES:
+            assert rec["order"] == [(me - 1 - s) % WORLD for s in range(WORLD - 1)]
+            assert rec["calls"] == {"alltoall_base": 0, "_allgather_base": 0, "send": WORLD - 1}
+        else:
+            assert rec["calls"] == {"alltoall_base": 1, "_allgather_base": 0, "send": 0}
+        assert rec["outside"] is not None and "inside a compcomm call" in rec["outside"][1]
+
+
 @pytest.mark.parametrize("numel", [1, 4096, DIRECT_GATHER_BYTES, DIRECT_GATHER_BYTES + 1, 1 << 20])
 def test_small_all_gather_goes_straight_to_every_rank(pool, numel):
     """gloo's all-gather is a ring of n - 1 steps; up to DIRECT_GATHER_BYTES it goes as one

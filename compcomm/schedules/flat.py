@@ -151,7 +151,8 @@ class FlatCall:
         tensor = self.tensor
         if not self.decode:
             return tensor
-        decode_result(self.result, self.flat, self.exact, decoded=None if self.exact else self.be.rank)
+        if self.exact:  # a 1-bit result was decoded chunk by chunk during phase 2
+            decode_result(self.result, self.flat, exact=True)
         if self.flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(self.flat.view(tensor.shape))
         return tensor
@@ -183,7 +184,11 @@ class FlatCall:
             if self.decode:  # every rank decodes these bytes of phase 2 alike: decode them before they return
                 decode_chunk(mine, server_scale, flat, be.rank, n)
 
-        return self._gather(mine, server_update_and_own_chunk)
+        def peer_chunk(message: torch.Tensor, j: int) -> None:
+            if self.decode:
+                decode_chunk(message, message_scale(message), flat, j, n)
+
+        return self._gather(mine, server_update_and_own_chunk, peer_chunk)
 
     def _phase1(self, meanwhile: Callable[[], None]) -> torch.Tensor:
         """(n, W): row r is what rank r sent this one, while `meanwhile()` runs."""
@@ -196,12 +201,19 @@ class FlatCall:
         """This server's chunk of the exact reduction, as bytes."""
         return exact_sum(received, self.be.world_size if self.spec.op == "mean" else 1).view(torch.uint8)
 
-    def _gather(self, mine: torch.Tensor, meanwhile: Callable[[], None]) -> torch.Tensor:
-        """Phase 2: every server's message, (n, len(mine)), while `meanwhile()` runs."""
+    def _gather(
+        self,
+        mine: torch.Tensor,
+        meanwhile: Callable[[], None],
+        arrived: Callable[[torch.Tensor, int], None] | None = None,
+    ) -> torch.Tensor:
+        """Phase 2: every server's message, (n, len(mine)), while `meanwhile()` runs and, as
+        each other server j's message comes in, `arrived(message, j)` (the transport may deliver
+        them one by one: their decode then overlaps the messages still on the wire)."""
         everyone = torch.empty(self.be.world_size, mine.numel(), dtype=torch.uint8, device=mine.device)
-        in_flight = self.be.all_gather(mine, everyone, async_op=True)
-        meanwhile()
-        in_flight.wait()
+        self.be.all_gather_arriving(
+            mine, everyone, meanwhile, (lambda j: arrived(everyone[j], j)) if arrived else (lambda j: None)
+        )
         return everyone
 
 
@@ -214,18 +226,22 @@ def exact_sum(received: torch.Tensor, divisor: int) -> torch.Tensor:
     return total
 
 
-def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False, decoded: int | None = None) -> None:
+def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False) -> None:
     """out (the N-element flat output, any float dtype) <- the call's result, from phase 2's bytes:
-    row j holds server j's t_j (fp32) and the packed signs of its chunk, or if `exact` its fp32 sums.
-    Row `decoded` is left out: its chunk was already decoded (this rank's own, during phase 2)."""
+    row j holds server j's t_j (fp32) and the packed signs of its chunk, or if `exact` its fp32 sums."""
     n, numel = everyone.shape[0], out.numel()
     if exact:
         out.copy_(as_fp32(everyone).view(-1)[:numel])
         return
     server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
     for j in range(n):
-        if j != decoded:
-            decode_chunk(everyone[j], server_scales[j], out, j, n)
+        decode_chunk(everyone[j], server_scales[j], out, j, n)
+
+
+def message_scale(message: torch.Tensor) -> float:
+    """t_j, from the first bytes of server j's phase-2 message (copied out: the row need not be
+    aligned for fp32)."""
+    return float(message[:SERVER_SCALE_BYTES].clone().view(torch.float32))
 
 
 def decode_chunk(message: torch.Tensor, scale: float, out: torch.Tensor, j: int, n: int) -> None:
