@@ -109,10 +109,7 @@ class Backend(ABC):
 
         With async_op=True it may return before completion; `recv` is valid after `wait()`.
         """
-        self._check_bytes(send, recv)
-        if recv.shape != (self.world_size, send.numel()):
-            raise ValueError(f"all_gather: recv shape {tuple(recv.shape)} != ({self.world_size}, {send.numel()})")
-        self.bytes_sent += (self.world_size - 1) * send.numel()
+        self._count_gather(send, recv)
         return self._in_turn(self._all_gather, send, recv, async_op)
 
     def all_gather_arriving(self, send: torch.Tensor, recv: torch.Tensor, meanwhile: Task, arrived: OnRow) -> None:
@@ -121,13 +118,17 @@ class Backend(ABC):
         order), so that the caller works on the rows that are in while the rest travel. Only
         inside a running compcomm call (which holds the channels). Here every row arrives at the
         end; a transport that receives row by row overrides `_all_gather_arriving`."""
+        if not self._in_call():
+            raise RuntimeError("all_gather_arriving runs inside a compcomm call (in its turn on the channels)")
+        self._count_gather(send, recv)
+        self._all_gather_arriving(send, recv, meanwhile, arrived)
+
+    def _count_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """An all-gather's checks (ValueError) and its bytes, counted."""
         self._check_bytes(send, recv)
         if recv.shape != (self.world_size, send.numel()):
             raise ValueError(f"all_gather: recv shape {tuple(recv.shape)} != ({self.world_size}, {send.numel()})")
-        if not all(ordering.holds(ch) for ch in self.channels):
-            raise RuntimeError("all_gather_arriving runs inside a compcomm call (in its turn on the channels)")
         self.bytes_sent += (self.world_size - 1) * send.numel()
-        self._all_gather_arriving(send, recv, meanwhile, arrived)
 
     def _all_gather_arriving(self, send: torch.Tensor, recv: torch.Tensor, meanwhile: Task, arrived: OnRow) -> None:
         handle = self._all_gather(send, recv, True)
@@ -177,7 +178,7 @@ class Backend(ABC):
     ) -> Handle:
         """Run a byte collective in its turn. Inside a running compcomm call (which holds the
         channel) an async collective starts on the wire at once and returns its own handle."""
-        if all(ordering.holds(ch) for ch in self.channels):
+        if self._in_call():
             handle = start(send, recv, async_op)
             if async_op and handle is not None:
                 return handle
@@ -194,6 +195,10 @@ class Backend(ABC):
             return self.ordered(blocking, async_op=True)
         self.ordered(blocking)
         return Done()
+
+    def _in_call(self) -> bool:
+        """Whether this thread runs a compcomm call holding all of this backend's channels."""
+        return all(ordering.holds(ch) for ch in self.channels)
 
     def _check_bytes(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         for t in (send, recv):
