@@ -141,13 +141,49 @@ class Backend(ABC):
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False) -> Handle:
         """recv[r] <- rank r's send[self.rank], for `send` and `recv` of shape (n, L) (async as all_gather)."""
+        self._count_all_to_all(send, recv)
+        return self._in_turn(self._all_to_all, send, recv, async_op)
+
+    def all_to_all_as_produced(self, send: torch.Tensor, recv: torch.Tensor, produce: OnRow, meanwhile: Task) -> None:
+        """The all-to-all of `all_to_all`, whose rows the caller fills as the transport asks:
+        `produce(j)` writes send[j], once for every j (this rank's own row too), in an order the
+        transport picks, and a transport that sends row by row sends row j as soon as it is
+        written, so that producing the next rows overlaps the wire. `meanwhile()` runs once every
+        row is produced, while rows may still travel. Only inside a running compcomm call.
+
+        An exception from `produce` or `meanwhile` is raised after every row has been sent and
+        received (the rows it did not write travel as they are), so that no peer is left
+        waiting. Here every row is produced first and one all-to-all sends them; a transport
+        that sends row by row overrides `_all_to_all_as_produced`."""
+        if not self._in_call():
+            raise RuntimeError("all_to_all_as_produced runs inside a compcomm call (in its turn on the channels)")
+        self._count_all_to_all(send, recv)
+        failure = _Failure()
+        self._all_to_all_as_produced(send, recv, failure.guard(produce), failure.guard(meanwhile))
+        failure.raise_first()
+
+    def sends_row_by_row(self, width: int) -> bool:
+        """Whether `all_to_all_as_produced` sends rows of `width` bytes one by one, as they are
+        produced: only then does a schedule gain by producing its rows as it goes. Depends on
+        nothing but the group and `width`, so it is the same on every rank."""
+        return False
+
+    def _all_to_all_as_produced(self, send: torch.Tensor, recv: torch.Tensor, produce: OnRow, meanwhile: Task) -> None:
+        for j in range(self.world_size):
+            produce(j)
+        handle = self._all_to_all(send, recv, True)
+        meanwhile()
+        if handle is not None:
+            handle.wait()
+
+    def _count_all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """An all-to-all's checks (ValueError) and its bytes, counted."""
         self._check_bytes(send, recv)
         if send.dim() != 2 or send.shape != recv.shape or send.shape[0] != self.world_size:
             raise ValueError(
                 f"all_to_all: send {tuple(send.shape)} / recv {tuple(recv.shape)} must both be ({self.world_size}, L)"
             )
         self.bytes_sent += (self.world_size - 1) * send.shape[1]
-        return self._in_turn(self._all_to_all, send, recv, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
         """Uncompressed in-place all-reduce (warm-up phases, baselines); returns `tensor`, or
@@ -221,3 +257,26 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank {self.rank} of {self.world_size} on {self.device}>"
+
+
+class _Failure:
+    """The first exception of a caller's callbacks, kept until the transfers are done."""
+
+    def __init__(self) -> None:
+        self.first: Exception | None = None
+
+    def guard(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """`fn`, with its exceptions kept here instead of raised."""
+
+        def guarded(*args: int) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                if self.first is None:
+                    self.first = exc
+
+        return guarded
+
+    def raise_first(self) -> None:
+        if self.first is not None:
+            raise self.first

@@ -17,11 +17,13 @@ of the message, each rank sending it straight to every other: the same bytes per
 messages, but one latency instead of the n - 1 steps of gloo's ring, which is what a small
 message pays for. Beyond this size the ring wins (its steps are bandwidth-bound, and the copies
 would cost memory); the crossover was measured on a simulated cluster (bench/results/README.md).
-NCCL keeps its own all-gather."""
+It is also the row width beyond which `all_to_all_as_produced` sends row by row. NCCL keeps its
+own collectives."""
 
-RING_TAG = 0
-"""The point-to-point tag of the ring in `_all_gather_arriving`: compcomm's private group carries no
-other point-to-point traffic, and one call runs on it at a time."""
+P2P_TAG = 0
+"""The point-to-point tag of `_all_gather_arriving` and `_all_to_all_as_produced`: compcomm's
+private group carries no other point-to-point traffic, one call runs on it at a time, and each
+of the two waits for all of its messages before it returns."""
 
 
 class TorchDistBackend(Backend):
@@ -99,17 +101,41 @@ class TorchDistBackend(Backend):
         recv[me].copy_(send)
         right, left = (me + 1) % n, (me - 1) % n
         row = left  # step s brings the row that left its rank s steps ago: me - 1 - s
-        receiving = self.transport.recv([recv[row]], left, RING_TAG)
-        sending = self.transport.send([recv[me]], right, RING_TAG)
+        receiving = self.transport.recv([recv[row]], left, P2P_TAG)
+        sending = self.transport.send([recv[me]], right, P2P_TAG)
         meanwhile()
         for step in range(n - 1):
             receiving.wait()
             sending.wait()
             if step < n - 2:
-                sending = self.transport.send([recv[row]], right, RING_TAG)
-                receiving = self.transport.recv([recv[(row - 1) % n]], left, RING_TAG)
+                sending = self.transport.send([recv[row]], right, P2P_TAG)
+                receiving = self.transport.recv([recv[(row - 1) % n]], left, P2P_TAG)
             arrived(row)
             row = (row - 1) % n
+
+    def sends_row_by_row(self, width: int) -> bool:
+        return self.pg_backend == "gloo" and self.world_size > 1 and width > DIRECT_GATHER_BYTES
+
+    def _all_to_all_as_produced(self, send: torch.Tensor, recv: torch.Tensor, produce: OnRow, meanwhile: Task) -> None:
+        """On gloo beyond DIRECT_GATHER_BYTES per row: every receive posted first, then row
+        (me + k) % n produced and sent at once for k = 1, ..., n - 1 (at each moment the ranks
+        send to n different peers, so no link takes two senders), this rank's own row last.
+        Elsewhere, gloo's or NCCL's own all-to-all after every row is produced."""
+        n, me = self.world_size, self.rank
+        if not self.sends_row_by_row(send.shape[1]):
+            super()._all_to_all_as_produced(send, recv, produce, meanwhile)
+            return
+        receiving = [self.transport.recv([recv[j]], j, P2P_TAG) for j in range(n) if j != me]
+        sending = []
+        for k in range(1, n):
+            peer = (me + k) % n
+            produce(peer)
+            sending.append(self.transport.send([send[peer]], peer, P2P_TAG))
+        produce(me)
+        recv[me].copy_(send[me])
+        meanwhile()
+        for handle in receiving + sending:
+            handle.wait()
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self.transport.allreduce([tensor]).wait()

@@ -15,6 +15,11 @@ modified:
    sequence number, numel, op, dtype, ErrorFeedback tag, exactness, schedule), non-finite values
    (`NonFiniteError`), or sums that could leave fp32 or the result's dtype (`NonFiniteError`).
 
+A schedule that sends its data while it measures it (phase 1 during the scan) runs step 2 in two
+halves: `agree_on_arguments` (the digests and the checks' codes) before any data travels, and
+`agree_on_measures` (the bounds and the measures' codes) once it is measured, before anything
+is modified.
+
 Slots have the same size on every rank whatever the arguments (a header plus the room that the
 group's previous accepted call agreed on), so ranks passing different sizes are told so instead
 of hanging. `raise_agreed` is the same verdict for a single failure outside a payload call (a
@@ -271,6 +276,7 @@ class _GroupMemory:
 
     def __init__(self) -> None:
         self.fold_room = 0
+        self.row_width = 0
 
 
 _memory: weakref.WeakKeyDictionary[Channel, _GroupMemory] = weakref.WeakKeyDictionary()
@@ -297,35 +303,99 @@ def agree_on_call(
     ErrorFeedback serving `serves(numel)`: numel, world size and layout); with `fold`, the first
     tensor's rows travel in the headers' all-to-all as far as the agreed room holds. Returns the
     agreement, or raises the agreed error on every rank of `be` with nothing modified."""
+    calls, headers, failure = _check_call(spec, be, schedule, sequence, serves)
+    first_rows: torch.Tensor | None = None
+    if failure is None:
+        failure, first_rows = _measure(spec, headers, measure)
+    memory = _group_memory(be.channel)
+    everyone, early = _exchange(headers, be, first_rows, memory.fold_room if fold else None)
+    _raise_if_rejected(everyone, calls, failure, be)
+    if fold:
+        _remember_rows(memory, calls, first_rows, be.world_size)
+    return Agreement(everyone, early)
+
+
+def agree_on_arguments(
+    spec: CallSpec, be: Backend, schedule: str, sequence: int, serves: Callable[[int], tuple[int, int, str]]
+) -> np.ndarray:
+    """The first half of phase 0 in two halves, for a schedule that sends its rows while it
+    measures them (`Backend.all_to_all_as_produced`): this rank's checks and every rank's digest
+    in one exchange, so that the ranks agree on the sizes before any row travels. Returns the
+    call's records, for `agree_on_measures`, or raises the agreed error on every rank."""
+    calls, headers, failure = _check_call(spec, be, schedule, sequence, serves)
+    everyone, _ = _exchange(headers, be, None, None)
+    _raise_if_rejected(everyone, calls, failure, be)
+    return calls
+
+
+def agree_on_measures(spec: CallSpec, be: Backend, calls: np.ndarray, measure: Callable[[int], Measured]) -> Agreement:
+    """The second half: `measure(i)` of every tensor, every rank's bounds in one all-gather, and
+    the verdict on them (a rank's failed measure, non-finite values, overflow), raised alike on
+    every rank before anything is modified. The rows already sent change nothing."""
+    headers = np.zeros(max(len(spec.tensors), 1), dtype=HEADER)
+    headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
+    failure, first_rows = _measure(spec, headers, measure)
+    everyone = _all_gather_records(headers, be)
+    _raise_if_rejected(everyone, calls, failure, be)
+    _remember_rows(_group_memory(be.channel), calls, first_rows, be.world_size)
+    return Agreement(everyone, None)
+
+
+def previous_row_width(be: Backend) -> int:
+    """The row width in bytes of the first tensor of the group's previous accepted 1-bit call
+    (0 before the first): known alike on every rank, so a schedule may choose by it how to run
+    the next call before any exchange."""
+    return _group_memory(be.channel).row_width
+
+
+def _check_call(
+    spec: CallSpec, be: Backend, schedule: str, sequence: int, serves: Callable[[int], tuple[int, int, str]]
+) -> tuple[np.ndarray, np.ndarray, Exception | None]:
+    """This rank's checks of the call: its CALL records, its headers (digests, and the code of
+    the error the checks raised, if any) and that error."""
     count = len(spec.tensors)
     calls = np.zeros(max(count, 1), dtype=CALL)  # one record at least: phase 0 always sends one
     calls["count"], calls["seq"], calls["schedule"] = count, sequence, SCHEDULES.index(schedule)
     headers = np.zeros(max(count, 1), dtype=HEADER)
-    first_rows: torch.Tensor | None = None
     failure: Exception | None = None
     try:
         spec.check_pairs()
         for i, (tensor, ef) in enumerate(zip(spec.tensors, spec.error_feedbacks)):
             check_arguments(tensor, ef, be, spec.op, serves(tensor.numel()))
-            exact = spec.reduced_exactly(i)
-            calls["exact"][i] = exact
-            measured = measure(i)
-            headers["scale"][i], headers["server_max"][i] = measured.bound, measured.server_max
+            calls["exact"][i] = spec.reduced_exactly(i)
             record = calls[i]
             record["numel"], record["tag"], record["op"] = tensor.numel(), ef.fingerprint, OPS.index(spec.op)
             record["dtype"] = FLOAT_DTYPES.index(spec.result_dtype(i))
-            if i == 0:
-                first_rows = measured.rows
-    except Exception as exc:  # reported to every rank below, then raised everywhere
-        failure, first_rows = exc, None
+    except Exception as exc:  # reported to every rank in the exchange, then raised everywhere
+        failure = exc
         headers["code"] = error_code(exc)
     headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
-    memory = _group_memory(be.channel)
-    everyone, early = _exchange(headers, be, first_rows, memory.fold_room if fold else None)
-    _raise_if_rejected(everyone, calls, failure, be)
-    if fold and first_rows is not None and not calls["exact"][0]:  # accepted: every rank has the same width
-        memory.fold_room = min(FOLD_BYTES // be.world_size, first_rows.shape[1])
-    return Agreement(everyone, early)
+    return calls, headers, failure
+
+
+def _measure(
+    spec: CallSpec, headers: np.ndarray, measure: Callable[[int], Measured]
+) -> tuple[Exception | None, torch.Tensor | None]:
+    """`measure(i)` of every tensor into `headers`: the error it raised (its code then in the
+    headers) and the first tensor's rows."""
+    first_rows: torch.Tensor | None = None
+    try:
+        for i in range(len(spec.tensors)):
+            measured = measure(i)
+            headers["scale"][i], headers["server_max"][i] = measured.bound, measured.server_max
+            if i == 0:
+                first_rows = measured.rows
+    except Exception as exc:  # reported to every rank in the exchange, then raised everywhere
+        headers["code"] = error_code(exc)
+        return exc, None
+    return None, first_rows
+
+
+def _remember_rows(memory: _GroupMemory, calls: np.ndarray, first_rows: torch.Tensor | None, n: int) -> None:
+    """After an accepted call (so alike on every rank): its first tensor's row width, when 1-bit."""
+    if first_rows is not None and not calls["exact"][0]:
+        memory.fold_room = min(FOLD_BYTES // n, first_rows.shape[1])
+        memory.row_width = first_rows.shape[1]
 
 
 def exchange_rows(

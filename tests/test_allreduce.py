@@ -106,8 +106,9 @@ def test_error_feedback_identity(pool, op):
 
 @pytest.mark.parametrize("numel", [5_000_001])  # the last chunk padded
 def test_large_call_with_signs_split_between_phases_zero_and_one_matches_reference(pool, numel):
-    """From the second call on, phase 0 carries the first FOLD_BYTES / n sign bytes of each
-    row and phase 1 the rest; the result is the reference's."""
+    """Rows wider than phase 0's room: the first call sends the rest of them in phase 1, and the
+    calls after it send them during the scan (gloo, rows beyond DIRECT_GATHER_BYTES); every
+    result is the reference's."""
     from compcomm.agreement import FOLD_BYTES
     from compcomm.layout import chunk_size
 

@@ -114,40 +114,67 @@ def rejected(
     dtype: torch.dtype = torch.float32,
     magnitude: float = 1.0,
     op: str = "mean",
+    numel: int = 64,
+    failing_scan: int | None = None,
 ) -> dict:
+    """A call of `numel` elements (other sizes on the ranks of `numel_of_rank`) after one like
+    it, rejected on every rank: what each rank caught, and whether it kept its tensor and errors.
+    Rank `failing_scan`'s worker scan raises at its second chunk."""
     be = _backend()
     ef = compcomm.ErrorFeedback()
-    compcomm.compressed_allreduce(_input(be.rank, 64, torch.float32), ef, backend=be)  # a state to keep
+    compcomm.compressed_allreduce(_input(be.rank, numel, torch.float32), ef, backend=be)  # a state to keep
     state = {k: v.clone() for k, v in ef.state_dict().items() if isinstance(v, torch.Tensor)}
-    x = _input(be.rank, numel_of_rank.get(be.rank, 64), torch.float32)
+    x = _input(be.rank, numel_of_rank.get(be.rank, numel), torch.float32)
     x = (x / x.abs().max() * magnitude).to(dtype)
     if poison == be.rank:
         x[0] = float("nan")
     t = x.clone()
-    result = caught(
-        compcomm.compressed_allreduce,
-        t,
-        ef,
-        backend=be,
-        op=op,
-        min_compress_bytes=threshold_of_rank.get(be.rank, 1 << 20),
-    )
+    scan = compcomm.codec.Codec.worker_scan
+    scanned = []
+
+    def failing(*args, **kwargs):
+        scanned.append(1)
+        if len(scanned) == 2:
+            raise RuntimeError("the scan failed")
+        return scan(*args, **kwargs)
+
+    if failing_scan == be.rank:
+        compcomm.codec.Codec.worker_scan = failing
+    try:
+        result = caught(
+            compcomm.compressed_allreduce,
+            t,
+            ef,
+            backend=be,
+            op=op,
+            min_compress_bytes=threshold_of_rank.get(be.rank, 1 << 20),
+        )
+    finally:
+        compcomm.codec.Codec.worker_scan = scan
     kept = (
         all(torch.equal(v, ef.state_dict()[k]) for k, v in state.items()) and t.numpy().tobytes() == x.numpy().tobytes()
     )  # bitwise: NaN stays where it was
-    return {"caught": result, "kept": kept}
+    after = caught(compcomm.compressed_allreduce, torch.ones(64), compcomm.ErrorFeedback(), backend=be)
+    return {"caught": result, "kept": kept, "after": after}
 
 
-@pytest.mark.parametrize("case", ["threshold_differs", "threshold_invalid", "nan", "overflow", "numel_differs"])
+BAD_CALLS = {
+    "threshold_differs": ({}, {2: 0}),
+    "threshold_invalid": ({}, {1: -5}),
+    "nan": ({}, {}, 3),
+    "overflow": ({}, {}, None, torch.float16, 3e4, "sum"),  # each rank's values fit fp16, the sum not
+    "numel_differs": ({0: 5_000_000}, {}),
+    # after a wide call, phase 0 comes in two halves around a phase 1 sent during the scan
+    "streamed_numel_differs": ({0: 5_000_008}, {}, None, torch.float32, 1.0, "mean", 5_000_000),
+    "streamed_threshold_differs": ({}, {2: 1 << 30}, None, torch.float32, 1.0, "mean", 5_000_000),
+    "streamed_nan": ({}, {}, 3, torch.float32, 1.0, "mean", 5_000_000),
+    "streamed_scan_fails": ({}, {}, None, torch.float32, 1.0, "mean", 5_000_000, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
 def test_bad_calls_raise_everywhere_and_change_nothing(pool, case):
-    args = {
-        "threshold_differs": ({}, {2: 0}),
-        "threshold_invalid": ({}, {1: -5}),
-        "nan": ({}, {}, 3),
-        "overflow": ({}, {}, None, torch.float16, 3e4, "sum"),  # each rank's values fit fp16, the sum not
-        "numel_differs": ({0: 5_000_000}, {}),
-    }[case]
-    records = pool.run(rejected, *args)
+    records = pool.run(rejected, *BAD_CALLS[case])
     assert all(rec["kept"] for rec in records), "a rejected call changed a tensor or error state"
     errors = {rec["caught"] for rec in records}
     assert len(errors) == 1 and None not in errors, f"ranks disagree: {errors}"
@@ -158,8 +185,13 @@ def test_bad_calls_raise_everywhere_and_change_nothing(pool, case):
         "nan": ("NonFiniteError", "non-finite"),
         "overflow": ("NonFiniteError", "overflow"),
         "numel_differs": ("ValueError", "not 5000000 elements"),
+        "streamed_numel_differs": ("ValueError", "rank 0"),
+        "streamed_threshold_differs": ("ValueError", "min_compress_bytes"),
+        "streamed_nan": ("NonFiniteError", "non-finite"),
+        "streamed_scan_fails": ("RuntimeError", "rank 2: the scan failed"),
     }[case]
     assert cls == expected[0] and expected[1] in message, message
+    assert all(rec["after"] is None for rec in records), "the group does not work after the rejected call"
 
 
 def empty_exact() -> dict:
@@ -312,3 +344,144 @@ def test_small_all_gather_goes_straight_to_every_rank(pool, numel):
         assert rec["bytes"] == (WORLD - 1) * numel
         direct = numel <= DIRECT_GATHER_BYTES
         assert (rec["alltoall_base"], rec["_allgather_base"]) == ((1, 0) if direct else (0, 1))
+
+
+def produced(numel: int, failing: int | None = None) -> dict:
+    """all_to_all_as_produced of `numel`-byte rows inside a call (row j of rank r filled with
+    10 r + j + 1 when produced; rank `failing` raises instead of producing its first row): the
+    order rows were asked for, when `meanwhile` ran, what arrived, the bytes and primitives,
+    the error raised, and whether the group still works after it."""
+    be = _backend()
+    send = torch.zeros(WORLD, numel, dtype=torch.uint8)
+    recv = torch.zeros(WORLD, numel, dtype=torch.uint8)
+    order: list[int] = []
+    meanwhile: list[int] = []
+
+    def produce(j: int) -> None:
+        order.append(j)
+        if be.rank == failing and len(order) == 1:
+            raise RuntimeError("produce failed")
+        send[j].fill_(10 * be.rank + j + 1)
+
+    def exchange() -> dict:
+        channel = be.channel
+        spy = channel.transport = _Spy(channel.transport)
+        spy.calls.update(send=0)
+        try:
+            error = caught(be.all_to_all_as_produced, send, recv, produce, lambda: meanwhile.append(len(order)))
+        finally:
+            channel.transport = spy.inner
+        return {"error": error, "calls": spy.calls}
+
+    before = be.bytes_sent
+    outcome = be.ordered(exchange)
+    sent = be.bytes_sent - before
+    after = torch.empty(WORLD, 1, dtype=torch.uint8)
+    be.all_gather(torch.tensor([be.rank], dtype=torch.uint8), after)
+    outside = caught(be.all_to_all_as_produced, send, recv, list, list)
+    return {
+        "rank": be.rank,
+        "order": order,
+        "meanwhile": meanwhile,
+        "rows": [sorted(set(row.tolist())) for row in recv],
+        "bytes": sent,
+        "error": outcome["error"],
+        "calls": outcome["calls"],
+        "after": after.view(-1).tolist(),
+        "outside": outside,
+    }
+
+
+@pytest.mark.parametrize("numel", [4096, DIRECT_GATHER_BYTES + 1])
+@pytest.mark.parametrize("failing", [None, 2])
+def test_rows_are_produced_as_the_transport_sends_them(pool, numel, failing):
+    """Beyond DIRECT_GATHER_BYTES per row, gloo asks for rank r's rows in the order r + 1, r + 2,
+    ... (its own last) and sends each as soon as it is produced; below, every row is produced
+    and one all-to-all sends them. `meanwhile` runs once, after the last row. A rank whose
+    `produce` raises still sends and receives every row (the one it did not write as it was),
+    then raises alone, and the group goes on working."""
+    for rec in pool.run(produced, numel, failing):
+        me = rec["rank"]
+        streams = numel > DIRECT_GATHER_BYTES
+        assert rec["order"] == ([(me + k) % WORLD for k in range(1, WORLD)] + [me] if streams else list(range(WORLD)))
+        assert rec["meanwhile"] == [WORLD] and rec["bytes"] == (WORLD - 1) * numel
+        sends = {"alltoall_base": 0, "_allgather_base": 0, "send": WORLD - 1}
+        assert rec["calls"] == (sends if streams else {"alltoall_base": 1, "_allgather_base": 0, "send": 0})
+        unwritten = failing is not None and me == ((failing + 1) % WORLD if streams else 0)  # failing's first row
+        assert rec["rows"] == [[0] if unwritten and r == failing else [10 * r + me + 1] for r in range(WORLD)]
+        assert rec["error"] == (("RuntimeError", "produce failed") if me == failing else None)
+        assert rec["after"] == list(range(WORLD))
+        assert rec["outside"] is not None and "inside a compcomm call" in rec["outside"][1]
+
+
+STREAMED = 5_000_000
+"""A call whose sign rows (on 4 ranks) exceed DIRECT_GATHER_BYTES: after one like it, gloo
+streams phase 1 with the scan."""
+
+
+def streamed_call(steps: int) -> dict:
+    """`steps` calls of STREAMED elements; per call whether it streamed, and the point-to-point
+    sends and collectives it made; the outputs, errors and inputs, for the reference."""
+    from compcomm.agreement import previous_row_width
+
+    be = _backend()
+    ef = compcomm.ErrorFeedback()
+    records = []
+    for step in range(steps):
+        x = _input(be.rank, STREAMED, torch.float32, step)
+        t = x.clone()
+        streams = be.sends_row_by_row(previous_row_width(be))
+        channel = be.channel
+        spy = channel.transport = _Spy(channel.transport)
+        spy.calls.update(send=0)
+        try:
+            compcomm.compressed_allreduce(t, ef, backend=be)
+        finally:
+            channel.transport = spy.inner
+        records.append(
+            {
+                "streams": streams,
+                "calls": dict(spy.calls),
+                "input": x.double().numpy(),
+                "raw": t.numpy().tobytes(),
+                "output": t.double().numpy(),
+                "worker": ef.worker_error.double().numpy(),
+                "server": ef.server_error.double().numpy(),
+            }
+        )
+    compcomm.compressed_allreduce(torch.ones(64), compcomm.ErrorFeedback(), backend=be)  # leave the memory narrow
+    return records
+
+
+def test_phase_one_streams_with_the_scan_after_a_wide_call(pool):
+    """After a call whose rows exceed DIRECT_GATHER_BYTES, gloo sends each chunk's signs to its
+    server as soon as they are scanned (n - 1 sends) and agrees in two small all-gathers; the
+    results and errors are the float64 reference's, step by step, and equal on every rank."""
+    from compcomm.layout import padded_size
+
+    from reference import reference_allreduce
+
+    steps = 3
+    per_rank = pool.run(streamed_call, steps)
+    m = padded_size(STREAMED, WORLD)
+    worker, server = np.zeros((WORLD, m)), np.zeros((WORLD, m // WORLD))
+    for step in range(steps):
+        records = [per_rank[r][step] for r in range(WORLD)]
+        assert [rec["streams"] for rec in records] == [step > 0] * WORLD
+        ring = WORLD - 1  # phase 2's point-to-point steps
+        for rec in records:
+            if step:  # phase 0a and 0b: all-gathers of headers; phase 1: sends; phase 2: the ring
+                assert rec["calls"] == {"alltoall_base": 2, "_allgather_base": 0, "send": 2 * (WORLD - 1)}
+            else:  # phase 0 folded into one all-to-all, phase 1 another, phase 2 the ring
+                assert rec["calls"] == {"alltoall_base": 2, "_allgather_base": 0, "send": ring}
+        assert len({rec["raw"] for rec in records}) == 1, "outputs differ between ranks"
+        expected, worker, server = reference_allreduce([rec["input"] for rec in records], worker, server)
+        np.testing.assert_allclose(records[0]["output"], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        np.testing.assert_allclose(
+            np.stack([rec["worker"] for rec in records]), worker, rtol=1e-5, atol=1e-5 * np.abs(worker).max()
+        )
+        np.testing.assert_allclose(
+            np.stack([rec["server"] for rec in records]), server, rtol=1e-5, atol=1e-5 * np.abs(server).max()
+        )
+        worker = np.stack([rec["worker"] for rec in records])
+        server = np.stack([rec["server"] for rec in records])

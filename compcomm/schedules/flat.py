@@ -3,7 +3,8 @@
 For world size n, rank r and N elements padded to M = ceil(N / 8n) * 8n, chunk C = M / n (rank j
 serves elements [jC, (j+1)C), k_j = clamp(N - jC, 0, C) of them real):
 
-    worker r:   x' = pad(x as fp32) + e_w        s_r = ||x'[:N]|| / sqrt(N)
+    worker r:   x' = pad(x as fp32) + e_w        s_r = ||x'[:N]|| / sqrt(N)  (squares summed per
+                                                  chunk, the chunks' sums in chunk order)
                 e_w <- x' - s_r sign(x')          (0 on padding; held as (x', s_r) and
                                                    computed in the next call's scan when the
                                                    scan has a second buffer to write x' into)
@@ -11,7 +12,9 @@ serves elements [jC, (j+1)C), k_j = clamp(N - jC, 0, C) of them real):
                 digest of the call, its own error if any), in an all-to-all whose slot j also
                 carries the first bytes of the packed signs for server j
     phase 1:    all-to-all of the rest of the packed signs: rank j gets chunk j of each sign(x'_r)
-                (none when phase 0 carried them all: repeated small calls)
+                (none when phase 0 carried them all: repeated small calls). Where the backend
+                sends rows one by one and the previous call had such rows, each chunk is sent as
+                it is scanned, between phase 0's two halves (`_prepare_streaming`)
     server j:   y = (1/n) sum_r s_r sign(x'_r)[chunk j] + e_s      (no 1/n for op="sum")
                 t_j = ||y[:k_j]|| / sqrt(k_j)  (0 when k_j = 0)
                 e_s <- y - t_j sign(y)             (0 beyond the k_j real elements)
@@ -44,7 +47,16 @@ from dataclasses import dataclass
 import torch
 
 from .. import codec
-from ..agreement import Agreement, CallSpec, Measured, agree_on_call, exchange_rows
+from ..agreement import (
+    Agreement,
+    CallSpec,
+    Measured,
+    agree_on_arguments,
+    agree_on_call,
+    agree_on_measures,
+    exchange_rows,
+    previous_row_width,
+)
 from ..backends import Backend
 from ..backends.rank_order import sum_in_rank_order
 from ..error_feedback import ALLREDUCE, ErrorFeedback
@@ -53,6 +65,10 @@ from ..layout import chunk_size, real_count
 
 SERVER_SCALE_BYTES = 4
 """Phase 2's message of server j: t_j as fp32 bytes, then the packed signs of sign(y_j)."""
+
+Scanned = tuple[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"]
+"""A tensor's local pass: its flat view, its phase-1 rows, its bound (s_r, or max |x| when
+reduced exactly) and its new x' (None: the errors are updated in a pass after the verdict)."""
 
 
 def allreduce(spec: CallSpec, be: Backend) -> list[torch.Tensor]:
@@ -67,41 +83,178 @@ def prepare(spec: CallSpec, be: Backend, decode: bool = True) -> list[FlatCall]:
     `commit()`, or the agreed error raised on every rank with nothing modified. A composite
     schedule that must agree across another group before committing calls the two halves
     itself, inside its own turn on the channels (with `decode=False` when it decodes the
-    calls' results itself: commit then leaves the tensors as they are)."""
-    scanned: list[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]] = []
+    calls' results itself: commit then leaves the tensors as they are).
+
+    Where the backend sends rows one by one and the group's previous 1-bit call was that wide
+    (`Backend.sends_row_by_row`: the ranks decide alike, before any exchange), the first
+    tensor's phase 1 runs during its scan instead (`_prepare_streaming`)."""
+    if be.sends_row_by_row(previous_row_width(be)):
+        return _prepare_streaming(spec, be, decode)
+    scanned: dict[int, Scanned] = {}
+    agreement = agree_on_call(spec, be, "allreduce", be.sequence_number(), _measure(spec, be, scanned), _serves(be))
+    return _calls(spec, be, agreement, scanned, None, decode)
+
+
+def _prepare_streaming(spec: CallSpec, be: Backend, decode: bool) -> list[FlatCall]:
+    """`prepare` with phase 0 in two halves and the first tensor's phase 1 sent as it is scanned.
+
+    Phase 0a agrees on the call (sizes, op, dtypes, ...) before any row travels. Then the
+    first tensor's chunks are scanned one by one, in the order the backend asks for them, each
+    sent to its server as soon as it is packed; meanwhile the other tensors are scanned and
+    phase 0b agrees on the bounds (s_r, max |e_s|) and on any rank's failed scan. A rejected call
+    has sent signs that no server uses and changes nothing. A first tensor reduced exactly
+    takes the ordinary phase 1 (its rows are the tensor itself: there is no scan to overlap)."""
+    calls = agree_on_arguments(spec, be, "allreduce", be.sequence_number(), _serves(be))
+    scanned: dict[int, Scanned] = {}
+    if spec.reduced_exactly(0):
+        agreement = agree_on_measures(spec, be, calls, _measure(spec, be, scanned))
+        return _calls(spec, be, agreement, scanned, None, decode)
+    scan = WorkerScan(spec.tensors[0], spec.error_feedbacks[0], spec.into(0), be.world_size)
+    received = torch.empty_like(scan.rows)
+    agreed: list[Agreement] = []
+    measure = _measure(spec, be, scanned, first=scan)
+    be.all_to_all_as_produced(
+        scan.rows, received, scan.chunk, lambda: agreed.append(agree_on_measures(spec, be, calls, measure))
+    )
+    return _calls(spec, be, agreed[0], scanned, received, decode)
+
+
+def _measure(
+    spec: CallSpec, be: Backend, scanned: dict[int, Scanned], first: WorkerScan | None = None
+) -> Callable[[int], Measured]:
+    """Phase 0's `measure`: tensor i's local pass, kept in `scanned`; the first tensor's is
+    `first`'s result when given (its chunks scanned already, a failed one raised here)."""
 
     def measure(i: int) -> Measured:
-        tensor, ef = spec.tensors[i], spec.error_feedbacks[i]
-        if spec.reduced_exactly(i):
-            flat, rows, bound = _exact_rows(tensor, be.world_size)
-            scanned.append((flat, rows, bound, None))
-            return Measured(bound, 0.0, rows)
-        flat, rows, scale, x_prime = _worker_scan(tensor, ef, spec.into(i), be.world_size)
-        scanned.append((flat, rows, scale, x_prime))
-        return Measured(scale, ef.server_error_max(), rows)
+        if i not in scanned:
+            scanned[i] = first.result() if i == 0 and first is not None else _scan(spec, i, be.world_size)
+        _, rows, bound, _ = scanned[i]
+        server_max = 0.0 if spec.reduced_exactly(i) else spec.error_feedbacks[i].server_error_max()
+        return Measured(bound, server_max, rows)
 
-    agreement = agree_on_call(
-        spec, be, "allreduce", be.sequence_number(), measure, lambda numel: (numel, be.world_size, ALLREDUCE)
-    )
+    return measure
+
+
+def _calls(
+    spec: CallSpec,
+    be: Backend,
+    agreement: Agreement,
+    scanned: dict[int, Scanned],
+    received: torch.Tensor | None,
+    decode: bool,
+) -> list[FlatCall]:
+    """The accepted call's tensors, ready to commit; `received`: the first tensor's phase 1, done."""
     return [
-        FlatCall(spec, i, be, agreement, flat, rows, scale, spec.reduced_exactly(i), x_prime, decode=decode)
-        for i, (flat, rows, scale, x_prime) in enumerate(scanned)
+        FlatCall(
+            spec,
+            i,
+            be,
+            agreement,
+            flat,
+            received if i == 0 and received is not None else rows,
+            scale,
+            spec.reduced_exactly(i),
+            x_prime,
+            decode=decode,
+            sent=i == 0 and received is not None,
+        )
+        for i, (flat, rows, scale, x_prime) in sorted(scanned.items())
     ]
 
 
-def _worker_scan(
-    tensor: torch.Tensor, ef: ErrorFeedback, into: ErrorFeedback, n: int
-) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]:
-    """The flattened tensor (a view when contiguous), its packed worker signs (n, C/8), s_r and
-    the new x' (x + e_w, written where `into` lends a buffer for it; None when it lends none).
-    The error state is not modified (an `into` other than `ef` gives its errors up)."""
-    numel = tensor.numel()
-    signs = torch.empty(n, chunk_size(numel, n) // 8, dtype=torch.uint8, device=tensor.device)
-    worker, pending_scale = ef.worker_form(tensor.device)
-    x_prime = into.next_x_prime_buffer(ef, numel, n, tensor.device)
-    flat = tensor.detach().reshape(-1)
-    sum_sq = codec.codec_for(tensor.device).worker_scan(flat, worker, signs.view(-1), pending_scale, x_prime)
-    return flat, signs, codec.rms_scale(sum_sq, numel), x_prime
+def _serves(be: Backend) -> Callable[[int], tuple[int, int, str]]:
+    return lambda numel: (numel, be.world_size, ALLREDUCE)
+
+
+def _scan(spec: CallSpec, i: int, n: int) -> Scanned:
+    """Tensor i's local pass (see `Scanned`)."""
+    if spec.reduced_exactly(i):
+        flat, rows, bound = _exact_rows(spec.tensors[i], n)
+        return flat, rows, bound, None
+    scan = WorkerScan(spec.tensors[i], spec.error_feedbacks[i], spec.into(i), n)
+    for j in range(n):
+        scan.chunk(j)
+    return scan.result()
+
+
+CHUNKED_SCAN_ELEMENTS = 1 << 20
+"""A tensor whose chunks hold more elements than this is scanned chunk by chunk, so that a
+transport may send each chunk's signs as soon as they are packed (1 MiB of signs per chunk for
+a call of more than 4 MiB of fp32 per rank on each of 4 ranks: where gloo sends rows one by one,
+`DIRECT_GATHER_BYTES`); a smaller one in one pass, which saves a few microseconds per chunk that
+a small call would notice. The rule depends on N and n alone, so every backend gets the same bits."""
+
+
+class WorkerScan:
+    """A tensor's worker pass: chunk j's packed signs of x' = x + e_w (row j of `rows`), and the
+    new x' where `into` lends a buffer for it (None: the call updates the errors in a pass of its
+    own, after the verdict). The error state is not modified (an `into` other than the input's
+    ErrorFeedback gives its errors up).
+
+    Chunks of more than CHUNKED_SCAN_ELEMENTS are scanned one by one, in any order, and s_r adds
+    their sums of squares in chunk order, so that a call scanning its chunks as the transport
+    asks gets the same bits as one scanning them in order; smaller tensors are scanned whole at
+    the first `chunk` call. `chunk` never raises: a failure is kept for `result`, which raises
+    it where phase 0 carries it to every rank (the rows then travel as they are, and the call is
+    rejected)."""
+
+    def __init__(self, tensor: torch.Tensor, ef: ErrorFeedback, into: ErrorFeedback, n: int) -> None:
+        numel = tensor.numel()
+        self.tensor, self.ef, self.into = tensor, ef, into
+        self.n, self.numel, self.size = n, numel, chunk_size(numel, n)
+        self.rows = torch.empty(n, self.size // 8, dtype=torch.uint8, device=tensor.device)
+        self.sums = [0.0] * n
+        self.failure: Exception | None = None
+        self.started = False
+        self.flat = self.tensor.detach()
+        self.worker: torch.Tensor | None = None
+        self.pending_scale: float | None = None
+        self.x_prime: torch.Tensor | None = None
+
+    def _start(self) -> None:
+        """What the first chunk needs: the flat input, the error state and the buffer for x'."""
+        if self.started:
+            return
+        device = self.tensor.device
+        self.flat = self.tensor.detach().reshape(-1)
+        self.worker, self.pending_scale = self.ef.worker_form(device)
+        self.x_prime = self.into.next_x_prime_buffer(self.ef, self.numel, self.n, device)
+        self.started = True
+
+    def chunk(self, j: int) -> None:
+        """Scan chunk j into row j (every chunk, at the first call, for a tensor scanned whole)."""
+        whole = self.size <= CHUNKED_SCAN_ELEMENTS
+        if self.failure is not None or (whole and self.started):
+            return
+        try:
+            self._start()
+            if whole:
+                self.sums[0] = self._scan(0, self.n * self.size, self.numel, self.rows.view(-1))
+            else:
+                start = j * self.size
+                self.sums[j] = self._scan(start, start + self.size, real_count(j, self.numel, self.n), self.rows[j])
+        except Exception as exc:
+            self.failure = exc
+
+    def _scan(self, start: int, stop: int, real: int, bits: torch.Tensor) -> float:
+        """Elements [start, stop) of the padded tensor, `real` of them real, into `bits`: their
+        sum of squares."""
+        return codec.codec_for(self.tensor.device).worker_scan(
+            self.flat[start : start + real],
+            None if self.worker is None else self.worker[start:stop],
+            bits,
+            self.pending_scale,
+            None if self.x_prime is None else self.x_prime[start:stop],
+        )
+
+    def result(self) -> Scanned:
+        """(flat view, rows, s_r, new x') once every chunk is scanned; raises a chunk's failure."""
+        if self.failure is not None:
+            raise self.failure
+        total = 0.0
+        for part in self.sums:
+            total += part
+        return self.flat, self.rows, codec.rms_scale(total, self.numel), self.x_prime
 
 
 def _exact_rows(tensor: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -129,6 +282,7 @@ class FlatCall:
     x_prime: torch.Tensor | None  # x' = x + e_w from the scan: the worker error state after the call
     result: torch.Tensor | None = None  # after commit: phase 2's bytes, see `decode_result`
     decode: bool = True  # False: commit leaves the tensor as it is (a composite decodes `result` itself)
+    sent: bool = False  # phase 1 already ran during the scan: `rows` are the rows received
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -192,6 +346,9 @@ class FlatCall:
 
     def _phase1(self, meanwhile: Callable[[], None]) -> torch.Tensor:
         """(n, W): row r is what rank r sent this one, while `meanwhile()` runs."""
+        if self.sent:
+            meanwhile()
+            return self.rows
         early = self.agreement.early if self.index == 0 else None
         received = exchange_rows(self.be, self.rows, early, meanwhile)
         self.rows = received  # drop what was sent

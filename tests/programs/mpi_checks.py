@@ -46,6 +46,8 @@ def check_reference_and_parity() -> dict:
     """MPI against the float64 reference, and MPI vs gloo bit for bit (outputs and errors)."""
     mpi, gloo = compcomm.backends.get("mpi"), compcomm.backends.get("gloo")
     configs = [(numel, dtype, op) for numel in (1, 7, 1001, 4099) for dtype in DTYPES for op in ("mean", "sum")]
+    configs.append((5_000_001, "float32", "mean"))  # wide rows: from step 1 on, gloo sends them as it scans
+    configs.append((1001, "float32", "sum"))  # its first step after a wide call: phase 0 in halves, scanned whole
     steps, compared = 3, 0
     for numel, dtype, op in configs:
         ef_mpi, ef_gloo = compcomm.ErrorFeedback(), compcomm.ErrorFeedback()
