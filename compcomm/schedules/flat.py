@@ -179,8 +179,8 @@ def _scan(spec: CallSpec, i: int, n: int) -> Scanned:
 
 CHUNKED_SCAN_ELEMENTS = 1 << 20
 """A tensor whose chunks hold more elements than this is scanned chunk by chunk, so that a
-transport may send each chunk's signs as soon as they are packed (1 MiB of signs per chunk for
-a call of more than 4 MiB of fp32 per rank on each of 4 ranks: where gloo sends rows one by one,
+transport may send each chunk's signs as soon as they are packed (chunks of more than 128 KiB of
+signs, as of a call of more than 16 MiB of fp32 on 4 ranks: where gloo sends rows one by one,
 `DIRECT_GATHER_BYTES`); a smaller one in one pass, which saves a few microseconds per chunk that
 a small call would notice. The rule depends on N and n alone, so every backend gets the same bits."""
 
@@ -202,6 +202,7 @@ class WorkerScan:
         numel = tensor.numel()
         self.tensor, self.ef, self.into = tensor, ef, into
         self.n, self.numel, self.size = n, numel, chunk_size(numel, n)
+        self.whole = self.size <= CHUNKED_SCAN_ELEMENTS
         self.rows = torch.empty(n, self.size // 8, dtype=torch.uint8, device=tensor.device)
         self.sums = [0.0] * n
         self.failure: Exception | None = None
@@ -223,12 +224,11 @@ class WorkerScan:
 
     def chunk(self, j: int) -> None:
         """Scan chunk j into row j (every chunk, at the first call, for a tensor scanned whole)."""
-        whole = self.size <= CHUNKED_SCAN_ELEMENTS
-        if self.failure is not None or (whole and self.started):
+        if self.failure is not None or (self.whole and self.started):
             return
         try:
             self._start()
-            if whole:
+            if self.whole:
                 self.sums[0] = self._scan(0, self.n * self.size, self.numel, self.rows.view(-1))
             else:
                 start = j * self.size
