@@ -11,6 +11,8 @@ import math
 
 BURST = 256 * 1024  # netsim's tbf bucket: transfers below it leave at the veth's speed
 FOLD_BYTES = 128 * 1024  # compcomm.agreement.FOLD_BYTES (not imported: the model runs without compcomm)
+ROW_BY_ROW_BYTES = 128 * 1024  # backends.torch_dist.DIRECT_GATHER_BYTES: gloo sends wider rows one by one
+HEADER_BYTES = 16  # phase 0's header per peer, without any folded signs
 CODEC = ("scan", "werr", "server", "serr", "decode")
 
 
@@ -43,28 +45,55 @@ def comm_time(p: dict, bytes_: float, steps: int, share: float, bandwidth: float
 
 
 def flat_parts(
-    p: dict, numel: int, n: int, share: float, k: int = 1, sharing_link: int | None = None
+    p: dict,
+    numel: int,
+    n: int,
+    share: float,
+    k: int = 1,
+    sharing_link: int | None = None,
+    row_by_row: bool = True,
+    decode: bool = True,
 ) -> dict[str, float]:
     """Predicted seconds of every part of the flat call over n ranks, k per host: the ranks
     share the host's link (B/k each, or B/sharing_link) for the (n-k)/(n-1) of their blocks that
-    leave the host; the ring all-reduce, in rank order, sends one stream per host link."""
+    leave the host; the ring all-reduce, in rank order, sends one stream per host link.
+
+    `call` overlaps what the schedule overlaps on a transport that sends rows one by one
+    (`row_by_row`: gloo; NCCL and MPI take one collective per phase):
+
+    * phase 1 during the scan, for rows of more than ROW_BY_ROW_BYTES (after a call as wide):
+      phase 0 in two headers, the second once every row is scanned, and the rows on the wire as
+      they are packed, the first after 1/n of the scan: max(scan + header, scan / n + a2a of
+      every row) after the first header;
+    * phase 2 over more than two ranks, messages of more than ROW_BY_ROW_BYTES: each server's
+      chunk decoded as it arrives, so only the last chunk's decode waits for the wire:
+      max(gather + decode / n, serr + decode);
+    * otherwise (and always) the server error update and this rank's own chunk's decode run
+      during phase 2's collective, the other chunks' decode after it:
+      max(gather, serr + decode / n) + decode (n-1) / n.
+
+    `decode=False`: the call of a composite that decodes the result itself (no decode pass)."""
     link = p["B"] / (sharing_link or k)
     b = flat_bytes(numel, n)
     t = {part: b[part] / p["gamma"][part] * share for part in CODEC}
     crossing = (n - k) / (n - 1) if n > 1 else 0.0
+    row = chunk(numel, n) / 8
     t["header"] = comm_time(p, b["header"] * crossing, n - 1, share, link)
     t["a2a"] = comm_time(p, b["a2a"] * crossing, n - 1, share, link) if b["a2a"] else 0.0
     t["gather"] = comm_time(p, b["gather"] * crossing, n - 1, share, link)
     t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, p["B"])
-    t["call"] = (
-        p.get("overhead", 0.0) * share
-        + t["scan"]
-        + t["header"]
-        + t["a2a"]
-        + t["server"]
-        + max(t["gather"], t["serr"])
-        + t["decode"]
-    )
+    if row_by_row and n > 1 and row > ROW_BY_ROW_BYTES:
+        header = comm_time(p, (n - 1) * HEADER_BYTES * crossing, n - 1, share, link)
+        every_row = comm_time(p, (n - 1) * row * crossing, n - 1, share, link)
+        phase1 = header + max(t["scan"] + header, t["scan"] / n + every_row)
+    else:
+        phase1 = t["scan"] + t["header"] + t["a2a"]
+    decoding = t["decode"] if decode else 0.0
+    if row_by_row and n > 2 and 4 + row > ROW_BY_ROW_BYTES:
+        phase2 = max(t["gather"] + decoding / n, t["serr"] + decoding)
+    else:
+        phase2 = max(t["gather"], t["serr"] + decoding / n) + decoding * (n - 1) / n
+    t["call"] = p.get("overhead", 0.0) * share + phase1 + t["server"] + phase2
     return t
 
 
@@ -74,19 +103,19 @@ def node_time(p: dict, bytes_: float, k: int, share: float) -> float:
     return p["alpha_lo"] * (k - 1) * share + bytes_ / p["B_lo"]
 
 
-def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float) -> dict[str, float]:
+def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float, row_by_row: bool = True) -> dict[str, float]:
     """The hierarchical call: the node's exact reduce-scatter (the fp32 parts exchanged inside the
     host, summed in rank order and divided as the schedule does it, which B_lo is calibrated on),
     the flat call on the N/k-element part across hosts (its k ranks sharing the host's link,
-    without its decode), the parts' results shared inside the host, and every part decoded.
+    with no decode of its own), the parts' results shared inside the host, and every part decoded.
     Phase 0 spans all ranks: one collective across hosts and two inside the host."""
     part = chunk(numel, k)
-    inner = flat_parts(p, part, hosts, share, 1, sharing_link=k)
+    inner = flat_parts(p, part, hosts, share, 1, sharing_link=k, row_by_row=row_by_row, decode=False)
     t = {
         "rs": node_time(p, (k - 1) * 4.0 * part, k, share),
         "share": node_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k, share),
         "agree": comm_time(p, 0.0, hosts - 1, share, p["B"]) + 2 * node_time(p, 0.0, k, share),
         "decode_all": flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share,
     }
-    t["hier"] = t["agree"] + t["rs"] + inner["call"] - inner["decode"] + t["share"] + t["decode_all"]
+    t["hier"] = t["agree"] + t["rs"] + inner["call"] + t["share"] + t["decode_all"]
     return t

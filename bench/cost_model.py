@@ -11,9 +11,9 @@ Each phase costs latency + bytes / bandwidth, or codec bytes / memory bandwidth:
     share = max(1, ranks on the machine / cores): ranks of a simulated cluster share its cores,
             or, in an emulated cluster (netsim --cpus-per-host C), max(1, ranks per host / C)
 
-and the call overlaps what it overlaps: scan + header + a2a + server + max(gather, serr) +
-decode (the worker error held in the x' form, which the scan writes: no werr pass; phase 0's
-all-to-all carries a repeated call's first FOLD_BYTES / n sign bytes per peer, phase 1 the rest).
+and the call overlaps what the schedule overlaps (`collective_model.flat_parts`: on gloo, phase 1
+during the scan and phase 2 during the decode where rows are wide; the worker error in the x'
+form, which the scan writes: no werr pass).
 The calibration file (one run of bench/phases.py, ideally 2 hosts, so share = 1) gives alpha
 (header), B (a2a and gather bytes) and every gamma (its codec passes); `--loopback FILE` (a run with
 several ranks per host) gives a collective inside the host its own latency alpha_lo (share, at its
@@ -119,9 +119,9 @@ def extrapolate(numel: int) -> list[str]:
             "gamma": {part: x["gamma_codec"] for part in CODEC},
         }
         for n in (64, 128, 256, 512, 1024):
-            flat = flat_parts(p, numel, n, 1.0, x["k"])
+            flat = flat_parts(p, numel, n, 1.0, x["k"], row_by_row=False)  # NCCL: one collective per phase
             latency = x["alpha"] * (n - 1) * 3
-            hier = hier_parts(p, numel, n // x["k"], x["k"], 1.0)["hier"]
+            hier = hier_parts(p, numel, n // x["k"], x["k"], 1.0, row_by_row=False)["hier"]
             rows.append(
                 f"| {n} | {gbit} Gbit/s | {flat['allreduce'] * 1e3:.1f} ms | {flat['call'] * 1e3:.1f} ms | "
                 f"{latency * 1e3:.1f} ms | {hier * 1e3:.1f} ms | {flat['allreduce'] / flat['call']:.1f}x | "

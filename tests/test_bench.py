@@ -267,3 +267,40 @@ def test_cost_model_calibrates_the_node_step_on_itself():
     assert hier["rs"] == pytest.approx(loopback[1]["rs_s"])
     small = model.hier_parts(p, 1 << 18, 2, k, share)  # its results are a few KiB: latency
     assert small["share"] == pytest.approx(loopback[0]["share_s"], rel=0.05)
+
+
+def test_cost_model_overlaps_what_gloo_overlaps():
+    """bench/collective_model.py charges a call over a transport that sends rows one by one
+    (gloo) the longer of what runs side by side: phase 1 during the scan (rows wider than
+    128 KiB) and phase 2 during the decode (messages that wide, more than two ranks). At the
+    limits the call is the codec alone (a link without cost) or the wire alone (codec without
+    cost), which the sum of the parts (one collective per phase, NCCL and MPI) is not; small
+    rows take the sum on gloo too."""
+    model = bench_scripts.load("collective_model")
+    numel, n = 25 << 20, 4  # 100 MiB of fp32: rows of 819 KiB
+    codec = {"alpha": 0.0, "burst": 0.0, "B": 1e18, "gamma": {part: 1e10 for part in model.CODEC}}
+    wire = dict(codec, B=1e8, gamma={part: 1e18 for part in model.CODEC})
+
+    t = model.flat_parts(codec, numel, n, 1.0)
+    assert t["call"] == pytest.approx(t["scan"] + t["server"] + t["serr"] + t["decode"], rel=1e-6)
+    t = model.flat_parts(wire, numel, n, 1.0)
+    every_row = (n - 1) * model.chunk(numel, n) / 8 / wire["B"]
+    header = (n - 1) * model.HEADER_BYTES / wire["B"]
+    assert t["call"] == pytest.approx(header + every_row + t["gather"], rel=1e-6)  # phase 0b during the wire
+
+    mixed = dict(codec, B=1e9)  # neither free: the overlapped call is shorter than the parts' sum
+    overlapped = model.flat_parts(mixed, numel, n, 1.0)
+    summed = model.flat_parts(mixed, numel, n, 1.0, row_by_row=False)
+    assert overlapped["call"] < summed["call"]
+    assert summed["call"] == pytest.approx(
+        summed["scan"]
+        + summed["header"]
+        + summed["a2a"]
+        + summed["server"]
+        + max(summed["gather"], summed["serr"] + summed["decode"] / n)
+        + summed["decode"] * (n - 1) / n,
+        rel=1e-6,
+    )
+    small = 1 << 16  # rows of 2 KiB: one collective per phase on gloo as well
+    plain = model.flat_parts(mixed, small, n, 1.0, row_by_row=False)
+    assert model.flat_parts(mixed, small, n, 1.0)["call"] == plain["call"]

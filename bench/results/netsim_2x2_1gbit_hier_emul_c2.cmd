@@ -1,0 +1,1 @@
+python bench/netsim.py --hosts 2 --ranks-per-host 2 --rate 1gbit --cpus-per-host 2 --subnet 10.77.137.0/24 -- python bench/allreduce_bw.py --backend gloo -q --hierarchical -b 25M -e 100M -f 4 -n 5 -w 2 --json bench/results/netsim_2x2_1gbit_hier_emul_c2.json
