@@ -272,35 +272,48 @@ def test_cost_model_calibrates_the_node_step_on_itself():
 def test_cost_model_overlaps_what_gloo_overlaps():
     """bench/collective_model.py charges a call over a transport that sends rows one by one
     (gloo) the longer of what runs side by side: phase 1 during the scan (rows wider than
-    128 KiB) and phase 2 during the decode (messages that wide, more than two ranks). At the
-    limits the call is the codec alone (a link without cost) or the wire alone (codec without
-    cost), which the sum of the parts (one collective per phase, NCCL and MPI) is not; small
-    rows take the sum on gloo too."""
+    128 KiB: phase 0 in two headers, the rows leaving from 1/n of the scan on) and, over more
+    than two ranks, phase 2 during the decode (messages that wide); with one collective per
+    phase, the server error update and the own chunk's decode during phase 2."""
     model = bench_scripts.load("collective_model")
-    numel, n = 25 << 20, 4  # 100 MiB of fp32: rows of 819 KiB
-    codec = {"alpha": 0.0, "burst": 0.0, "B": 1e18, "gamma": {part: 1e10 for part in model.CODEC}}
-    wire = dict(codec, B=1e8, gamma={part: 1e18 for part in model.CODEC})
+    n = 4
+    p = {"alpha": 0.0, "burst": 0.0, "B": 1e8, "gamma": {part: 1e9 for part in model.CODEC}}
 
-    t = model.flat_parts(codec, numel, n, 1.0)
-    assert t["call"] == pytest.approx(t["scan"] + t["server"] + t["serr"] + t["decode"], rel=1e-6)
-    t = model.flat_parts(wire, numel, n, 1.0)
-    every_row = (n - 1) * model.chunk(numel, n) / 8 / wire["B"]
-    header = (n - 1) * model.HEADER_BYTES / wire["B"]
-    assert t["call"] == pytest.approx(header + every_row + t["gather"], rel=1e-6)  # phase 0b during the wire
+    def expected(numel: int, ranks: int, streamed: bool, ring: bool) -> float:
+        t = model.flat_parts(p, numel, ranks, 1.0, row_by_row=False)
+        scan, decode, serr, gather = t["scan"], t["decode"], t["serr"], t["gather"]
+        header = (ranks - 1) * model.HEADER_BYTES / p["B"]
+        every_row = (ranks - 1) * model.chunk(numel, ranks) / 8 / p["B"]
+        if streamed:
+            phase1 = header + max(scan + header, scan / ranks + every_row)
+        else:
+            phase1 = scan + t["header"] + t["a2a"]
+        if ring:
+            phase2 = max(gather + decode / ranks, serr + decode)
+        else:
+            phase2 = max(gather, serr + decode / ranks) + decode * (ranks - 1) / ranks
+        return phase1 + t["server"] + phase2
 
-    mixed = dict(codec, B=1e9)  # neither free: the overlapped call is shorter than the parts' sum
-    overlapped = model.flat_parts(mixed, numel, n, 1.0)
-    summed = model.flat_parts(mixed, numel, n, 1.0, row_by_row=False)
-    assert overlapped["call"] < summed["call"]
-    assert summed["call"] == pytest.approx(
-        summed["scan"]
-        + summed["header"]
-        + summed["a2a"]
-        + summed["server"]
-        + max(summed["gather"], summed["serr"] + summed["decode"] / n)
-        + summed["decode"] * (n - 1) / n,
-        rel=1e-6,
+    edge = 4 << 20  # rows of exactly 128 KiB on 4 ranks: not streamed; messages of 4 + 128 KiB: the ring
+    for numel, ranks, streamed, ring in [
+        (25 << 20, n, True, True),
+        (edge, n, False, True),
+        (edge + 32, n, True, True),
+        (25 << 20, 2, True, False),  # two ranks: no ring
+        (1 << 16, n, False, False),
+    ]:
+        got = model.flat_parts(p, numel, ranks, 1.0)["call"]
+        assert got == pytest.approx(expected(numel, ranks, streamed, ring), rel=1e-9), (numel, ranks)
+    slow_link = dict(p, B=2e7)  # gather > serr + decode / n: the ring hides all but the last chunk's decode
+    t = model.flat_parts(slow_link, 25 << 20, n, 1.0)
+    plain = model.flat_parts(slow_link, 25 << 20, n, 1.0, row_by_row=False)
+    assert t["gather"] > t["serr"] + t["decode"] / n
+    assert t["call"] < plain["call"]
+
+    k, hosts, numel = 2, 2, 25 << 20
+    p_node = dict(p, alpha_lo=1e-4, B_lo=1e9)
+    hier = model.hier_parts(p_node, numel, hosts, k, 1.0)
+    inner = model.flat_parts(p_node, model.chunk(numel, k), hosts, 1.0, 1, sharing_link=k, decode=False)
+    assert hier["hier"] == pytest.approx(
+        hier["agree"] + hier["rs"] + inner["call"] + hier["share"] + hier["decode_all"]
     )
-    small = 1 << 16  # rows of 2 KiB: one collective per phase on gloo as well
-    plain = model.flat_parts(mixed, small, n, 1.0, row_by_row=False)
-    assert model.flat_parts(mixed, small, n, 1.0)["call"] == plain["call"]
