@@ -12,7 +12,7 @@ import math
 BURST = 256 * 1024  # netsim's tbf bucket: transfers below it leave at the veth's speed
 FOLD_BYTES = 128 * 1024  # compcomm.agreement.FOLD_BYTES (not imported: the model runs without compcomm)
 ROW_BY_ROW_BYTES = 128 * 1024  # backends.torch_dist.DIRECT_GATHER_BYTES: gloo sends wider rows one by one
-HEADER_BYTES = 16  # phase 0's header per peer, without any folded signs
+HEADER_BYTES = 16  # compcomm.agreement.HEADER.itemsize: phase 0's header per peer, no folded signs
 CODEC = ("scan", "werr", "server", "serr", "decode")
 
 

@@ -317,3 +317,15 @@ def test_cost_model_overlaps_what_gloo_overlaps():
     assert hier["hier"] == pytest.approx(
         hier["agree"] + hier["rs"] + inner["call"] + hier["share"] + hier["decode_all"]
     )
+
+
+def test_cost_model_mirrors_the_library_thresholds():
+    """bench/collective_model.py runs without compcomm, so it copies the thresholds that decide
+    what a call folds and overlaps; they must stay the library's."""
+    from compcomm.agreement import FOLD_BYTES, HEADER
+    from compcomm.backends.torch_dist import DIRECT_GATHER_BYTES
+
+    model = bench_scripts.load("collective_model")
+    assert model.FOLD_BYTES == FOLD_BYTES
+    assert model.ROW_BY_ROW_BYTES == DIRECT_GATHER_BYTES
+    assert model.HEADER_BYTES == HEADER.itemsize
