@@ -65,9 +65,10 @@ def flat_parts(
       phase 0 in two headers, the second once every row is scanned, and the rows on the wire as
       they are packed, the first after 1/n of the scan: max(scan + header, scan / n + a2a of
       every row) after the first header;
-    * phase 2 over more than two ranks, messages of more than ROW_BY_ROW_BYTES: each server's
-      chunk decoded as it arrives, so only the last chunk's decode waits for the wire:
-      max(gather + decode / n, serr + decode);
+    * phase 2 over more than two ranks, messages of more than ROW_BY_ROW_BYTES: a ring of n - 1
+      steps of g = gather / (n - 1) each, each arriving chunk decoded (d = decode / n) while the
+      next travels, the server error update and the own chunk's decode during the first step:
+      max(g, serr + d) + (n - 2) max(g, d) + d;
     * otherwise (and always) the server error update and this rank's own chunk's decode run
       during phase 2's collective, the other chunks' decode after it:
       max(gather, serr + decode / n) + decode (n-1) / n.
@@ -90,7 +91,8 @@ def flat_parts(
         phase1 = t["scan"] + t["header"] + t["a2a"]
     decoding = t["decode"] if decode else 0.0
     if row_by_row and n > 2 and 4 + row > ROW_BY_ROW_BYTES:
-        phase2 = max(t["gather"] + decoding / n, t["serr"] + decoding)
+        step, own = t["gather"] / (n - 1), decoding / n
+        phase2 = max(step, t["serr"] + own) + (n - 2) * max(step, own) + own
     else:
         phase2 = max(t["gather"], t["serr"] + decoding / n) + decoding * (n - 1) / n
     t["call"] = p.get("overhead", 0.0) * share + phase1 + t["server"] + phase2

@@ -279,17 +279,18 @@ def test_cost_model_overlaps_what_gloo_overlaps():
     n = 4
     p = {"alpha": 0.0, "burst": 0.0, "B": 1e8, "gamma": {part: 1e9 for part in model.CODEC}}
 
-    def expected(numel: int, ranks: int, streamed: bool, ring: bool) -> float:
-        t = model.flat_parts(p, numel, ranks, 1.0, row_by_row=False)
+    def expected(numel: int, ranks: int, streamed: bool, ring: bool, params: dict = p) -> float:
+        t = model.flat_parts(params, numel, ranks, 1.0, row_by_row=False)
         scan, decode, serr, gather = t["scan"], t["decode"], t["serr"], t["gather"]
-        header = (ranks - 1) * model.HEADER_BYTES / p["B"]
-        every_row = (ranks - 1) * model.chunk(numel, ranks) / 8 / p["B"]
+        header = (ranks - 1) * model.HEADER_BYTES / params["B"]
+        every_row = (ranks - 1) * model.chunk(numel, ranks) / 8 / params["B"]
         if streamed:
             phase1 = header + max(scan + header, scan / ranks + every_row)
         else:
             phase1 = scan + t["header"] + t["a2a"]
-        if ring:
-            phase2 = max(gather + decode / ranks, serr + decode)
+        if ring:  # n - 1 steps, each arriving chunk decoded while the next one travels
+            step, own = gather / (ranks - 1), decode / ranks
+            phase2 = max(step, serr + own) + (ranks - 2) * max(step, own) + own
         else:
             phase2 = max(gather, serr + decode / ranks) + decode * (ranks - 1) / ranks
         return phase1 + t["server"] + phase2
@@ -309,6 +310,15 @@ def test_cost_model_overlaps_what_gloo_overlaps():
     plain = model.flat_parts(slow_link, 25 << 20, n, 1.0, row_by_row=False)
     assert t["gather"] > t["serr"] + t["decode"] / n
     assert t["call"] < plain["call"]
+    # A step longer than a chunk's decode but shorter than the server error update and the own
+    # chunk's decode: the first step waits for those, the later ones for the wire, the last
+    # chunk's decode comes after. (max(gather + decode / n, serr + decode) was short by
+    # serr + decode / n - step here.)
+    band = dict(p, gamma={**p["gamma"], "serr": 5e9, "decode": 1e10})
+    t = model.flat_parts(band, 25 << 20, n, 1.0)
+    step, own = t["gather"] / (n - 1), t["decode"] / n
+    assert own < step < t["serr"] + own
+    assert t["call"] == pytest.approx(expected(25 << 20, n, True, True, band), rel=1e-9)
 
     k, hosts, numel = 2, 2, 25 << 20
     p_node = dict(p, alpha_lo=1e-4, B_lo=1e9)
