@@ -68,7 +68,9 @@ def flat_parts(
     * phase 2 over more than two ranks, messages of more than ROW_BY_ROW_BYTES: a ring of n - 1
       steps of g = gather / (n - 1) each, each arriving chunk decoded (d = decode / n) while the
       next travels, the server error update and the own chunk's decode during the first step:
-      max(g, serr + d) + (n - 2) max(g, d) + d;
+      max(g, serr + d) + (n - 2) max(g, d) + d (the ring runs in lock step: the library posts a
+      step once the one before has arrived, so no step starts earlier, as it would in a ring
+      that pipelines its sends);
     * otherwise (and always) the server error update and this rank's own chunk's decode run
       during phase 2's collective, the other chunks' decode after it:
       max(gather, serr + decode / n) + decode (n-1) / n.

@@ -305,10 +305,10 @@ def test_cost_model_overlaps_what_gloo_overlaps():
     ]:
         got = model.flat_parts(p, numel, ranks, 1.0)["call"]
         assert got == pytest.approx(expected(numel, ranks, streamed, ring), rel=1e-9), (numel, ranks)
-    slow_link = dict(p, B=2e7)  # gather > serr + decode / n: the ring hides all but the last chunk's decode
+    slow_link = dict(p, B=5e6)  # a step outlasts serr + decode / n: the ring hides all but the last chunk's decode
     t = model.flat_parts(slow_link, 25 << 20, n, 1.0)
     plain = model.flat_parts(slow_link, 25 << 20, n, 1.0, row_by_row=False)
-    assert t["gather"] > t["serr"] + t["decode"] / n
+    assert t["gather"] / (n - 1) >= t["serr"] + t["decode"] / n
     assert t["call"] < plain["call"]
     # A step longer than a chunk's decode but shorter than the server error update and the own
     # chunk's decode: the first step waits for those, the later ones for the wire, the last
@@ -319,6 +319,10 @@ def test_cost_model_overlaps_what_gloo_overlaps():
     step, own = t["gather"] / (n - 1), t["decode"] / n
     assert own < step < t["serr"] + own
     assert t["call"] == pytest.approx(expected(25 << 20, n, True, True, band), rel=1e-9)
+    phase1_and_server = expected(25 << 20, n, True, False, band) - (
+        max(t["gather"], t["serr"] + own) + t["decode"] * (n - 1) / n
+    )
+    assert t["call"] - phase1_and_server == pytest.approx(t["serr"] + 2 * own + (n - 2) * step, rel=1e-9)
 
     k, hosts, numel = 2, 2, 25 << 20
     p_node = dict(p, alpha_lo=1e-4, B_lo=1e9)
