@@ -332,8 +332,7 @@ def agree_on_measures(spec: CallSpec, be: Backend, calls: np.ndarray, measure: C
     """The second half: `measure(i)` of every tensor, every rank's bounds in one all-gather, and
     the verdict on them (a rank's failed measure, non-finite values, overflow), raised alike on
     every rank before anything is modified. The rows already sent change nothing."""
-    headers = np.zeros(max(len(spec.tensors), 1), dtype=HEADER)
-    headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
+    headers = _headers(calls)
     failure, first_rows = _measure(spec, headers, measure)
     everyone = _all_gather_records(headers, be)
     _raise_if_rejected(everyone, calls, failure, be)
@@ -356,7 +355,6 @@ def _check_call(
     count = len(spec.tensors)
     calls = np.zeros(max(count, 1), dtype=CALL)  # one record at least: phase 0 always sends one
     calls["count"], calls["seq"], calls["schedule"] = count, sequence, SCHEDULES.index(schedule)
-    headers = np.zeros(max(count, 1), dtype=HEADER)
     failure: Exception | None = None
     try:
         spec.check_pairs()
@@ -368,9 +366,17 @@ def _check_call(
             record["dtype"] = FLOAT_DTYPES.index(spec.result_dtype(i))
     except Exception as exc:  # reported to every rank in the exchange, then raised everywhere
         failure = exc
-        headers["code"] = error_code(exc)
-    headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
+    headers = _headers(calls)
+    if failure is not None:
+        headers["code"] = error_code(failure)
     return calls, headers, failure
+
+
+def _headers(calls: np.ndarray) -> np.ndarray:
+    """One header per CALL record, carrying its digest: what the ranks compare to agree on the call."""
+    headers = np.zeros(len(calls), dtype=HEADER)
+    headers["digest"] = [zlib.crc32(record.tobytes()) for record in calls]
+    return headers
 
 
 def _measure(
