@@ -29,7 +29,8 @@ AdamW over an fp32 allreduce (what DDP + AdamW computes):
     diloco_exact_hH  the same with the exact mean of the pseudo-gradients
 
 (`--diloco-passes P --diloco-passes-until T`: the 1-bit runs send the syncs up to step T in P
-1-bit calls each, DiLoCo's `passes` and `passes_until`.)
+1-bit calls each, DiLoCo's `passes` and `passes_until`; `--diloco-rotate`: the 1-bit runs
+rotate each bucket before its calls, DiLoCo's `rotate`.)
 
 A DiLoCo run is evaluated on its synced parameters (`opt.global_parameters()`, the same on every
 rank), and its last step is followed by `opt.sync()`, which syncs the inner steps taken since the
@@ -149,6 +150,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the last step whose sync takes --diloco-passes calls (DiLoCo's passes_until; default: every sync)",
     )
+    ap.add_argument(
+        "--diloco-rotate",
+        action="store_true",
+        help="the compressed DiLoCo runs rotate each bucket before its 1-bit calls (DiLoCo's rotate)",
+    )
     ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma-separated subset of " + ",".join(RUNS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -213,6 +219,7 @@ def make_optimizer(
             bucket_bytes=DEFAULT_BUCKET_BYTES if args.diloco_bucket_kb is None else args.diloco_bucket_kb * 1024,
             passes=args.diloco_passes if compressed else 1,
             passes_until=args.diloco_passes_until,
+            rotate=args.diloco_rotate and compressed,
         )
     freeze = freeze_step(args) if compressed else args.steps
     if kind.endswith("adam"):

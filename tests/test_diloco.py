@@ -19,7 +19,7 @@ from compcomm.optim import DiLoCo, OnebitAdam
 from compcomm.optim.replicas import equalize_from_rank0
 
 from rankpool import caught, group
-from reference import reference_allreduce
+from reference import reference_allreduce, reference_rotation
 
 WORLD = 4
 INNER_LR = 0.1
@@ -53,6 +53,7 @@ def vector_run(
     bucket_bytes: int = 128,
     passes: int = 1,
     passes_until: int | None = None,
+    rotate: bool = False,
 ) -> dict:
     """Inner SGD on synthetic gradients; after every step: the parameters, theta and the bytes
     this rank sent (the collectives in flight waited for, not applied)."""
@@ -72,6 +73,7 @@ def vector_run(
         **OUTER,
         passes=passes,
         passes_until=passes_until,
+        rotate=rotate,
     )
     out: dict[str, list] = {"params": [], "theta": [], "bytes": [], "errors": []}
     for t in range(1, steps + 1):
@@ -102,8 +104,9 @@ def raw_tensor(t: torch.Tensor) -> bytes:
 
 class Reference:
     """DiLoCo written out in float64 for all ranks at once: inner SGD on the synthetic gradients,
-    per fragment the pseudo-gradient mean (exact, or SPEC's 1-bit allreduce with error feedback),
-    the outer Nesterov SGD and the mix w <- theta + (w - w_sent)."""
+    per fragment the pseudo-gradient mean (exact, or SPEC's 1-bit allreduce with error feedback,
+    of the rotated pseudo-gradients with `rotate`, rotated back), the outer Nesterov SGD and the
+    mix w <- theta + (w - w_sent)."""
 
     def __init__(
         self,
@@ -114,8 +117,9 @@ class Reference:
         overlap: int,
         passes: int = 1,
         passes_until: int | None = None,
+        rotate: bool = False,
     ):
-        self.compress, self.fragments, self.offsets = compress, fragments, offsets
+        self.compress, self.fragments, self.offsets, self.rotate = compress, fragments, offsets, rotate
         self.passes, self.passes_until = passes, passes_until
         self.sync_every, self.overlap = sync_every, overlap
         self.w = [[initial(n).double().numpy() for n in SIZES] for _ in range(WORLD)]
@@ -149,12 +153,15 @@ class Reference:
         deltas = [np.concatenate([self.theta[i] - x for i, x in zip(params, sent[r])]) for r in range(WORLD)]
         if self.compress:
             worker, server = self.errors[f]
+            r = reference_rotation(deltas[0].size) if self.rotate else np.eye(deltas[0].size)
+            deltas = [r @ d for d in deltas]
             flat, worker, server = reference_allreduce(deltas, worker, server)
             calls = self.passes if self.passes_until is None or s <= self.passes_until else 1
             for _ in range(calls - 1):  # each later call reduces zeros: the errors left so far
                 rest, worker, server = reference_allreduce([np.zeros_like(d) for d in deltas], worker, server)
                 flat = flat + rest
             self.errors[f] = (worker, server)
+            flat = r.T @ flat
         else:
             flat = sum(deltas) / WORLD
         pieces = np.split(flat, np.cumsum([SIZES[i] for i in params])[:-1])
@@ -223,6 +230,30 @@ def test_syncs_in_several_passes_match_float64_reference(pool, passes_until):
         assert len(set(sent)) == 1
     else:  # syncs at steps 3 and 6 in two calls, 9 and 12 in one (the same call's bytes again)
         assert sent[0] == sent[1] and sent[2] == sent[3] and sent[0] > sent[2]
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_rotated_syncs_match_float64_reference(pool, fragments):
+    """rotate=True: each bucket's pseudo-gradients rotated (one bucket of 64 elements, or two of
+    24 and 40, cut into powers of two), reduced in 1 bit with its error feedback, in two calls
+    until step 6, and rotated back; the error feedback held in the rotated coordinates."""
+    steps, h = 12, 4
+    if fragments == 1:
+        per_rank = pool.run(vector_run, steps, True, 1, h, None, 1 << 20, 2, 6, True)
+        ref = Reference(True, [[0, 1]], [0], h, 0, passes=2, passes_until=6, rotate=True)
+    else:
+        per_rank = pool.run(vector_run, steps, True, 2, h, 1, 128, 2, 6, True)
+        ref = Reference(True, [[0], [1]], [2, 0], h, 1, passes=2, passes_until=6, rotate=True)
+    worst = 0.0
+    for t in range(1, steps + 1):
+        worst = max(worst, reference_step(ref, per_rank, t))
+        assert len({run["theta"][t - 1] for run in per_rank}) == 1
+    assert worst < 1e-5, worst
+    for f in range(fragments):
+        size = sum(SIZES[i] for i in ref.fragments[f])
+        for r, run in enumerate(per_rank):
+            assert relative(run["errors"][-1][f][:size], ref.errors[f][0][r][:size]) < 1e-4
+    assert len({run["after_sync"] for run in per_rank}) == 1
 
 
 def huge_pseudo_gradient(passes: int) -> dict:
@@ -616,6 +647,8 @@ def local_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         (dict(passes=0), ValueError),
         (dict(passes=2, compress=False), ValueError),
         (dict(passes_until=-1), ValueError),
+        (dict(rotate=True, compress=False), ValueError),
+        (dict(rotate=1), TypeError),
         (dict(compress=1), TypeError),
         (dict(backend=3), TypeError),
     ],
@@ -721,17 +754,18 @@ def test_sync_now_sends_only_fragments_that_moved():
     assert all(torch.equal(a, b) for a, b in zip(theta, opt.global_parameters()))
 
 
-def test_a_checkpoint_saved_before_passes_existed_loads_as_one_pass():
+def test_a_checkpoint_saved_before_passes_and_rotate_existed_loads_as_one_plain_pass():
     model, inner = local_model()
     opt = DiLoCo(model.parameters(), inner, sync_every=2, backend="local")
     for step in range(3):
         backward(model, 0, step)
         opt.step()
     state = opt.state_dict()
-    for key in ("passes", "passes_until"):
+    for key in ("passes", "passes_until", "rotate"):
         del state["schedule"][key]
     model, inner = local_model()
     DiLoCo(model.parameters(), inner, sync_every=2, backend="local").load_state_dict(state)
-    model, inner = local_model()
-    with pytest.raises(ValueError, match="schedule"):
-        DiLoCo(model.parameters(), inner, sync_every=2, backend="local", passes=2).load_state_dict(state)
+    for other in (dict(passes=2), dict(rotate=True)):  # errors kept unrotated would be misread
+        model, inner = local_model()
+        with pytest.raises(ValueError, match="schedule"):
+            DiLoCo(model.parameters(), inner, sync_every=2, backend="local", **other).load_state_dict(state)

@@ -11,7 +11,9 @@ and local step s = t - start_iter:
         pseudo-gradient      d_r = theta_f - w_r,f                         (fp32)
         mean                 D   = compressed_allreduce(d_r, e_f)           (1 bit, error feedback
                                    e_f: one ErrorFeedback per bucket; with compress=False the
-                                   exact mean, fp32 sums in rank order)
+                                   exact mean, fp32 sums in rank order;
+                                   with rotate=True: D = R^T compressed_allreduce(R d_r, e_f),
+                                   R a fixed orthogonal map per bucket, see `rotation`)
     after step s + overlap (the same step when overlap = 0):
         outer step           m_f <- mu m_f + D   (m_f <- D at the first)   torch.optim.SGD with
                              theta_f <- theta_f - lr_out (D + mu m_f)       momentum mu, Nesterov
@@ -44,7 +46,8 @@ theta is taken from the parameters at its end.
 Memory beyond the inner optimizer: theta, the outer momentum, the communication buckets and
 the worker error, each the model's size in fp32, plus the server error (1/n of it), and with
 overlap > 0 a copy of each fragment in flight; with passes > 1, the buckets' spare errors (kept
-once used) and, during such a sync, one zero input per bucket of the fragment.
+once used) and, during such a sync, one zero input per bucket of the fragment; with rotate=True,
+a byte per element (the rotation's signs).
 """
 
 from __future__ import annotations
@@ -72,9 +75,9 @@ from .scaler import BackwardAgreement, unscale_and_check
 from .updates import check_count, check_range
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SCHEDULE = ("sync_every", "fragments", "overlap_steps", "start_iter", "compress", "passes", "passes_until")
-_SCHEDULE_DEFAULTS = {"passes": 1, "passes_until": None}
-"""What a checkpoint saved before `passes` existed ran with."""
+_SCHEDULE = ("sync_every", "fragments", "overlap_steps", "start_iter", "compress", "passes", "passes_until", "rotate")
+_SCHEDULE_DEFAULTS = {"passes": 1, "passes_until": None, "rotate": False}
+"""What a checkpoint saved before `passes` or `rotate` existed ran with."""
 
 
 class DiLoCo(torch.optim.Optimizer):
@@ -93,6 +96,12 @@ class DiLoCo(torch.optim.Optimizer):
     `passes` bits per element, `passes` times the bytes); `passes_until` limits that to the
     syncs sent up to that `step_count` (None: every sync), after which syncs take one call. The
     early syncs, whose pseudo-gradients are the largest, are where the 1-bit error costs most.
+    `rotate=True` (with compress=True) rotates each bucket's pseudo-gradient by a fixed
+    orthogonal transform before its 1-bit calls and the mean back before the outer step
+    (`compcomm.optim.rotation`): one scale per chunk then fits every element, so each call
+    carries more of the mean, at no extra bytes (the error feedback lives in the rotated
+    coordinates; a byte per element for the rotation's signs, a half-bucket temporary and
+    O(m log m) flops per bucket per sync).
 
     Built collectively: every rank constructs it together, and ranks whose parameters differ
     get rank 0's (with a warning). `param_groups` are the inner optimizer's, so an LR scheduler
@@ -135,6 +144,7 @@ class DiLoCo(torch.optim.Optimizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         passes: int = 1,
         passes_until: int | None = None,
+        rotate: bool = False,
     ) -> None:
         check_backend_argument(backend)
         if not isinstance(inner, torch.optim.Optimizer):
@@ -164,9 +174,11 @@ class DiLoCo(torch.optim.Optimizer):
             )
         check_range("outer_lr", outer_lr, 0.0, low_open=True)
         check_range("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
-        for name, flag in (("nesterov", nesterov), ("compress", compress)):
+        for name, flag in (("nesterov", nesterov), ("compress", compress), ("rotate", rotate)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if rotate and not compress:
+            raise ValueError("rotate=True needs compress=True: it serves the 1-bit code; an exact mean needs none")
         if nesterov and outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0")
         super().__init__(params, {})
@@ -188,13 +200,14 @@ class DiLoCo(torch.optim.Optimizer):
         self.sync_every, self.fragments, self.overlap_steps = int(sync_every), int(fragments), overlap
         self.start_iter, self.compress = int(start_iter), compress
         self.passes, self.passes_until = int(passes), None if passes_until is None else int(passes_until)
+        self.rotate = rotate
         self._backend = resolve(backend, mine[0])
         be = self._backend
         equalize_from_rank0(mine, be)
         layout = BucketLayout(mine, range(len(mine)), bucket_bytes, be.world_size, "DiLoCo")
         schedule = FragmentSchedule(layout.sizes(), fragments, sync_every, overlap)
         outer = dict(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
-        self._sync = OuterSync(mine, layout, schedule, outer, compress, be)
+        self._sync = OuterSync(mine, layout, schedule, outer, compress, be, rotate)
         with torch.no_grad():
             self._sync.reset_from_params()
         self._agreement = BackwardAgreement(mine, lambda: self._backend)

@@ -4,7 +4,8 @@ The synced (global) parameters theta live in fp32 buffers shaped like the commun
 identical on every rank. Sending fragment f: every rank writes its pseudo-gradient
 theta_f - w_f (w_f: its own parameters, fp32) into the fragment's buckets and starts one
 coalesced collective over them (`compressed_allreduce_coalesced`, one ErrorFeedback per bucket;
-exact when not compressing), which runs on the backend's ordered lane while the caller goes on.
+exact when not compressing), which runs on the backend's ordered lane while the caller goes on;
+with `rotate`, each bucket is rotated first (`rotation.rotate_`) and its mean rotated back on landing.
 Landing it: wait for the mean D, take the outer step, a torch.optim.SGD step on theta_f with D
 as its gradient, and move the fragment's parameters (see `OuterSync.land`). A collective that
 raises NonFiniteError (some rank's pseudo-gradient is not finite, or the mean would overflow)
@@ -27,6 +28,7 @@ from ..errors import NonFiniteError
 from ..layout import unflatten
 from .buckets import BucketLayout
 from .fragments import FragmentSchedule
+from .rotation import rotate_, signs, unrotate_
 
 EXACT_BYTES = sys.maxsize
 """`min_compress_bytes` of an exact sync: every bucket goes through the collective's exact path
@@ -55,9 +57,11 @@ class OuterSync:
         outer: dict[str, Any],
         compress: bool,
         backend: Backend,
+        rotate: bool = False,
     ) -> None:
         self.params, self.layout, self.schedule, self.backend = list(params), layout, schedule, backend
         self.compress = compress
+        self.signs = [signs(b.numel, b.buffer.device) for b in layout.buckets] if rotate else None
         self.theta = [torch.zeros(b.numel, dtype=torch.float32, device=b.buffer.device) for b in layout.buckets]
         self.theta_views = [unflatten(t, [v.shape for v in b.views]) for t, b in zip(self.theta, layout.buckets)]
         self.outer = torch.optim.SGD(self.theta, **outer)
@@ -102,6 +106,8 @@ class OuterSync:
                 if keep is not None:
                     source = keep[j].copy_(source)
                 torch.sub(theta, source, out=slot)
+            if self.signs is not None:
+                rotate_(self.layout.buckets[b].flat, self.signs[b])
         if passes == 1:
             handle = compressed_allreduce_coalesced(
                 [self.layout.buckets[b].flat for b in buckets],
@@ -176,6 +182,8 @@ class OuterSync:
         buckets = self.schedule.buckets[entry.fragment]
         if entry.failure is None:
             for b in buckets:
+                if self.signs is not None:
+                    unrotate_(self.layout.buckets[b].flat, self.signs[b])
                 self.theta[b].grad = self.layout.buckets[b].flat
             try:
                 self.outer.step()

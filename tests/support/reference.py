@@ -70,3 +70,27 @@ def reference_reduce_scatter(
         total = (scales[:, j, None] * signs[:, j, :length]).sum(0)
         outputs[j] = total / n if op == "mean" else total
     return outputs, new_worker
+
+
+def reference_rotation(m: int) -> np.ndarray:
+    """compcomm.optim.rotation's R as an m x m float64 matrix: per power-of-two piece of m
+    (largest first) the orthonormal Sylvester-Hadamard matrix, times the signs of murmur3's
+    finalizer of the index."""
+    signs = np.empty(m)
+    for i in range(m):
+        h = i ^ (i >> 16)
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        h ^= h >> 16
+        signs[i] = -1.0 if h >> 31 else 1.0
+    rotation, start = np.zeros((m, m)), 0
+    for bit in reversed(range(m.bit_length())):
+        if m >> bit & 1:
+            size = 1 << bit
+            hadamard = np.ones((1, 1))
+            while hadamard.shape[0] < size:
+                hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+            rotation[start : start + size, start : start + size] = hadamard / math.sqrt(size)
+            start += size
+    return rotation * signs[None, :]

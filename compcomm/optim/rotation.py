@@ -1,0 +1,86 @@
+"""A fixed orthogonal rotation of a bucket, so that one 1-bit scale fits all of its elements.
+
+A 1-bit call codes a vector x as s sign(x), with s the root mean square of x (SPEC section 3, per
+rank, and per chunk on the server), which leaves an error of 2 (1 - mean|x| / rms(x)) times x's
+energy: none where the elements share one magnitude, most of it where magnitudes differ widely
+(the rows of an embedding that some tokens train often and others rarely, the few outputs of a
+layer that move most). DiLoCo's pseudo-gradients, sums of many inner steps, are such vectors.
+Rotated by
+
+    R x = H (z * x)        z: +-1 per element (a fixed hash of its index),
+                           H: the orthonormal Walsh-Hadamard transform,
+
+every element becomes a sum of many of x's with pseudo-random signs, close to Gaussian whatever
+x was, and a 1-bit call leaves about 2 (1 - sqrt(2/pi)) = 0.40 of the energy as error (the
+randomized Hadamard transform of DRIVE, Vargaftik et al., NeurIPS 2021). R is linear, orthogonal
+and the same on every rank: the mean of the R x_r is R times their mean, R^T = z * H maps the
+1-bit mean back, and the error feedback, which lives in the rotated coordinates, delivers there
+what it withheld, as before.
+
+H needs a power-of-two length, and padding would cost bytes on the wire: a bucket of m elements
+is cut into the powers of two of m's binary expansion (largest first), each rotated on its own.
+Each rank applies the same float32 operations to the same bytes, so results stay bitwise equal
+across ranks; the rotation itself is exact only to float32 rounding (about 1e-7 relative).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+def segments(m: int) -> list[tuple[int, int]]:
+    """(start, length) of the power-of-two pieces of an m-element bucket, largest first."""
+    out, start = [], 0
+    for bit in reversed(range(m.bit_length())):
+        if m >> bit & 1:
+            out.append((start, 1 << bit))
+            start += 1 << bit
+    return out
+
+
+def signs(m: int, device: torch.device) -> torch.Tensor:
+    """z for elements 0..m-1, +-1 as int8: the top bit of murmur3's 32-bit finalizer of the
+    index, the same on every device and torch version (unlike a random generator's stream). A
+    checkpoint's error feedback lives in the rotated coordinates, so this pattern is part of its
+    format. Built once per bucket (numpy's uint32 arithmetic wraps, as the hash needs) and kept:
+    a byte per element, cheaper than hashing again at every sync."""
+    if m >= 1 << 32:
+        raise ValueError(f"a rotated bucket holds fewer than 2^32 elements, got {m}")
+    h = np.arange(m, dtype=np.uint32)
+    h ^= h >> 16
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> 13
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> 16
+    z = 1 - 2 * (h >> 31).astype(np.int8)
+    return torch.from_numpy(z).to(device)
+
+
+def _hadamard_(x: torch.Tensor) -> None:
+    """x <- H x in place, x of power-of-two length: log2(n) butterfly stages, then 1/sqrt(n)."""
+    n, h = x.numel(), 1
+    while h < n:
+        pairs = x.view(-1, 2, h)
+        a = pairs[:, 0].clone()
+        pairs[:, 0].add_(pairs[:, 1])
+        pairs[:, 1].sub_(a).neg_()  # a - b, rounded exactly as a - b is
+        h *= 2
+    if n > 1:
+        x.mul_(1.0 / math.sqrt(n))
+
+
+def rotate_(flat: torch.Tensor, z: torch.Tensor) -> None:
+    """flat <- R flat (a contiguous float32 vector; z = signs(flat.numel()))."""
+    flat.mul_(z)
+    for start, length in segments(flat.numel()):
+        _hadamard_(flat[start : start + length])
+
+
+def unrotate_(flat: torch.Tensor, z: torch.Tensor) -> None:
+    """flat <- R^T flat: rotate_'s inverse (to float32 rounding)."""
+    for start, length in segments(flat.numel()):
+        _hadamard_(flat[start : start + length])
+    flat.mul_(z)
