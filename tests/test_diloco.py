@@ -151,7 +151,7 @@ class Reference:
         params = self.fragments[f]
         sent = [[self.w[r][i].copy() for i in params] for r in range(WORLD)]
         deltas = [np.concatenate([self.theta[i] - x for i, x in zip(params, sent[r])]) for r in range(WORLD)]
-        if self.compress:
+        if self.compress:  # one bucket per fragment in these tests: the rotation is the bucket's
             worker, server = self.errors[f]
             r = reference_rotation(deltas[0].size) if self.rotate else np.eye(deltas[0].size)
             deltas = [r @ d for d in deltas]
@@ -235,7 +235,7 @@ def test_syncs_in_several_passes_match_float64_reference(pool, passes_until):
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_rotated_syncs_match_float64_reference(pool, fragments):
     """rotate=True: each bucket's pseudo-gradients rotated (one bucket of 64 elements, or two of
-    24 and 40, cut into powers of two), reduced in 1 bit with its error feedback, in two calls
+    24 and 40, each H-transformed at both ends), reduced in 1 bit with its error feedback, in two calls
     until step 6, and rotated back; the error feedback held in the rotated coordinates."""
     steps, h = 12, 4
     if fragments == 1:
@@ -254,6 +254,36 @@ def test_rotated_syncs_match_float64_reference(pool, fragments):
         for r, run in enumerate(per_rank):
             assert relative(run["errors"][-1][f][:size], ref.errors[f][0][r][:size]) < 1e-4
     assert len({run["after_sync"] for run in per_rank}) == 1
+
+
+def huge_rotated_pseudo_gradient(k: int) -> tuple[int, bool, bytes]:
+    """rotate=True; before the sync after step 6, k elements of the first parameter are -0.4 *
+    fp32 max on every rank (a mean, and an outer step of it, that fit fp32; the plain Hadamard
+    sums of four such elements would not): skipped syncs, whether theta is finite, theta."""
+    rank = rank_of(WORLD)
+    params = [torch.nn.Parameter(initial(n)) for n in SIZES]
+    opt = DiLoCo(params, torch.optim.SGD(params, lr=INNER_LR), 3, backend=gloo(), rotate=True, **OUTER)
+    for t in range(1, 7):
+        for p in params:
+            p.grad = synthetic_grad(rank, t, p.numel())
+        if t == 6:
+            with torch.no_grad():
+                params[0][:k] = -0.4 * torch.finfo(torch.float32).max
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+    theta = torch.cat([g.flatten() for g in opt.global_parameters()])
+    return opt.skipped_syncs, bool(torch.isfinite(theta).all()), raw_tensor(theta)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_rotation_of_a_huge_finite_pseudo_gradient_neither_overflows_nor_refuses(pool, k):
+    """The Hadamard stages halve as they go: their sums never exceed the largest input, so a
+    pseudo-gradient whose unrotated sync is taken is taken rotated too, with a finite theta."""
+    results = pool.run(huge_rotated_pseudo_gradient, k)
+    assert len({theta for _, _, theta in results}) == 1
+    for skipped, finite, _ in results:
+        assert skipped == 0 and finite
 
 
 def huge_pseudo_gradient(passes: int) -> dict:
@@ -390,14 +420,14 @@ def from_rank0(obj):
     return torch.load(io.BytesIO(blob[0]), weights_only=False)
 
 
-def straight_vs_resumed(form: str, steps: int, stop: int) -> tuple:
+def straight_vs_resumed(form: str, steps: int, stop: int, rotate: bool = False) -> tuple:
     """The state after `steps` steps: straight, with a checkpoint taken after `stop` steps (the
     live run going on), and resumed from that checkpoint in a fresh model and optimizer."""
-    rank = rank_of(WORLD)
-    straight = state_bytes(*trained(steps))
+    rank, kw = rank_of(WORLD), dict(rotate=rotate)
+    straight = state_bytes(*trained(steps, **kw))
 
     model = make_model()
-    opt = make_diloco(model)
+    opt = make_diloco(model, **kw)
     for step in range(steps):
         backward(model, rank, step)
         opt.step()
@@ -412,7 +442,7 @@ def straight_vs_resumed(form: str, steps: int, stop: int) -> tuple:
     went_on = state_bytes(model, opt)
 
     model = make_model()
-    opt = make_diloco(model)
+    opt = make_diloco(model, **kw)
     opt.load_state_dict(saved)
     assert opt.step_count == stop
     for step in range(stop, steps):
@@ -421,9 +451,10 @@ def straight_vs_resumed(form: str, steps: int, stop: int) -> tuple:
     return straight, went_on, state_bytes(model, opt), in_flight
 
 
-@pytest.mark.parametrize("form", ["per_rank", "gathered"])
-def test_checkpoint_mid_flight_resumes_bit_for_bit(pool, form):
-    for straight, went_on, resumed, in_flight in pool.run(straight_vs_resumed, form, 14, 7):
+@pytest.mark.parametrize("form,rotate", [("per_rank", False), ("gathered", False), ("per_rank", True)])
+def test_checkpoint_mid_flight_resumes_bit_for_bit(pool, form, rotate):
+    """rotate=True: the mean in flight is kept rotated back once, and landed as it is."""
+    for straight, went_on, resumed, in_flight in pool.run(straight_vs_resumed, form, 14, 7, rotate):
         assert in_flight == [0], "a fragment is in flight when the checkpoint is taken"
         assert straight == went_on, "saving changed the live run"
         assert straight == resumed

@@ -5,7 +5,8 @@ identical on every rank. Sending fragment f: every rank writes its pseudo-gradie
 theta_f - w_f (w_f: its own parameters, fp32) into the fragment's buckets and starts one
 coalesced collective over them (`compressed_allreduce_coalesced`, one ErrorFeedback per bucket;
 exact when not compressing), which runs on the backend's ordered lane while the caller goes on;
-with `rotate`, each bucket is rotated first (`rotation.rotate_`) and its mean rotated back on landing.
+with `rotate`, each bucket is rotated first (`rotation.rotate_`) and its mean rotated back once
+it has arrived, before the error feedback is kept.
 Landing it: wait for the mean D, take the outer step, a torch.optim.SGD step on theta_f with D
 as its gradient, and move the fragment's parameters (see `OuterSync.land`). A collective that
 raises NonFiniteError (some rank's pseudo-gradient is not finite, or the mean would overflow)
@@ -94,7 +95,7 @@ class OuterSync:
 
     def send(self, f: int, s: int, passes: int = 1) -> InFlight:
         """Start fragment f's collective of this rank's pseudo-gradient after local step s, in
-        `passes` 1-bit calls (see `_in_passes`)."""
+        `passes` 1-bit calls, rotated where `signs` are set (see `_in_passes`)."""
         buckets = self.schedule.buckets[f]
         sent = None
         if self.schedule.overlap:
@@ -108,7 +109,7 @@ class OuterSync:
                 torch.sub(theta, source, out=slot)
             if self.signs is not None:
                 rotate_(self.layout.buckets[b].flat, self.signs[b])
-        if passes == 1:
+        if passes == 1 and self.signs is None:
             handle = compressed_allreduce_coalesced(
                 [self.layout.buckets[b].flat for b in buckets],
                 [self.layout.error_feedback[b] for b in buckets],
@@ -137,7 +138,12 @@ class OuterSync:
         buckets' spares (`BucketLayout.keep`), which become the error feedback only when every
         call has passed: a call refused on every rank (non-finite pseudo-gradients, or a later
         pass whose errors would overflow) leaves the error feedback as it was, and the sync is
-        skipped. Transient memory: the spares' errors and one zero input per bucket."""
+        skipped. Transient memory: the spares' errors and one zero input per bucket.
+
+        Rotated (`signs` set, any number of passes), the buckets hold R d and D is rotated back
+        here, before the errors are kept: a D that is not finite once rotated back (the same
+        bytes on every rank, so every rank finds it alike) raises NonFiniteError, with the error
+        feedback as it was."""
         layout = self.layout
         tensors = [layout.buckets[b].flat for b in buckets]
         spares = [layout.spare[b] for b in buckets]
@@ -151,6 +157,11 @@ class OuterSync:
             compressed_allreduce_coalesced(rests, spares, self.backend, "mean", error_feedbacks_out=spares)
             for t, rest in zip(tensors, rests):
                 t.add_(rest)
+        if self.signs is not None:
+            for b, t in zip(buckets, tensors):
+                unrotate_(t, self.signs[b])
+            if not all(bool(torch.isfinite(t).all()) for t in tensors):
+                raise NonFiniteError("the 1-bit mean, rotated back, is not finite in float32: the sync is skipped")
         for b, spare in zip(buckets, spares):
             layout.keep(b, spare)
         return tensors
@@ -182,8 +193,6 @@ class OuterSync:
         buckets = self.schedule.buckets[entry.fragment]
         if entry.failure is None:
             for b in buckets:
-                if self.signs is not None:
-                    unrotate_(self.layout.buckets[b].flat, self.signs[b])
                 self.theta[b].grad = self.layout.buckets[b].flat
             try:
                 self.outer.step()

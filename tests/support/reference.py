@@ -73,9 +73,10 @@ def reference_reduce_scatter(
 
 
 def reference_rotation(m: int) -> np.ndarray:
-    """compcomm.optim.rotation's R as an m x m float64 matrix: per power-of-two piece of m
-    (largest first) the orthonormal Sylvester-Hadamard matrix, times the signs of murmur3's
-    finalizer of the index."""
+    """compcomm.optim.rotation's R as an m x m float64 matrix: the signs z of murmur3's finalizer
+    of the index, then the orthonormal Sylvester-Hadamard matrix of order p (the largest power of
+    two up to m) on the first p elements; where p < m, z and H on the last p, z and H on the
+    first p again."""
     signs = np.empty(m)
     for i in range(m):
         h = i ^ (i >> 16)
@@ -84,13 +85,14 @@ def reference_rotation(m: int) -> np.ndarray:
         h = (h * 0xC2B2AE35) & 0xFFFFFFFF
         h ^= h >> 16
         signs[i] = -1.0 if h >> 31 else 1.0
-    rotation, start = np.zeros((m, m)), 0
-    for bit in reversed(range(m.bit_length())):
-        if m >> bit & 1:
-            size = 1 << bit
-            hadamard = np.ones((1, 1))
-            while hadamard.shape[0] < size:
-                hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
-            rotation[start : start + size, start : start + size] = hadamard / math.sqrt(size)
-            start += size
-    return rotation * signs[None, :]
+    if m == 0:
+        return np.zeros((0, 0))
+    p = 1 << (m.bit_length() - 1)
+    hadamard = np.ones((1, 1))
+    while hadamard.shape[0] < p:
+        hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+    head, tail = np.eye(m), np.eye(m)
+    head[:p, :p] = hadamard / math.sqrt(p)
+    tail[m - p :, m - p :] = hadamard / math.sqrt(p)
+    z = np.diag(signs)
+    return head @ z @ tail @ z @ head @ z if p < m else head @ z
