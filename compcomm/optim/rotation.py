@@ -14,10 +14,10 @@ Rotated by
 every element becomes a sum of many of x's with pseudo-random signs, close to Gaussian whatever
 x was, and each 1-bit coding (the worker's, then the server's) leaves about 2 (1 - sqrt(2/pi))
 = 0.40 of its input's energy as error (the randomized Hadamard transform of DRIVE, Vargaftik et
-al., NeurIPS 2021). R is linear, orthogonal
-and the same on every rank: the mean of the R x_r is R times their mean, R^T = z * H maps the
-1-bit mean back, and the error feedback, which lives in the rotated coordinates, delivers there
-what it withheld, as before.
+al., NeurIPS 2021). R is linear, orthogonal and the same on every rank: the mean of the R x_r
+is R times their mean, R^T (the steps undone in reverse order) maps the 1-bit mean back, and the
+error feedback, which lives in the rotated coordinates, delivers there what it withheld, as
+before.
 
 H needs a power-of-two length, and padding would cost bytes on the wire: a bucket of m elements
 (p the largest power of two up to m) takes the signs then H on its first p elements, the signs

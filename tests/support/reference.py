@@ -72,11 +72,9 @@ def reference_reduce_scatter(
     return outputs, new_worker
 
 
-def reference_rotation(m: int) -> np.ndarray:
-    """compcomm.optim.rotation's R as an m x m float64 matrix: the signs z of murmur3's finalizer
-    of the index, then the orthonormal Sylvester-Hadamard matrix of order p (the largest power of
-    two up to m) on the first p elements; where p < m, z and H on the last p, z and H on the
-    first p again."""
+def reference_signs(m: int) -> np.ndarray:
+    """compcomm.optim.rotation.signs in pure Python: the top bit of murmur3's 32-bit finalizer
+    of each index, as -1.0 (set) or 1.0."""
     signs = np.empty(m)
     for i in range(m):
         h = i ^ (i >> 16)
@@ -85,6 +83,15 @@ def reference_rotation(m: int) -> np.ndarray:
         h = (h * 0xC2B2AE35) & 0xFFFFFFFF
         h ^= h >> 16
         signs[i] = -1.0 if h >> 31 else 1.0
+    return signs
+
+
+def reference_rotation(m: int) -> np.ndarray:
+    """compcomm.optim.rotation's R as an m x m float64 matrix: the signs z of murmur3's finalizer
+    of the index, then the orthonormal Sylvester-Hadamard matrix of order p (the largest power of
+    two up to m) on the first p elements; where p < m, z and H on the last p, z and H on the
+    first p again."""
+    signs = reference_signs(m)
     if m == 0:
         return np.zeros((0, 0))
     p = 1 << (m.bit_length() - 1)
