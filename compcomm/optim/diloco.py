@@ -45,9 +45,10 @@ theta is taken from the parameters at its end.
 
 Memory beyond the inner optimizer: theta, the outer momentum, the communication buckets and
 the worker error, each the model's size in fp32, plus the server error (1/n of it), and with
-overlap > 0 a copy of each fragment in flight; with passes > 1, the buckets' spare errors (kept
-once used) and, during such a sync, one zero input per bucket of the fragment; with rotate=True,
-a byte per element (the rotation's signs).
+overlap > 0 a copy of each fragment in flight; with passes > 1 or rotate=True, the buckets'
+spare errors (kept once used: a second worker and server error); with passes > 1, during such a
+sync, one zero input per bucket of the fragment; with rotate=True, a byte per element (the
+rotation's signs).
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ class DiLoCo(torch.optim.Optimizer):
     orthogonal transform before its 1-bit calls and the mean back before the outer step
     (`compcomm.optim.rotation`): one scale per chunk then fits every element, so each call
     carries more of the mean, at no extra bytes (the error feedback lives in the rotated
-    coordinates; a byte per element for the rotation's signs, a half-bucket temporary and
-    O(m log m) flops per bucket per sync).
+    coordinates and is kept only once the mean, rotated back, is finite; a second worker and
+    server error (the spares), a byte per element for the rotation's signs, a half-window
+    temporary and O(m log m) flops per bucket per sync).
 
     Built collectively: every rank constructs it together, and ranks whose parameters differ
     get rank 0's (with a warning). `param_groups` are the inner optimizer's, so an LR scheduler

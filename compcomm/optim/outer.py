@@ -150,7 +150,7 @@ class OuterSync:
         compressed_allreduce_coalesced(
             tensors, [layout.error_feedback[b] for b in buckets], self.backend, "mean", error_feedbacks_out=spares
         )
-        rests = [torch.empty_like(t) for t in tensors]
+        rests = [torch.empty_like(t) for t in tensors] if passes > 1 else []
         for _ in range(passes - 1):
             for rest in rests:
                 rest.zero_()

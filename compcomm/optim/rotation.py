@@ -20,8 +20,8 @@ error feedback, which lives in the rotated coordinates, delivers there what it w
 before.
 
 H needs a power-of-two length, and padding would cost bytes on the wire: a bucket of m elements
-(p the largest power of two up to m) takes the signs then H on its first p elements, the signs
-then H on its last p, the signs then H on its first p again. The windows overlap (p > m / 2), so
+(p the largest power of two up to m) takes the signs (over the whole bucket) then H on its first p
+elements, the signs then H on its last p, the signs then H on its first p again. The windows overlap (p > m / 2), so
 energy anywhere in the bucket reaches every element; the third pass evens out what two leave
 uneven (energy held at one end would miss the other), and the signs between the passes keep one
 pass from undoing the structure of the one before (a lone element at the end, spread by one H,
@@ -68,9 +68,9 @@ def signs(m: int, device: torch.device) -> torch.Tensor:
 def _hadamard_(x: torch.Tensor) -> None:
     """x <- H x in place, x of power-of-two length n = 2^k: k butterfly stages of (a + b) / 2,
     (a - b) / 2, then a factor sqrt(n). Halving first (exact, as are the sums' roundings scaled
-    by 2) keeps every intermediate within max |x|, where plain sums could overflow float32 for an
-    x whose orthonormal transform fits, and gives the bits that scaling by 1/sqrt(n) at the end
-    would."""
+    by 2, barring underflow below 2^-126) keeps every intermediate within max |x|, where plain
+    sums could overflow float32 for an x whose orthonormal transform fits, and gives the bits
+    that scaling by 1/sqrt(n) at the end would."""
     n, h = x.numel(), 1
     while h < n:
         x.mul_(0.5)
