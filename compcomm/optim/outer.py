@@ -138,7 +138,8 @@ class OuterSync:
         buckets' spares (`BucketLayout.keep`), which become the error feedback only when every
         call has passed: a call refused on every rank (non-finite pseudo-gradients, or a later
         pass whose errors would overflow) leaves the error feedback as it was, and the sync is
-        skipped. Transient memory: the spares' errors and one zero input per bucket.
+        skipped. Transient memory: the spares' errors and, with passes > 1, one zero input per
+        bucket.
 
         Rotated (`signs` set, any number of passes), the buckets hold R d and D is rotated back
         here, before the errors are kept: a D that is not finite once rotated back (the same

@@ -20,14 +20,15 @@ error feedback, which lives in the rotated coordinates, delivers there what it w
 before.
 
 H needs a power-of-two length, and padding would cost bytes on the wire: a bucket of m elements
-(p the largest power of two up to m) takes the signs (over the whole bucket) then H on its first p
-elements, the signs then H on its last p, the signs then H on its first p again. The windows overlap (p > m / 2), so
-energy anywhere in the bucket reaches every element; the third pass evens out what two leave
-uneven (energy held at one end would miss the other), and the signs between the passes keep one
-pass from undoing the structure of the one before (a lone element at the end, spread by one H,
-would otherwise gather again under the next). Each step is orthogonal, so is their product. Each
-rank applies the same float32 operations to the same bytes, so results stay bitwise equal across
-ranks; the rotation itself is exact only to float32 rounding (about 1e-7 relative).
+(p the largest power of two up to m) takes the signs (over the whole bucket) then H on its first
+p elements, the signs then H on its last p, the signs then H on its first p again. The windows
+overlap (p > m / 2), so energy anywhere in the bucket reaches every element; the third pass
+evens out what two leave uneven (energy held at one end would miss the other), and the signs
+between the passes keep one pass from undoing the structure of the one before (a lone element at
+the end, spread by one H, would otherwise gather again under the next). Each step is orthogonal,
+so is their product. Each rank applies the same float32 operations to the same bytes, so results
+stay bitwise equal across ranks; the rotation itself is exact only to float32 rounding (about
+1e-7 relative).
 """
 
 from __future__ import annotations
