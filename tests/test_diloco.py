@@ -235,8 +235,8 @@ def test_syncs_in_several_passes_match_float64_reference(pool, passes_until):
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_rotated_syncs_match_float64_reference(pool, fragments):
     """rotate=True: each bucket's pseudo-gradients rotated (one bucket of 64 elements, or two of
-    24 and 40, each H-transformed at both ends), reduced in 1 bit with its error feedback, in two calls
-    until step 6, and rotated back; the error feedback held in the rotated coordinates."""
+    24 and 40, each through its three windows), reduced in 1 bit with its error feedback, in two
+    calls until step 6, and rotated back; the error feedback held in the rotated coordinates."""
     steps, h = 12, 4
     if fragments == 1:
         per_rank = pool.run(vector_run, steps, True, 1, h, None, 1 << 20, 2, 6, True)
