@@ -15,6 +15,7 @@ raised it on every rank with nothing changed; the sync is then skipped on every 
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 from ..allreduce import compressed_allreduce_coalesced
 from ..backends import Backend
 from ..backends.ordering import Pending
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, largest_magnitude
 from ..layout import unflatten
 from .buckets import BucketLayout
 from .fragments import FragmentSchedule
@@ -107,8 +108,6 @@ class OuterSync:
                 if keep is not None:
                     source = keep[j].copy_(source)
                 torch.sub(theta, source, out=slot)
-            if self.signs is not None:
-                rotate_(self.layout.buckets[b].flat, self.signs[b])
         if passes == 1 and self.signs is None:
             handle = compressed_allreduce_coalesced(
                 [self.layout.buckets[b].flat for b in buckets],
@@ -141,12 +140,16 @@ class OuterSync:
         skipped. Transient memory: the spares' errors and, with passes > 1, one zero input per
         bucket.
 
-        Rotated (`signs` set, any number of passes), the buckets hold R d and D is rotated back
+        Rotated (`signs` set, any number of passes), the calls reduce R d, and D is rotated back
         here, before the errors are kept: a D that is not finite once rotated back (the same
         bytes on every rank, so every rank finds it alike) raises NonFiniteError, with the error
-        feedback as it was."""
+        feedback as it was. Both rotations run here, on the ordered lane, off the caller's
+        steps."""
         layout = self.layout
         tensors = [layout.buckets[b].flat for b in buckets]
+        if self.signs is not None:
+            for b, t in zip(buckets, tensors):
+                rotate_(t, self.signs[b])
         spares = [layout.spare[b] for b in buckets]
         compressed_allreduce_coalesced(
             tensors, [layout.error_feedback[b] for b in buckets], self.backend, "mean", error_feedbacks_out=spares
@@ -161,7 +164,7 @@ class OuterSync:
         if self.signs is not None:
             for b, t in zip(buckets, tensors):
                 unrotate_(t, self.signs[b])
-            if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            if not all(math.isfinite(largest_magnitude(t)) for t in tensors):
                 raise NonFiniteError("the 1-bit mean, rotated back, is not finite in float32: the sync is skipped")
         for b, spare in zip(buckets, spares):
             layout.keep(b, spare)
