@@ -127,6 +127,11 @@ class CallSpec:
     `result_dtypes` are the dtypes the results end in when not the tensors' own (a composite
     reducing fp32 parts of a half-precision tensor), for the overflow verdict. `outputs` are
     where a collective that does not work in place writes (a reduce-scatter's shards).
+    `formed` gives, per tensor, an (addend, divisor) that the worker scan applies as it reads
+    the tensor, so that the call reduces (tensor + addend) / divisor, which is never written
+    out (a hierarchical node's mean, read in place from its ranks' blocks); only for a
+    compressed tensor whose scan writes x' (`ErrorFeedback.scan_writes_x_prime`), since the
+    other paths read the tensor itself.
     """
 
     tensors: list[torch.Tensor]
@@ -137,6 +142,7 @@ class CallSpec:
     exact: list[bool] | None = None
     result_dtypes: list[torch.dtype] | None = None
     outputs: list[torch.Tensor] | None = None
+    formed: list[tuple[torch.Tensor | None, float]] | None = None
 
     @classmethod
     def of(
@@ -172,6 +178,10 @@ class CallSpec:
             raise ValueError(f"min_compress_bytes must be None or a number of bytes >= 0, got {limit!r}")
         tensor = self.tensors[i]
         return tensor.numel() * tensor.element_size() < limit
+
+    def formed_by(self, i: int) -> tuple[torch.Tensor | None, float]:
+        """Tensor i's (addend, divisor) in the worker scan: (None, 1.0) when it is reduced as it is."""
+        return (None, 1.0) if self.formed is None else self.formed[i]
 
     def result_dtype(self, i: int) -> torch.dtype:
         return self.tensors[i].dtype if self.result_dtypes is None else self.result_dtypes[i]

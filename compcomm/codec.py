@@ -163,24 +163,45 @@ class Codec:
         bits: torch.Tensor,
         pending_scale: float | None = None,
         out: torch.Tensor | None = None,
+        addend: torch.Tensor | None = None,
+        divisor: float = 1.0,
     ) -> float:
         """bits <- sign(v) for v = pad(x) + e over the padded length 8 * len(bits); returns
         sum(v[:len(x)]^2) in float64. e is `error` (None: zeros), or with `pending_scale` s
         the error that `error` holds in the x' form: error - s sign(error) on x's length, 0
         beyond (the same fp32 operations as `error_update_`, so the same bits). `out` (fp32,
-        sharing no memory with x or error) receives v: the new x', so that this call's error
-        update needs no pass of its own."""
+        sharing no memory with x, addend or error) receives v: the new x', so that this call's
+        error update needs no pass of its own.
+
+        With `addend` (fp32, x's length) or a `divisor` other than 1, x stands for
+        (x + addend) / divisor, formed in fp32 as the scan reads it: a hierarchical node's sum
+        and mean, which then need no passes (nor memory) of their own."""
         m, n = 8 * bits.numel(), x.numel()
-        if _shares_storage(out, x) or _shares_storage(out, error):
-            raise ValueError("worker_scan: `out` must share no storage with x or the errors")
+        if _shares_storage(out, x) or _shares_storage(out, error) or _shares_storage(out, addend):
+            raise ValueError("worker_scan: `out` must share no storage with x, the addend or the errors")
+        if addend is not None and (addend.dtype != torch.float32 or addend.shape != (n,)):
+            got = f"{addend.dtype} {tuple(addend.shape)}"
+            raise ValueError(f"worker_scan: the addend must be {n} fp32 elements, got {got}")
         pending = pending_scale is not None and error is not None
         scale = 0.0 if pending_scale is None else pending_scale
         total = self._fused_sum(
             "cc_worker_scan",
             bits.device,
             m,
-            (x, error, out, bits),
-            (x.data_ptr(), DTYPE_CODES[x.dtype], n, _ptr(error), scale, int(pending), m, _ptr(out), bits.data_ptr()),
+            (x, addend, error, out, bits),
+            (
+                x.data_ptr(),
+                DTYPE_CODES[x.dtype],
+                n,
+                _ptr(addend),
+                divisor,
+                _ptr(error),
+                scale,
+                int(pending),
+                m,
+                _ptr(out),
+                bits.data_ptr(),
+            ),
         )
         if total is not None:
             return total
@@ -192,6 +213,10 @@ class Codec:
             v = torch.zeros(stop - start, dtype=torch.float32, device=bits.device)
             live = max(0, min(n, stop) - start)
             v[:live] = x[start : start + live]
+            if addend is not None:
+                v[:live] += addend[start : start + live]
+            if divisor != 1.0:
+                v[:live] /= divisor
             if pending and error is not None:
                 e = error[start : start + live]
                 v[:live] += e - torch.where(e >= 0, plus, -plus)

@@ -201,6 +201,12 @@ class ErrorFeedback:
             self.server_error = None if self.server_error is None else self.server_error.to(device)
             self._spare = self._spare_server = None
 
+    def scan_writes_x_prime(self, source: ErrorFeedback) -> bool:
+        """Whether an allreduce from `source`'s errors into this instance writes its new x'
+        during its scan (`next_x_prime_buffer` gives a buffer): always into another
+        ErrorFeedback, in place when `double_buffer`."""
+        return self is not source or self.double_buffer
+
     def next_x_prime_buffer(
         self, source: ErrorFeedback, numel: int, world_size: int, device: torch.device
     ) -> torch.Tensor | None:
@@ -216,9 +222,9 @@ class ErrorFeedback:
         call rejected afterwards leaves it holding none (its server buffer is kept for reuse)."""
         shape = (padded_size(numel, world_size),)
         theirs = codec.storages(source._worker, source.server_error)
+        if not self.scan_writes_x_prime(source):
+            return None
         if self is source:
-            if not self.double_buffer:
-                return None
             if not _fits(self._spare, shape, device, theirs):
                 self._spare = torch.empty(shape, dtype=torch.float32, device=device)
             return self._spare

@@ -144,6 +144,38 @@ def test_worker_scan_in_the_x_prime_form(kind, numel, dtype):
             assert same_bits(n_args[4], expected_v) and same_bits(t_args[4], expected_v)
 
 
+@pytest.mark.parametrize("numel", [1, 7, 8, 1000, 70001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("divisor", [1.0, 2.0, 3.0])
+def test_worker_scan_forms_a_node_sum(kind, numel, dtype, divisor):
+    """A scan given an addend and a divisor reads x as (x + addend) / divisor, in fp32: the
+    same bits, sum and x' as a scan of that sum and division written out by torch (the
+    hierarchical node step it replaces: `sum_in_rank_order`, then `div_`). 3 is a divisor
+    whose reciprocal is inexact, so a multiplication would differ."""
+    x, addend = data(numel, dtype, 4), data(numel, torch.float32, 5) * 3
+    m = -(-numel // 32) * 32
+    previous = torch.zeros(m)
+    previous[:numel] = data(numel, torch.float32, 6)
+    formed = x.float() + addend
+    if divisor != 1.0:
+        formed.div_(divisor)
+    expected_bits, expected_out = torch.empty(m // 8, dtype=torch.uint8), torch.empty(m)
+    expected_sum = TORCH.worker_scan(formed, previous, expected_bits, 0.375, expected_out)
+    (n_sum, n_args), (t_sum, t_args) = both(
+        kind, "worker_scan", x, previous, torch.empty(m // 8, dtype=torch.uint8), 0.375, torch.empty(m), addend, divisor
+    )
+    for args in (n_args, t_args):
+        assert same_bits(args[2], expected_bits) and same_bits(args[4], expected_out)
+    assert n_sum == pytest.approx(expected_sum, rel=1e-12) and t_sum == expected_sum
+    with pytest.raises(ValueError, match="addend must be"):
+        kind.codec.worker_scan(
+            x.to(kind.device),
+            None,
+            torch.empty(m // 8, dtype=torch.uint8, device=kind.device),
+            addend=addend[:-1].to(kind.device),
+        )
+
+
 def test_update_into_a_buffer_overlapping_the_errors_is_refused(kind):
     """`out` is the errors themselves or separate memory: a shifted view of them would be read
     after being written (the C kernel gave wrong values, the torch code raised)."""

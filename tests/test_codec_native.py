@@ -121,6 +121,25 @@ def test_x_prime_scan_is_the_same_in_every_configuration(codecs, numel, dtype, o
         assert same_bits(bits, expected_bits) and same_bits(out, expected_v), config
 
 
+@pytest.mark.parametrize("numel", [*LENGTHS, STREAMED // 4 + 1001])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_node_sum_scan_is_the_same_in_every_configuration(codecs, numel, offset):
+    """The scan that forms x as (x + addend) / 3 (a hierarchical node's mean, fp32): the same
+    bits, sum and x' in every configuration as a scan of that mean written out by torch."""
+    m = -(-numel // 64) * 64 + 8
+    x, addend = data(numel, torch.float32, numel + 6, offset), data(numel, torch.float32, numel + 7, offset)
+    previous = torch.zeros(m + offset)[offset:]
+    previous[:numel] = data(numel, torch.float32, numel + 8)
+    expected_bits, expected_v = torch.empty(m // 8, dtype=torch.uint8), torch.empty(m)
+    expected_sum = TORCH.worker_scan((x + addend).div_(3), previous, expected_bits, 0.5, expected_v)
+    for config, coder in codecs.items():
+        bits = torch.full((m // 8,), 0xA5, dtype=torch.uint8)
+        out = torch.full((m + offset,), 7.0)[offset:]
+        total = coder.worker_scan(x, previous, bits, 0.5, out, addend, 3.0)
+        assert total == pytest.approx(expected_sum, rel=1e-12), config
+        assert same_bits(bits, expected_bits) and same_bits(out, expected_v), config
+
+
 @pytest.mark.parametrize("numel", LENGTHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("offset", [0, 1])

@@ -60,9 +60,9 @@ def make_input(rank: int, step: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=g) * (rank + 1) + 0.1 * step
 
 
-def run_steps(layout: str, numel: int, op: str, steps: int) -> list[dict]:
+def run_steps(layout: str, numel: int, op: str, steps: int, double_buffer: bool = True) -> list[dict]:
     be = _backends[layout]
-    ef = compcomm.ErrorFeedback()
+    ef = compcomm.ErrorFeedback(double_buffer=double_buffer)
     records = []
     for step in range(steps):
         x = make_input(be.rank, step, numel)
@@ -133,6 +133,34 @@ def both_intra(layout: str, numel: int, op: str) -> list[bytes]:
 def test_shm_inside_the_node_gives_bitwise_what_gloo_gives(six, layout, numel):
     for via_gloo, via_shm in six.run(both_intra, layout, numel, "mean", ranks=ranks_of(layout)):
         assert via_gloo == via_shm
+
+
+def formed_and_written(layout: str, numel: int, op: str) -> list[bytes]:
+    """The same steps with the node's mean formed inside the worker scan (the default: the scan
+    writes x') and written out before it (double_buffer=False: no x' buffer to write into)."""
+    records = [run_steps(layout, numel, op, 3, double_buffer) for double_buffer in (True, False)]
+    return [b"".join(r["raw"] + r["worker"].tobytes() + r["server"].tobytes() for r in steps) for steps in records]
+
+
+@pytest.mark.parametrize(
+    "layout, numel, op",
+    [
+        *(
+            (layout, numel, op)
+            for layout, numel in [("2x2/shm", 1001), ("2x3/shm", 1001), ("2x3", 1001), ("2x3/shm", 7)]
+            for op in ("mean", "sum")
+        ),
+        ("2x2/shm", 4_200_000, "mean"),
+    ],
+)
+def test_mean_formed_in_the_scan_gives_the_bits_of_the_written_one(six, layout, numel, op):
+    """The scan that reads the node's blocks in place (k = 2: both; k = 3: the first two summed,
+    the third added in the scan), on shared memory and on gloo's all-to-all, against the node
+    step that writes the sum and divides it: the same outputs and error states, bit for bit.
+    4.2M elements: chunks across nodes of more than CHUNKED_SCAN_ELEMENTS, scanned one by one
+    while phase 1 streams."""
+    for formed, written in six.run(formed_and_written, layout, numel, op, ranks=ranks_of(layout)):
+        assert formed == written
 
 
 def bad_call(layout: str, case: str) -> dict:

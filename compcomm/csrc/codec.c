@@ -341,7 +341,9 @@ static inline int64_t blocks_of(int64_t count) {
 
 /* ------------------------------------------------------------------------------------------ */
 /* Pass 1 on a worker: v = x + e (x zero beyond n, e optional), bits = sign(v); returns         */
-/* sum(v[:n]^2). With `pending`, e holds the previous call's x' and s its scale: the error is   */
+/* sum(v[:n]^2). x is formed as (x + addend) / divisor when the scan has an addend (fp32, n    */
+/* elements) or a divisor other than 1: a node's sum and mean, never written out.               */
+/* With `pending`, e holds the previous call's x' and s its scale: the error is                 */
 /* e - s sign(e) on [:n] and 0 beyond (the x' form; the same fp32 operations as the update that */
 /* it replaces). With `out`, v is also written there, over [0, m): the new x'. Writes nothing   */
 /* but `bits` and `out`, so a call rejected afterwards leaves no trace in the error state.      */
@@ -350,6 +352,8 @@ struct scan_args {
     const void *x;
     int dtype;
     int64_t n;
+    const float *addend;
+    float divisor;
     const float *e;
     float s;
     int pending;
@@ -365,11 +369,18 @@ static inline float previous_error(const struct scan_args *a, int64_t i) {
     return a->pending ? minus_signed(a->e[i], a->s) : a->e[i];
 }
 
+/* x at element i < n, formed: (x + addend) / divisor. */
+static inline float formed(const struct scan_args *a, int64_t i, int dtype) {
+    float v = load(a->x, i, dtype);
+    if (a->addend) v += a->addend[i];
+    return a->divisor != 1.0f ? v / a->divisor : v;
+}
+
 /* v[k] for the 8 elements of byte i/8 (also written to out, when the scan has one). */
 static inline void load8(const struct scan_args *a, int64_t i, float *v) {
     for (int k = 0; k < 8; k++) {
         int64_t j = i + k;
-        v[k] = j < a->n ? load(a->x, j, a->dtype) : 0.0f;
+        v[k] = j < a->n ? formed(a, j, a->dtype) : 0.0f;
         if (a->e) v[k] += j < a->n || !a->pending ? previous_error(a, j) : 0.0f;
         if (a->out) a->out[j] = v[k];
     }
@@ -390,7 +401,7 @@ INLINE double scan_block_portable(const struct scan_args *a, int64_t lo, int64_t
     float v[32];
     int64_t i = lo, end = min64(hi, a->n);
     for (; i + 32 <= end; i += 32) {
-        for (int k = 0; k < 32; k++) v[k] = load(a->x, i + k, dtype);
+        for (int k = 0; k < 32; k++) v[k] = formed(a, i + k, dtype);
         if (a->e)
             for (int k = 0; k < 32; k++) v[k] += previous_error(a, i + k);
         if (a->out) memcpy(a->out + i, v, sizeof v);
@@ -463,16 +474,19 @@ TARGET_AVX2 INLINE int64_t vector_part_avx2(values_avx2 values, const void *args
     return i;
 }
 
-/* The scan's values (v = x + e, e in the x' form when pending; v stored to out when there is
- * one) and block for one kernel set, whose vectors hold `width` floats: `load` converts x's
- * elements; `add`, `loadu` and `set1` are the set's, `minus_signed` and `put` as above. The
- * vector part covers real elements only (i < n), where the x' form's error needs no mask. */
-#define SCAN_WITH(isa, target, vector, width, load, add, loadu, set1, minus_signed, put)                 \
+/* The scan's values (v = x + e, x formed with its addend and divisor, e in the x' form when
+ * pending; v stored to out when there is one) and block for one kernel set, whose vectors hold
+ * `width` floats: `load` converts x's elements; `add`, `div`, `loadu` and `set1` are the set's,
+ * `minus_signed` and `put` as above. The vector part covers real elements only (i < n), where
+ * the addend and the x' form's error need no mask. */
+#define SCAN_WITH(isa, target, vector, width, load, add, div, loadu, set1, minus_signed, put)            \
     target INLINE void scan_values_##isa(const void *p, int64_t i, int groups, int dtype, vector *v) {     \
         const struct scan_args *a = p;                                                                     \
-        vector plus = set1(a->s), minus = set1(-a->s);                                                     \
+        vector plus = set1(a->s), minus = set1(-a->s), divisor = set1(a->divisor);                         \
         for (int j = 0; j < groups; j++) {                                                                 \
             v[j] = load(a->x, dtype, i + width * j);                                                       \
+            if (a->addend) v[j] = add(v[j], loadu(a->addend + i + width * j));                             \
+            if (a->divisor != 1.0f) v[j] = div(v[j], divisor);                                             \
             if (a->e) {                                                                                    \
                 vector e = loadu(a->e + i + width * j);                                                    \
                 v[j] = add(v[j], a->pending ? minus_signed(e, plus, minus) : e);                           \
@@ -487,8 +501,8 @@ TARGET_AVX2 INLINE int64_t vector_part_avx2(values_avx2 values, const void *args
         if (a->streaming) _mm_sfence();                                                                    \
         return sum;                                                                                        \
     }
-SCAN_WITH(avx2, TARGET_AVX2, __m256, 8, load8_avx2, _mm256_add_ps, _mm256_loadu_ps, _mm256_set1_ps, minus_signed8,
-          put8)
+SCAN_WITH(avx2, TARGET_AVX2, __m256, 8, load8_avx2, _mm256_add_ps, _mm256_div_ps, _mm256_loadu_ps, _mm256_set1_ps,
+          minus_signed8, put8)
 
 TARGET_AVX512 INLINE __m512 load16_avx512(const void *x, int dtype, int64_t i) {
     if (dtype == F32) return _mm512_loadu_ps((const float *)x + i);
@@ -568,8 +582,8 @@ TARGET_AVX512 INLINE void put16(float *out, __m512 v, int streaming) {
     else _mm512_storeu_ps(out, v);
 }
 
-SCAN_WITH(avx512, TARGET_AVX512, __m512, 16, load16_avx512, _mm512_add_ps, _mm512_loadu_ps, _mm512_set1_ps,
-          minus_signed16, put16)
+SCAN_WITH(avx512, TARGET_AVX512, __m512, 16, load16_avx512, _mm512_add_ps, _mm512_div_ps, _mm512_loadu_ps,
+          _mm512_set1_ps, minus_signed16, put16)
 #endif
 
 /* One scan block per call, specialized for each kernel set and dtype. */
@@ -596,9 +610,9 @@ static block_sum_fn pick_scan(int features) {
     return scan_portable;
 }
 
-void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, float s, int pending, cc_index m,
-                    float *out, unsigned char *bits, double *partial) {
-    struct scan_args a = {x, dtype, n, e, s, pending && e, m, out, bits, 0, cc_features()};
+void cc_worker_scan(const void *x, int dtype, cc_index n, const float *addend, float divisor, const float *e, float s,
+                    int pending, cc_index m, float *out, unsigned char *bits, double *partial) {
+    struct scan_args a = {x, dtype, n, addend, divisor, e, s, pending && e, m, out, bits, 0, cc_features()};
 #ifdef __SSE2__
     /* Streaming stores (see STREAM_BYTES) for a large new x', on aligned vectors: the vector part
      * starts every block at a multiple of 32 elements, so an out on a 64-byte boundary is. */

@@ -63,12 +63,17 @@ __device__ void store_block_sum(double acc, double *partial) {
     }
 }
 
-extern "C" __global__ void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, float s,
-                                          int pending, cc_index m, float *out, unsigned char *bits,
-                                          double *partial) {
+extern "C" __global__ void cc_worker_scan(const void *x, int dtype, cc_index n, const float *addend,
+                                          float divisor, const float *e, float s, int pending, cc_index m,
+                                          float *out, unsigned char *bits, double *partial) {
     double acc = 0.0;
     for (long long i = first_index(); i - (threadIdx.x & 31) < m; i += grid_step()) {
-        float v = i < n ? load_value(x, i, dtype) : 0.0f;
+        float v = 0.0f;
+        if (i < n) {
+            v = load_value(x, i, dtype);
+            if (addend) v += addend[i];
+            if (divisor != 1.0f) v = v / divisor;
+        }
         if (e && i < m && (i < n || !pending)) v += pending ? e[i] - (e[i] >= 0.0f ? s : -s) : e[i];
         if (out && i < m) out[i] = v;
         if (i < n) acc += (double)v * (double)v;

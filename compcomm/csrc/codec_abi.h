@@ -21,12 +21,13 @@ enum cc_dtype { CC_F32 = 0, CC_F16 = 1, CC_BF16 = 2 };
 typedef long long cc_index;
 
 /* Worker pass: v = x + err (x zero beyond n), bits = sign(v) over [0, m); partial sums of
- * v[:n]^2. err is 0 when e is null, e itself unless `pending`, and with `pending` (the x' form:
- * e holds the previous call's v, s its scale) e - s sign(e) on [0, n) and 0 beyond. When out is
- * not null (and overlaps neither x nor e), v is written there over [0, m). Writes nothing but
- * bits, out and partial. */
-CC_KERNEL void cc_worker_scan(const void *x, int dtype, cc_index n, const float *e, float s, int pending, cc_index m,
-                              float *out, unsigned char *bits, double *partial);
+ * v[:n]^2. x's element i < n is formed as (x[i] + addend[i]) / divisor in fp32 (no addend when
+ * it is null, no division when divisor is 1). err is 0 when e is null, e itself unless
+ * `pending`, and with `pending` (the x' form: e holds the previous call's v, s its scale)
+ * e - s sign(e) on [0, n) and 0 beyond. When out is not null (and overlaps neither x, addend nor
+ * e), v is written there over [0, m). Writes nothing but bits, out and partial. */
+CC_KERNEL void cc_worker_scan(const void *x, int dtype, cc_index n, const float *addend, float divisor, const float *e,
+                              float s, int pending, cc_index m, float *out, unsigned char *bits, double *partial);
 
 /* Error update: out <- v - s sign(v) on [0, real), v = x + e on x's first n elements (x may be
  * null) and v = e beyond; 0 on [real, m). out is e itself (in place) or a buffer that does not

@@ -109,7 +109,7 @@ def _prepare_streaming(spec: CallSpec, be: Backend, decode: bool) -> list[FlatCa
     if spec.reduced_exactly(0):
         agreement = agree_on_measures(spec, be, calls, _measure(spec, be, scanned))
         return _calls(spec, be, agreement, scanned, None, decode)
-    scan = WorkerScan(spec.tensors[0], spec.error_feedbacks[0], spec.into(0), be.world_size)
+    scan = WorkerScan(spec.tensors[0], spec.error_feedbacks[0], spec.into(0), be.world_size, *spec.formed_by(0))
     received = torch.empty_like(scan.rows)
     agreed: list[Agreement] = []
     measure = _measure(spec, be, scanned, first=scan)
@@ -171,7 +171,7 @@ def _scan(spec: CallSpec, i: int, n: int) -> Scanned:
     if spec.reduced_exactly(i):
         flat, rows, bound = _exact_rows(spec.tensors[i], n)
         return flat, rows, bound, None
-    scan = WorkerScan(spec.tensors[i], spec.error_feedbacks[i], spec.into(i), n)
+    scan = WorkerScan(spec.tensors[i], spec.error_feedbacks[i], spec.into(i), n, *spec.formed_by(i))
     for j in range(n):
         scan.chunk(j)
     return scan.result()
@@ -196,11 +196,21 @@ class WorkerScan:
     asks gets the same bits as one scanning them in order; smaller tensors are scanned whole at
     the first `chunk` call. `chunk` never raises: a failure is kept for `result`, which raises
     it where phase 0 carries it to every rank (the rows then travel as they are, and the call is
-    rejected)."""
+    rejected). With an `addend` or a `divisor` other than 1, x is (tensor + addend) / divisor,
+    formed as the scan reads it (`CallSpec.formed`)."""
 
-    def __init__(self, tensor: torch.Tensor, ef: ErrorFeedback, into: ErrorFeedback, n: int) -> None:
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        ef: ErrorFeedback,
+        into: ErrorFeedback,
+        n: int,
+        addend: torch.Tensor | None = None,
+        divisor: float = 1.0,
+    ) -> None:
         numel = tensor.numel()
         self.tensor, self.ef, self.into = tensor, ef, into
+        self.addend, self.divisor = addend, divisor
         self.n, self.numel, self.size = n, numel, chunk_size(numel, n)
         self.whole = self.size <= CHUNKED_SCAN_ELEMENTS
         self.rows = torch.empty(n, self.size // 8, dtype=torch.uint8, device=tensor.device)
@@ -220,6 +230,8 @@ class WorkerScan:
         self.flat = self.tensor.detach().reshape(-1)
         self.worker, self.pending_scale = self.ef.worker_form(device)
         self.x_prime = self.into.next_x_prime_buffer(self.ef, self.numel, self.n, device)
+        if self.x_prime is None and (self.addend is not None or self.divisor != 1.0):
+            raise ValueError("a formed tensor needs a scan that writes x' (see CallSpec.formed)")
         self.started = True
 
     def chunk(self, j: int) -> None:
@@ -245,6 +257,8 @@ class WorkerScan:
             bits,
             self.pending_scale,
             None if self.x_prime is None else self.x_prime[start:stop],
+            None if self.addend is None else self.addend[start : start + real],
+            self.divisor,
         )
 
     def result(self) -> Scanned:

@@ -20,7 +20,9 @@ so the output is the 1-bit mean over nodes of the node means (or the sum of the 
 "sum"), bitwise identical on all n ranks, since all decode the same bytes. Only inter-node bytes
 are 1-bit: per rank about 2 (H-1)/H * N/(8k) bytes between nodes; inside the node (k-1)/k * 4N
 bytes of fp32 parts and about (k-1)/k * N/8 bytes of results. Each rank runs the worker and
-server codec on N/k elements instead of N, and decodes all N.
+server codec on N/k elements instead of N, and decodes all N. Its worker scan reads the node's
+blocks where they lie and forms v_i as it goes (see `allreduce`), so that the node step costs
+the exchange alone, with no pass of its own for the sum or the division.
 
 A tensor below `min_compress_bytes` takes the same route with the exact path across nodes (fp32
 chunks summed in node order, / H for "mean"): the exact mean of the node means. Nothing (tensor,
@@ -30,6 +32,7 @@ error state) changes before every verdict has passed on every rank.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -54,37 +57,70 @@ def part_of(be: HierarchicalBackend, numel: int) -> tuple[int, int, str]:
 
 
 def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
-    """Run `spec` over the composite `be`; runs holding both levels' channels."""
-    k = be.intra.world_size
+    """Run `spec` over the composite `be`; runs holding both levels' channels.
+
+    The first tensor's node step runs last and the call across nodes starts inside it, while
+    the node's blocks are at hand: where the first tensor is compressed and its scan writes x',
+    that scan reads the node's blocks in place and forms z_i / k as it goes (`CallSpec.formed`),
+    so the node's sum and mean are never written out (for k > 2 the first k - 1 blocks are
+    summed in a pass, the last added in the scan: the same rank order, the same bits)."""
+    count = len(spec.tensors)
     exact = _agree_over_all_ranks(spec, be)
-    parts = []
-    for i, tensor in enumerate(spec.tensors):
-        numel = tensor.numel()
-        part = be.exchange_in_node(
-            tensor.detach().reshape(-1), chunk_size(numel, k), torch.float32, sum_in_rank_order, slot=i
-        )
-        if spec.op == "mean":
-            part.div_(k)
-        parts.append(part[: part_of(be, numel)[0]])
-    across = CallSpec(
-        parts,
-        spec.error_feedbacks,
-        spec.op,
-        spec.outs,
-        exact=exact,
-        result_dtypes=[t.dtype for t in spec.tensors],
-    )
+    divisor = float(be.intra.world_size) if spec.op == "mean" else 1.0
+    parts: list[torch.Tensor] = [torch.empty(0)] * count
+    formed: list[tuple[torch.Tensor | None, float]] = [(None, 1.0)] * count
+
+    def written_mean(blocks: list[torch.Tensor], part: torch.Tensor) -> None:
+        sum_in_rank_order(blocks, part)
+        if divisor != 1.0:
+            part.div_(divisor)
+
+    for i in range(1, count):
+        parts[i] = _node_step(spec, be, i, written_mean)[: part_of(be, spec.tensors[i].numel())[0]]
     calls: list[flat.FlatCall] = []
     failure: Exception | None = None
-    try:
-        calls = flat.prepare(across, be.inter, decode=False)  # each part is decoded from the node's gathered results
-    except Exception as exc:  # agreed on this inter group: now agreed inside the node too
-        failure = exc
+
+    def first_then_across(blocks: list[torch.Tensor], part: torch.Tensor) -> None:
+        nonlocal calls, failure
+        real = part_of(be, spec.tensors[0].numel())[0]
+        if exact[0] or not spec.into(0).scan_writes_x_prime(spec.error_feedbacks[0]):
+            written_mean(blocks, part)
+            parts[0] = part[:real]
+        else:
+            head = sum_in_rank_order(blocks[:-1], part) if len(blocks) > 2 else blocks[0]
+            parts[0] = head[:real]
+            formed[0] = (blocks[-1][:real] if len(blocks) > 1 else None, divisor)
+        across = CallSpec(
+            parts,
+            spec.error_feedbacks,
+            spec.op,
+            spec.outs,
+            exact=exact,
+            result_dtypes=[t.dtype for t in spec.tensors],
+            formed=formed,
+        )
+        try:  # each part is decoded from the node's gathered results
+            calls = flat.prepare(across, be.inter, decode=False)
+        except Exception as exc:  # agreed on this inter group: now agreed inside the node too
+            failure = exc
+
+    _node_step(spec, be, 0, first_then_across)
     raise_agreed(failure, be.intra, context="across nodes: ")
     for call, tensor in zip(calls, spec.tensors):
         call.commit()
         _share_result(be, call, tensor)
     return spec.tensors
+
+
+def _node_step(
+    spec: CallSpec, be: HierarchicalBackend, i: int, combine: Callable[[list[torch.Tensor], torch.Tensor], object]
+) -> torch.Tensor:
+    """Tensor i's exchange inside the node: `combine(blocks, part)` on the node's fp32 blocks of
+    this rank's part (see `HierarchicalBackend.exchange_in_node`); returns the part's buffer."""
+    numel = spec.tensors[i].numel()
+    return be.exchange_in_node(
+        spec.tensors[i].detach().reshape(-1), chunk_size(numel, be.intra.world_size), torch.float32, combine, slot=i
+    )
 
 
 def _agree_over_all_ranks(spec: CallSpec, be: HierarchicalBackend) -> list[bool]:

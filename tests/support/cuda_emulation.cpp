@@ -97,9 +97,10 @@ static void launch(unsigned grid, unsigned block, Kernel kernel) {
 
 // One entry per kernel: the grid and block size, then the kernel's own arguments.
 extern "C" {
-void emulate_worker_scan(unsigned grid, unsigned block, const void *x, int dtype, long long n, const float *e,
-                         float s, int pending, long long m, float *out, unsigned char *bits, double *partial) {
-    launch(grid, block, [=] { cc_worker_scan(x, dtype, n, e, s, pending, m, out, bits, partial); });
+void emulate_worker_scan(unsigned grid, unsigned block, const void *x, int dtype, long long n, const float *addend,
+                         float divisor, const float *e, float s, int pending, long long m, float *out,
+                         unsigned char *bits, double *partial) {
+    launch(grid, block, [=] { cc_worker_scan(x, dtype, n, addend, divisor, e, s, pending, m, out, bits, partial); });
 }
 
 void emulate_error_update(unsigned grid, unsigned block, const void *x, int dtype, long long n, const float *e,
