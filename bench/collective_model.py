@@ -53,6 +53,7 @@ def flat_parts(
     sharing_link: int | None = None,
     row_by_row: bool = True,
     decode: bool = True,
+    addend: bool = False,
 ) -> dict[str, float]:
     """Predicted seconds of every part of the flat call over n ranks, k per host: the ranks
     share the host's link (B/k each, or B/sharing_link) for the (n-k)/(n-1) of their blocks that
@@ -75,9 +76,12 @@ def flat_parts(
       during phase 2's collective, the other chunks' decode after it:
       max(gather, serr + decode / n) + decode (n-1) / n.
 
-    `decode=False`: the call of a composite that decodes the result itself (no decode pass)."""
+    `decode=False`: the call of a composite that decodes the result itself (no decode pass);
+    `addend`: its scan reads a second fp32 input (a hierarchical part's last node block)."""
     link = p["B"] / (sharing_link or k)
     b = flat_bytes(numel, n)
+    if addend:
+        b["scan"] += 4.0 * numel
     t = {part: b[part] / p["gamma"][part] * share for part in CODEC}
     crossing = (n - k) / (n - 1) if n > 1 else 0.0
     row = chunk(numel, n) / 8
@@ -108,15 +112,17 @@ def node_time(p: dict, bytes_: float, k: int, share: float) -> float:
 
 
 def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float, row_by_row: bool = True) -> dict[str, float]:
-    """The hierarchical call: the node's exact reduce-scatter (the fp32 parts exchanged inside the
-    host, summed in rank order and divided as the schedule does it, which B_lo is calibrated on),
-    the flat call on the N/k-element part across hosts (its k ranks sharing the host's link,
-    with no decode of its own), the parts' results shared inside the host, and every part decoded.
-    Phase 0 spans all ranks: one collective across hosts and two inside the host."""
+    """The hierarchical call: the node's step (the fp32 parts exchanged inside the host, which
+    B_lo is calibrated on, and for k > 2 the first k - 1 blocks summed in a pass), the flat call
+    on the N/k-element part across hosts (its k ranks sharing the host's link, its scan reading
+    the last block besides the first and dividing as it goes, with no decode of its own), the
+    parts' results shared inside the host, and every part decoded. Phase 0 spans all ranks: one
+    collective across hosts and two inside the host."""
     part = chunk(numel, k)
-    inner = flat_parts(p, part, hosts, share, 1, sharing_link=k, row_by_row=row_by_row, decode=False)
+    inner = flat_parts(p, part, hosts, share, 1, sharing_link=k, row_by_row=row_by_row, decode=False, addend=k > 1)
+    partial_sum = 4.0 * k * part / p["gamma"]["scan"] * share if k > 2 else 0.0  # k - 1 blocks read, one written
     t = {
-        "rs": node_time(p, (k - 1) * 4.0 * part, k, share),
+        "rs": node_time(p, (k - 1) * 4.0 * part, k, share) + partial_sum,
         "share": node_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k, share),
         "agree": comm_time(p, 0.0, hosts - 1, share, p["B"]) + 2 * node_time(p, 0.0, k, share),
         "decode_all": flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share,

@@ -48,7 +48,7 @@ def calibrate(record: dict, cores: int, loopback: list[dict] | None = None) -> d
     """alpha, B and the gammas from one flat run (1 rank per host); from the records of a run
     with several ranks per host, the latency of a collective inside the host alpha_lo (its
     smallest `share`, a few KiB) and the host's bandwidth B_lo (its largest `rs`, the node's
-    reduce-scatter with its sum)."""
+    exchange of fp32 blocks: with two ranks per host the schedule's node step has no sum of its own)."""
     n, numel = record["world_size"], record["numel"]
     share = core_share(record, cores)
     b = flat_bytes(numel, n)

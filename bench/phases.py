@@ -22,8 +22,9 @@ all ranks at once, each part of the flat 1-bit collective on its own, then the w
 
 and with K > 1 ranks per host (LOCAL_WORLD_SIZE), for the hierarchical backend:
 
-    rs        the node's exact reduce-scatter as the hierarchical schedule runs it: (K-1) blocks of
-              4N/K fp32 bytes exchanged inside the host, summed in local rank order, / K
+    rs        the node's step as the hierarchical schedule runs it: (K-1) blocks of 4N/K fp32
+              bytes exchanged inside the host (and for K > 2 the first K-1 blocks summed); the
+              last block's sum and the division by K run inside the worker scan of `hier`
     share     the all-gather of the parts' phase-2 bytes inside the host, (K-1) blocks of ~N/(8K)
     hier      compressed_allreduce over the hierarchical backend
 
@@ -99,9 +100,14 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
         )
         results = torch.empty(k, result.numel(), dtype=torch.uint8)
         ef_hier = compcomm.ErrorFeedback()
+
+        def node_step(blocks: list[torch.Tensor], part: torch.Tensor) -> None:
+            if len(blocks) > 2:
+                sum_in_rank_order(blocks[:-1], part)
+
         calls.update(
             {
-                "rs": lambda: hier.exchange_in_node(x, size, torch.float32, sum_in_rank_order).div_(k),
+                "rs": lambda: hier.exchange_in_node(x, size, torch.float32, node_step),
                 "share": lambda: hier.intra.all_gather(result, results),
                 "hier": lambda: compcomm.compressed_allreduce(buf, ef_hier, backend=hier),
             }
