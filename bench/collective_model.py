@@ -52,7 +52,6 @@ def flat_parts(
     k: int = 1,
     sharing_link: int | None = None,
     row_by_row: bool = True,
-    decode: bool = True,
     addend: bool = False,
 ) -> dict[str, float]:
     """Predicted seconds of every part of the flat call over n ranks, k per host: the ranks
@@ -76,8 +75,7 @@ def flat_parts(
       during phase 2's collective, the other chunks' decode after it:
       max(gather, serr + decode / n) + decode (n-1) / n.
 
-    `decode=False`: the call of a composite that decodes the result itself (no decode pass);
-    `addend`: its scan reads a second fp32 input (a hierarchical part's last node block)."""
+    `addend`: the scan reads a second fp32 input (a hierarchical part's last node block)."""
     link = p["B"] / (sharing_link or k)
     b = flat_bytes(numel, n)
     if addend:
@@ -95,12 +93,11 @@ def flat_parts(
         phase1 = header + max(t["scan"] + header, t["scan"] / n + every_row)
     else:
         phase1 = t["scan"] + t["header"] + t["a2a"]
-    decoding = t["decode"] if decode else 0.0
     if row_by_row and n > 2 and 4 + row > ROW_BY_ROW_BYTES:
-        step, own = t["gather"] / (n - 1), decoding / n
+        step, own = t["gather"] / (n - 1), t["decode"] / n
         phase2 = max(step, t["serr"] + own) + (n - 2) * max(step, own) + own
     else:
-        phase2 = max(t["gather"], t["serr"] + decoding / n) + decoding * (n - 1) / n
+        phase2 = max(t["gather"], t["serr"] + t["decode"] / n) + t["decode"] * (n - 1) / n
     t["call"] = p.get("overhead", 0.0) * share + phase1 + t["server"] + phase2
     return t
 
@@ -115,17 +112,17 @@ def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float, row_by_row
     """The hierarchical call: the node's step (the fp32 parts exchanged inside the host, which
     B_lo is calibrated on, and for k > 2 the first k - 1 blocks summed in a pass), the flat call
     on the N/k-element part across hosts (its k ranks sharing the host's link, its scan reading
-    the last block besides the first and dividing as it goes, with no decode of its own), the
-    parts' results shared inside the host, and every part decoded. Phase 0 spans all ranks: one
-    collective across hosts and two inside the host."""
+    the last block besides the first and dividing as it goes, its part decoded as its phase 2
+    arrives), the parts' results shared inside the host, and the other k - 1 parts decoded.
+    Phase 0 spans all ranks: one collective across hosts and two inside the host."""
     part = chunk(numel, k)
-    inner = flat_parts(p, part, hosts, share, 1, sharing_link=k, row_by_row=row_by_row, decode=False, addend=k > 1)
+    inner = flat_parts(p, part, hosts, share, 1, sharing_link=k, row_by_row=row_by_row, addend=k > 1)
     partial_sum = 4.0 * k * part / p["gamma"]["scan"] * share if k > 2 else 0.0  # k - 1 blocks read, one written
     t = {
         "rs": node_time(p, (k - 1) * 4.0 * part, k, share) + partial_sum,
         "share": node_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k, share),
         "agree": comm_time(p, 0.0, hosts - 1, share, p["B"]) + 2 * node_time(p, 0.0, k, share),
-        "decode_all": flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share,
+        "decode_others": (k - 1) / k * flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share,
     }
-    t["hier"] = t["agree"] + t["rs"] + inner["call"] + t["share"] + t["decode_all"]
+    t["hier"] = t["agree"] + t["rs"] + inner["call"] + t["share"] + t["decode_others"]
     return t

@@ -78,24 +78,24 @@ def allreduce(spec: CallSpec, be: Backend) -> list[torch.Tensor]:
     return spec.tensors
 
 
-def prepare(spec: CallSpec, be: Backend, decode: bool = True) -> list[FlatCall]:
+def prepare(spec: CallSpec, be: Backend) -> list[FlatCall]:
     """This rank's checks and worker scans, then phase 0 over `be`: the calls ready to
     `commit()`, or the agreed error raised on every rank with nothing modified. A composite
     schedule that must agree across another group before committing calls the two halves
-    itself, inside its own turn on the channels (with `decode=False` when it decodes the
-    calls' results itself: commit then leaves the tensors as they are).
+    itself, inside its own turn on the channels (with `spec.outputs` when the results belong
+    elsewhere than in the tensors: each is then decoded there, as phase 2 arrives).
 
     Where the backend sends rows one by one and the group's previous 1-bit call was that wide
     (`Backend.sends_row_by_row`: the ranks decide alike, before any exchange), the first
     tensor's phase 1 runs during its scan instead (`_prepare_streaming`)."""
     if be.sends_row_by_row(previous_row_width(be)):
-        return _prepare_streaming(spec, be, decode)
+        return _prepare_streaming(spec, be)
     scanned: dict[int, Scanned] = {}
     agreement = agree_on_call(spec, be, "allreduce", be.sequence_number(), _measure(spec, be, scanned), _serves(be))
-    return _calls(spec, be, agreement, scanned, None, decode)
+    return _calls(spec, be, agreement, scanned, None)
 
 
-def _prepare_streaming(spec: CallSpec, be: Backend, decode: bool) -> list[FlatCall]:
+def _prepare_streaming(spec: CallSpec, be: Backend) -> list[FlatCall]:
     """`prepare` with phase 0 in two halves and the first tensor's phase 1 sent as it is scanned.
 
     Phase 0a agrees on the call (sizes, op, dtypes, ...) before any row travels. Then the
@@ -108,7 +108,7 @@ def _prepare_streaming(spec: CallSpec, be: Backend, decode: bool) -> list[FlatCa
     scanned: dict[int, Scanned] = {}
     if spec.reduced_exactly(0):
         agreement = agree_on_measures(spec, be, calls, _measure(spec, be, scanned))
-        return _calls(spec, be, agreement, scanned, None, decode)
+        return _calls(spec, be, agreement, scanned, None)
     scan = WorkerScan(spec.tensors[0], spec.error_feedbacks[0], spec.into(0), be.world_size, *spec.formed_by(0))
     received = torch.empty_like(scan.rows)
     agreed: list[Agreement] = []
@@ -116,7 +116,7 @@ def _prepare_streaming(spec: CallSpec, be: Backend, decode: bool) -> list[FlatCa
     be.all_to_all_as_produced(
         scan.rows, received, scan.chunk, lambda: agreed.append(agree_on_measures(spec, be, calls, measure))
     )
-    return _calls(spec, be, agreed[0], scanned, received, decode)
+    return _calls(spec, be, agreed[0], scanned, received)
 
 
 def _measure(
@@ -141,7 +141,6 @@ def _calls(
     agreement: Agreement,
     scanned: dict[int, Scanned],
     received: torch.Tensor | None,
-    decode: bool,
 ) -> list[FlatCall]:
     """The accepted call's tensors, ready to commit; `received`: the first tensor's phase 1, done."""
     return [
@@ -155,8 +154,8 @@ def _calls(
             scale,
             spec.reduced_exactly(i),
             x_prime,
-            decode=decode,
             sent=i == 0 and received is not None,
+            output=None if spec.outputs is None else spec.outputs[i],
         )
         for i, (flat, rows, scale, x_prime) in sorted(scanned.items())
     ]
@@ -295,12 +294,16 @@ class FlatCall:
     exact: bool
     x_prime: torch.Tensor | None  # x' = x + e_w from the scan: the worker error state after the call
     result: torch.Tensor | None = None  # after commit: phase 2's bytes, see `decode_result`
-    decode: bool = True  # False: commit leaves the tensor as it is (a composite decodes `result` itself)
     sent: bool = False  # phase 1 already ran during the scan: `rows` are the rows received
+    output: torch.Tensor | None = None  # where the result is decoded, flat, contiguous (`CallSpec.outputs`)
 
     @property
     def tensor(self) -> torch.Tensor:
         return self.spec.tensors[self.index].detach()
+
+    @property
+    def decoded_into(self) -> torch.Tensor:
+        return self.flat if self.output is None else self.output
 
     def commit(self) -> torch.Tensor:
         """Phases 1 and 2 and the decode; writes the errors after the call; returns the tensor."""
@@ -317,11 +320,9 @@ class FlatCall:
         else:
             self.result = self._one_bit()
         tensor = self.tensor
-        if not self.decode:
-            return tensor
         if self.exact:  # a 1-bit result was decoded chunk by chunk during phase 2
-            decode_result(self.result, self.flat, exact=True)
-        if self.flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            decode_result(self.result, self.decoded_into, exact=True)
+        if self.output is None and (self.flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous()):
             tensor.copy_(self.flat.view(tensor.shape))
         return tensor
 
@@ -349,12 +350,10 @@ class FlatCall:
         def server_update_and_own_chunk() -> None:
             coder.error_update_(server, server_scale, served)
             into.record_server_max()
-            if self.decode:  # every rank decodes these bytes of phase 2 alike: decode them before they return
-                decode_chunk(mine, server_scale, flat, be.rank, n)
+            decode_chunk(mine, server_scale, self.decoded_into, be.rank, n)  # before its bytes return
 
         def peer_chunk(message: torch.Tensor, j: int) -> None:
-            if self.decode:
-                decode_chunk(message, message_scale(message), flat, j, n)
+            decode_chunk(message, message_scale(message), self.decoded_into, j, n)
 
         return self._gather(mine, server_update_and_own_chunk, peer_chunk)
 

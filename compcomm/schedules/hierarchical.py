@@ -14,7 +14,8 @@ intra.rank`), a call on a tensor of N elements runs:
                 `inter`, with this rank's ErrorFeedback, which therefore holds part i: (N_i, H);
                 its phase-0 verdict (non-finite sums, overflow) is then agreed inside the node
     all-gather: every part's phase-2 bytes (its servers' t_j and packed signs) inside the node;
-                every rank decodes every part from them, in the tensor's dtype
+                every rank decodes every part from them, in the tensor's dtype (its own part
+                as its phase 2 arrives, the others after the all-gather)
 
 so the output is the 1-bit mean over nodes of the node means (or the sum of the node sums for
 "sum"), bitwise identical on all n ranks, since all decode the same bytes. Only inter-node bytes
@@ -66,6 +67,7 @@ def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
     summed in a pass, the last added in the scan: the same rank order, the same bits)."""
     count = len(spec.tensors)
     exact = _agree_over_all_ranks(spec, be)
+    outs = [t.detach().reshape(-1) for t in spec.tensors]  # the results: views of the tensors where they can be
     divisor = float(be.intra.world_size) if spec.op == "mean" else 1.0
     parts: list[torch.Tensor] = [torch.empty(0)] * count
     formed: list[tuple[torch.Tensor | None, float]] = [(None, 1.0)] * count
@@ -76,13 +78,13 @@ def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
             part.div_(divisor)
 
     for i in range(1, count):
-        parts[i] = _node_step(spec, be, i, written_mean)[: part_of(be, spec.tensors[i].numel())[0]]
+        parts[i] = _node_step(be, outs[i], i, written_mean)[: part_of(be, outs[i].numel())[0]]
     calls: list[flat.FlatCall] = []
     failure: Exception | None = None
 
     def first_then_across(blocks: list[torch.Tensor], part: torch.Tensor) -> None:
         nonlocal calls, failure
-        real = part_of(be, spec.tensors[0].numel())[0]
+        real = part_of(be, outs[0].numel())[0]
         if exact[0] or not spec.into(0).scan_writes_x_prime(spec.error_feedbacks[0]):
             written_mean(blocks, part)
             parts[0] = part[:real]
@@ -97,30 +99,36 @@ def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
             spec.outs,
             exact=exact,
             result_dtypes=[t.dtype for t in spec.tensors],
+            outputs=[_own_part(be, out) for out in outs],  # decoded there as phase 2 arrives
             formed=formed,
         )
-        try:  # each part is decoded from the node's gathered results
-            calls = flat.prepare(across, be.inter, decode=False)
+        try:
+            calls = flat.prepare(across, be.inter)
         except Exception as exc:  # agreed on this inter group: now agreed inside the node too
             failure = exc
 
-    _node_step(spec, be, 0, first_then_across)
+    _node_step(be, outs[0], 0, first_then_across)
     raise_agreed(failure, be.intra, context="across nodes: ")
-    for call, tensor in zip(calls, spec.tensors):
+    for call, tensor, out in zip(calls, spec.tensors, outs):
         call.commit()
-        _share_result(be, call, tensor)
+        _share_result(be, call, tensor, out)
     return spec.tensors
 
 
+def _own_part(be: HierarchicalBackend, out: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the flat output `out`."""
+    start = be.intra.rank * chunk_size(out.numel(), be.intra.world_size)
+    return out[start : start + part_of(be, out.numel())[0]]
+
+
 def _node_step(
-    spec: CallSpec, be: HierarchicalBackend, i: int, combine: Callable[[list[torch.Tensor], torch.Tensor], object]
+    be: HierarchicalBackend, flat: torch.Tensor, i: int, combine: Callable[[list[torch.Tensor], torch.Tensor], object]
 ) -> torch.Tensor:
-    """Tensor i's exchange inside the node: `combine(blocks, part)` on the node's fp32 blocks of
-    this rank's part (see `HierarchicalBackend.exchange_in_node`); returns the part's buffer."""
-    numel = spec.tensors[i].numel()
-    return be.exchange_in_node(
-        spec.tensors[i].detach().reshape(-1), chunk_size(numel, be.intra.world_size), torch.float32, combine, slot=i
-    )
+    """The exchange inside the node of tensor i (`flat`): `combine(blocks, part)` on the node's
+    fp32 blocks of this rank's part (see `HierarchicalBackend.exchange_in_node`); returns the
+    part's buffer."""
+    size = chunk_size(flat.numel(), be.intra.world_size)
+    return be.exchange_in_node(flat, size, torch.float32, combine, slot=i)
 
 
 def _agree_over_all_ranks(spec: CallSpec, be: HierarchicalBackend) -> list[bool]:
@@ -140,9 +148,10 @@ def _agree_over_all_ranks(spec: CallSpec, be: HierarchicalBackend) -> list[bool]
     return [spec.reduced_exactly(i) for i in range(len(spec.tensors))]
 
 
-def _share_result(be: HierarchicalBackend, call: flat.FlatCall, tensor: torch.Tensor) -> None:
+def _share_result(be: HierarchicalBackend, call: flat.FlatCall, tensor: torch.Tensor, out: torch.Tensor) -> None:
     """All-gather every part's phase-2 bytes (1 bit per element) inside the node, then every
-    rank decodes every part from the same bytes: the tensor, bitwise equal everywhere."""
+    rank decodes the other parts from the same bytes (its own, decoded as its phase 2 arrived,
+    came from them too) into `out`, the flat tensor or its copy: bitwise equal everywhere."""
     assert call.result is not None
     k, h, numel = be.intra.world_size, be.inter.world_size, tensor.numel()
     size = chunk_size(numel, k)
@@ -151,10 +160,9 @@ def _share_result(be: HierarchicalBackend, call: flat.FlatCall, tensor: torch.Te
     mine[: call.result.numel()].copy_(call.result.view(-1))
     everyone = torch.empty(k, longest, dtype=torch.uint8, device=be.device)
     be.intra.all_gather(mine, everyone)
-    out = tensor.detach().reshape(-1)
     for i in range(k):
         real = real_count(i, numel, k)
-        if real:
+        if real and i != be.intra.rank:
             rows = everyone[i, : flat.result_bytes(real, h, call.exact)].view(h, -1)
             flat.decode_result(rows, out[i * size : i * size + real], call.exact)
     if out.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
