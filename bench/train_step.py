@@ -25,6 +25,7 @@ its own), one after the other in the same processes (METHODS below; `--methods` 
                          every --sync-every steps with 1-bit error-feedback pseudo-gradients (in
                          --diloco-fragments staggered fragments; no warm-up: it starts syncing at once)
     diloco_exact         the same with the exact mean of the pseudo-gradients
+    diloco_rotate        diloco with each bucket rotated before its 1-bit call (DiLoCo(rotate=True))
     fsdp_adamw           FSDP2 (fully_shard over every rank) + AdamW, FSDP's own collectives
     fsdp_onebit_adam     FSDP2 + compcomm.fsdp.compress (1-bit reduce-scatter) + sharded OnebitAdam
     fsdp_onebit_sgd      FSDP2 + compcomm.fsdp.compress + SGD with momentum
@@ -214,7 +215,7 @@ def compcomm_optimizer(name: str, stage_arg: str, lr_arg: str = "lr_adam") -> Bu
     return build
 
 
-def diloco_method(compress: bool) -> Builder:
+def diloco_method(compress: bool, rotate: bool = False) -> Builder:
     """compcomm.optim.DiLoCo around AdamW (the model is not wrapped), every --sync-every steps."""
 
     def build(model: torch.nn.Module, args: argparse.Namespace) -> Run:
@@ -229,6 +230,7 @@ def diloco_method(compress: bool) -> Builder:
             adamw(trained, args),
             sync_every=args.sync_every,
             compress=compress,
+            rotate=rotate,
             fragments=args.diloco_fragments,
             backend=backend,
             bucket_bytes=DEFAULT_BUCKET_BYTES if args.bucket_mb is None else int(args.bucket_mb * 2**20),
@@ -315,6 +317,7 @@ METHODS: dict[str, Builder] = {
     "zeroone_adam": compcomm_optimizer("ZeroOneAdam", "var_freeze_step"),
     "diloco": diloco_method(compress=True),
     "diloco_exact": diloco_method(compress=False),
+    "diloco_rotate": diloco_method(compress=True, rotate=True),
     "fsdp_adamw": sharded_method("fsdp", "adamw", compress=False),
     "fsdp_onebit_adam": sharded_method("fsdp", "onebit_adam", compress=True),
     "fsdp_onebit_sgd": sharded_method("fsdp", "sgd", compress=True),
@@ -392,7 +395,7 @@ def rank_main(args: argparse.Namespace, label: str) -> None:
         results[name] = merge(everyone)
         if rank == 0 and not args.quiet:
             print(f"[train_step] {name}: done", file=sys.stderr, flush=True)
-    if not args.no_baseline and {"ddp_adamw", "diloco", "diloco_exact"} & set(names):
+    if not args.no_baseline and {"ddp_adamw", "diloco", "diloco_exact", "diloco_rotate"} & set(names):
         everyone = [None] * world
         dist.all_gather_object(everyone, train(alone, args, text))
         results["alone"] = merge(everyone)
@@ -536,6 +539,7 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
         ("zeroone_adam", "ddp_adamw"),
         ("diloco", "ddp_adamw"),
         ("diloco_exact", "ddp_adamw"),
+        ("diloco_rotate", "ddp_adamw"),
         ("ddp_sgd_onebit", "ddp_sgd"),
         ("ddp_sgd_onebit", "ddp_adamw_powersgd"),
         ("ddp_adamw_powersgd", "ddp_adamw"),
@@ -556,7 +560,7 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
             lines.append(
                 f"{name} warm-up step: {r['warmup_step_time_ms'] / base['step_time_ms']:.2f}x ddp_adamw's step"
             )
-    for name in ("diloco", "diloco_exact"):
+    for name in ("diloco", "diloco_exact", "diloco_rotate"):
         r = by.get(name)
         if r is None:
             continue

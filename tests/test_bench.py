@@ -324,13 +324,21 @@ def test_cost_model_overlaps_what_gloo_overlaps():
     )
     assert t["call"] - phase1_and_server == pytest.approx(t["serr"] + 2 * own + (n - 2) * step, rel=1e-9)
 
-    k, hosts, numel = 2, 2, 25 << 20
+    # The hierarchical call: the node's exchange (and for k > 2 a pass summing the first k - 1
+    # blocks), the call across hosts whose scan also reads the last block and which decodes its
+    # own part in its phase 2, the results shared, the other k - 1 parts decoded.
+    hosts, numel = 2, 25 << 20
     p_node = dict(p, alpha_lo=1e-4, B_lo=1e9)
-    hier = model.hier_parts(p_node, numel, hosts, k, 1.0)
-    inner = model.flat_parts(p_node, model.chunk(numel, k), hosts, 1.0, 1, sharing_link=k, decode=False)
-    assert hier["hier"] == pytest.approx(
-        hier["agree"] + hier["rs"] + inner["call"] + hier["share"] + hier["decode_all"]
-    )
+    for k in (2, 3):
+        part = model.chunk(numel, k)
+        hier = model.hier_parts(p_node, numel, hosts, k, 1.0)
+        inner = model.flat_parts(p_node, part, hosts, 1.0, 1, sharing_link=k, addend=True)
+        plain = model.flat_parts(p_node, part, hosts, 1.0, 1, sharing_link=k)
+        assert inner["scan"] == pytest.approx(plain["scan"] + 4.0 * part / p["gamma"]["scan"])
+        summed = 4.0 * k * part / p["gamma"]["scan"] if k > 2 else 0.0
+        assert hier["rs"] == pytest.approx(model.node_time(p_node, (k - 1) * 4.0 * part, k, 1.0) + summed)
+        others = (k - 1) / k * model.flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"]
+        assert hier["hier"] == pytest.approx(hier["agree"] + hier["rs"] + inner["call"] + hier["share"] + others)
 
 
 def test_cost_model_mirrors_the_library_thresholds():

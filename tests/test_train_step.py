@@ -47,7 +47,9 @@ DDP_METHODS = {
 
 def check_records(records: list[dict], world: int) -> None:
     by = {r["method"]: r for r in records}
-    assert DDP_METHODS | {"onebit_adam", "onebit_lamb", "diloco", "diloco_exact"} <= set(by), sorted(by)
+    assert DDP_METHODS | {"onebit_adam", "onebit_lamb", "diloco", "diloco_exact", "diloco_rotate"} <= set(by), sorted(
+        by
+    )
     for r in records:
         assert SPEC_KEYS <= set(r), SPEC_KEYS - set(r)
         assert r["world_size"] == world and r["steps"] == 4
@@ -69,6 +71,7 @@ def check_records(records: list[dict], world: int) -> None:
     assert 0 < by["diloco"]["bytes_per_step"] < fp32 / 16
     assert by["diloco_exact"]["bytes_per_step"] == pytest.approx(fp32 / 2, rel=0.01)
     assert by["diloco"]["sync_every"] == 2
+    assert by["diloco_rotate"]["bytes_per_step"] == by["diloco"]["bytes_per_step"]  # rotation sends nothing more
 
 
 def test_tiny_run_self_spawned(tmp_path):
