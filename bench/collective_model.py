@@ -108,6 +108,12 @@ def node_time(p: dict, bytes_: float, k: int, share: float) -> float:
     return p["alpha_lo"] * (k - 1) * share + bytes_ / p["B_lo"]
 
 
+def node_sum(p: dict, numel: int, k: int, share: float) -> float:
+    """The hierarchical node step's pass summing the first k - 1 blocks of a part (k > 2; with two
+    ranks the worker scan reads both blocks): k blocks of 4N/k bytes moved, at the scan's gamma."""
+    return 4.0 * k * chunk(numel, k) / p["gamma"]["scan"] * share if k > 2 else 0.0
+
+
 def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float, row_by_row: bool = True) -> dict[str, float]:
     """The hierarchical call: the node's step (the fp32 parts exchanged inside the host, which
     B_lo is calibrated on, and for k > 2 the first k - 1 blocks summed in a pass), the flat call
@@ -117,9 +123,8 @@ def hier_parts(p: dict, numel: int, hosts: int, k: int, share: float, row_by_row
     Phase 0 spans all ranks: one collective across hosts and two inside the host."""
     part = chunk(numel, k)
     inner = flat_parts(p, part, hosts, share, 1, sharing_link=k, row_by_row=row_by_row, addend=k > 1)
-    partial_sum = 4.0 * k * part / p["gamma"]["scan"] * share if k > 2 else 0.0  # k - 1 blocks read, one written
     t = {
-        "rs": node_time(p, (k - 1) * 4.0 * part, k, share) + partial_sum,
+        "rs": node_time(p, (k - 1) * 4.0 * part, k, share) + node_sum(p, numel, k, share),
         "share": node_time(p, (k - 1) * hosts * (4 + chunk(part, hosts) / 8), k, share),
         "agree": comm_time(p, 0.0, hosts - 1, share, p["B"]) + 2 * node_time(p, 0.0, k, share),
         "decode_others": (k - 1) / k * flat_bytes(numel, 1)["decode"] / p["gamma"]["decode"] * share,

@@ -31,7 +31,7 @@ import argparse
 import json
 import statistics
 
-from collective_model import BURST, CODEC, chunk, flat_bytes, flat_parts, hier_parts
+from collective_model import BURST, CODEC, chunk, flat_bytes, flat_parts, hier_parts, node_sum
 
 
 def core_share(record: dict, cores: int) -> float:
@@ -47,8 +47,9 @@ def core_share(record: dict, cores: int) -> float:
 def calibrate(record: dict, cores: int, loopback: list[dict] | None = None) -> dict:
     """alpha, B and the gammas from one flat run (1 rank per host); from the records of a run
     with several ranks per host, the latency of a collective inside the host alpha_lo (its
-    smallest `share`, a few KiB) and the host's bandwidth B_lo (its largest `rs`, the node's
-    exchange of fp32 blocks: with two ranks per host the schedule's node step has no sum of its own)."""
+    smallest `share`, a few KiB) and the host's bandwidth B_lo (its largest `rs`: the node's
+    exchange of fp32 blocks, and with more than two ranks per host the pass summing all but the
+    last block, which `node_sum` charges apart)."""
     n, numel = record["world_size"], record["numel"]
     share = core_share(record, cores)
     b = flat_bytes(numel, n)
@@ -64,7 +65,8 @@ def calibrate(record: dict, cores: int, loopback: list[dict] | None = None) -> d
         k, lo_share = large["ranks_per_host"], core_share(large, cores)
         p["alpha_lo"] = small["share_s"] / ((k - 1) * core_share(small, cores))
         moved = (k - 1) * 4.0 * chunk(large["numel"], k)
-        p["B_lo"] = moved / max(1e-9, large["rs_s"] - p["alpha_lo"] * (k - 1) * lo_share)
+        exchange = large["rs_s"] - node_sum(p, large["numel"], k, lo_share) - p["alpha_lo"] * (k - 1) * lo_share
+        p["B_lo"] = moved / max(1e-9, exchange)
     return p
 
 

@@ -106,6 +106,16 @@ def _bf16_bits(f32: int) -> int:
     return (f32 + 0x7FFF + ((f32 >> 16) & 1)) >> 16
 
 
+def divide_(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """t /= divisor, a true division in t's dtype on every device, as the fused kernels and the
+    CPU compute it: torch on CUDA multiplies by 1/divisor when the divisor is a Python number,
+    one ulp off in about a third of the elements for a divisor of 3, so it divides by a tensor.
+    Returns t."""
+    if divisor != 1:
+        t.div_(torch.tensor(float(divisor), dtype=t.dtype, device=t.device))
+    return t
+
+
 def storages(*tensors: torch.Tensor | None) -> set[int]:
     """The allocations these tensors view, by address: two tensors share memory when their sets
     meet. Empty allocations count as none (their addresses may all be 0)."""
@@ -215,8 +225,7 @@ class Codec:
             v[:live] = x[start : start + live]
             if addend is not None:
                 v[:live] += addend[start : start + live]
-            if divisor != 1.0:
-                v[:live] /= divisor
+            divide_(v[:live], divisor)
             if pending and error is not None:
                 e = error[start : start + live]
                 v[:live] += e - torch.where(e >= 0, plus, -plus)
@@ -317,8 +326,7 @@ class Codec:
             a = tables[0][bits[0, start // 8 : stop // 8].long()].view(-1)
             for r in range(1, n):
                 a += tables[r][bits[r, start // 8 : stop // 8].long()].view(-1)
-            if divisor != 1:  # by a tensor: CUDA would multiply by 1/divisor for a Python number
-                a /= torch.tensor(float(divisor), device=a.device)
+            divide_(a, divisor)
             y = error[start:stop]
             y += a
             head = y[: max(0, min(real, stop) - start)].double()

@@ -238,14 +238,15 @@ def test_cost_model_fits_latency_on_two_cluster_sizes():
     assert p["overhead"] == pytest.approx(1e-3)
 
 
-def test_cost_model_calibrates_the_node_step_on_itself():
+@pytest.mark.parametrize("k", [2, 3])
+def test_cost_model_calibrates_the_node_step_on_itself(k):
     """bench/cost_model.py --loopback: the latency of a collective inside a host comes from the
-    smallest `share` and the host's bandwidth from the largest `rs` (the node's reduce-scatter
-    with its sum, as the schedule runs it); the hierarchical model then predicts that rs back
-    and charges no separate pass for the sum."""
-    bench_scripts.load("collective_model")
+    smallest `share` and the host's bandwidth from the largest `rs` (the node's step as the
+    schedule runs it: the exchange, and for k > 2 the pass summing all but the last block, which
+    the model charges apart); the hierarchical model then predicts that rs back."""
+    collective = bench_scripts.load("collective_model")
     model = bench_scripts.load("cost_model")
-    alpha_lo, b_lo, k, share = 300e-6, 2e9, 2, 2.0  # two ranks on one core
+    alpha_lo, b_lo, share = 300e-6, 2e9, float(k)  # k ranks on one core
 
     def node_record(numel: int) -> dict:
         moved = (k - 1) * 4.0 * model.chunk(numel, k)
@@ -255,11 +256,12 @@ def test_cost_model_calibrates_the_node_step_on_itself():
             "cpus_per_host": 1.0,
             "numel": numel,
             "share_s": alpha_lo * (k - 1) * share,
-            "rs_s": alpha_lo * (k - 1) * share + moved / b_lo,
+            "rs_s": alpha_lo * (k - 1) * share + moved / b_lo + collective.node_sum(gammas, numel, k, share),
         }
 
     flat_run = {"world_size": 2, "numel": 1 << 24, "cpus_per_host": 1.0, "header_s": 1e-3, "allreduce_s": 1.0}
     flat_run.update({part + "_s": 1e-2 for part in ("a2a", "gather", *model.CODEC)})
+    gammas = model.calibrate(flat_run, 2)  # the codec's gamma, which the node's sum runs at
     loopback = [node_record(1 << 18), node_record(1 << 24)]
     p = model.calibrate(flat_run, 2, loopback)
     assert p["alpha_lo"] == pytest.approx(alpha_lo) and p["B_lo"] == pytest.approx(b_lo)

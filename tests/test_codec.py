@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from compcomm import _abi, _cuda, _native
-from compcomm.codec import Codec, codec_for
+from compcomm.codec import Codec, codec_for, divide_
 
 from cuda_emulation import EmulatedCudaKernels, build, compiler_missing
 
@@ -174,6 +174,21 @@ def test_worker_scan_forms_a_node_sum(kind, numel, dtype, divisor):
             torch.empty(m // 8, dtype=torch.uint8, device=kind.device),
             addend=addend[:-1].to(kind.device),
         )
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+def test_divide_is_a_true_division_on_every_device(device):
+    """`divide_` (the torch code's divisions: the worker scan's node mean, the server's 1/n, the
+    exact sums, the hierarchical node mean written out) divides in fp32 as the kernels do. torch
+    on CUDA multiplies by 1/3 when the divisor is a Python number: a third of these elements
+    came out one ulp off."""
+    x = data(10000, torch.float32, 7)
+    expected = torch.from_numpy(x.numpy() / np.float32(3))
+    assert same_bits(divide_(x.to(device), 3).cpu(), expected)
+    assert divide_(x.to(device), 1).cpu().equal(x)
 
 
 def test_update_into_a_buffer_overlapping_the_errors_is_refused(kind):

@@ -22,6 +22,7 @@ from reference import reference_allreduce
 _backends: dict[str, object] = {}  # per rank process: layout name -> its HierarchicalBackend
 LAYOUTS = {"2x2": (2, 2), "2x3": (2, 3)}  # nodes x ranks per node; gloo inside the node
 SHM = {f"{layout}/shm": shape for layout, shape in LAYOUTS.items()}  # shared memory inside the node
+SINGLE = {"1x6/shm": (1, 6)}  # one node: the 1-bit call across nodes has one rank
 
 
 def _build() -> None:
@@ -33,6 +34,7 @@ def _build() -> None:
     rank = dist.get_rank()
     _backends["2x3"] = backends.get("hierarchical", local_world_size=3, intra="gloo")
     _backends["2x3/shm"] = backends.get("hierarchical", local_world_size=3)  # shm: the default on CPU
+    _backends["1x6/shm"] = backends.get("hierarchical", local_world_size=6)
     node = [dist.new_group(r) for r in ([0, 1], [2, 3])]
     peer = [dist.new_group(r) for r in ([0, 2], [1, 3])]
     if rank < 4:
@@ -51,7 +53,7 @@ def six():
 
 
 def ranks_of(layout: str) -> range:
-    nodes, k = {**LAYOUTS, **SHM}[layout]
+    nodes, k = {**LAYOUTS, **SHM, **SINGLE}[layout]
     return range(nodes * k)
 
 
@@ -100,11 +102,13 @@ def reference(inputs: list[np.ndarray], k: int, op: str, state: dict) -> tuple[n
     return out, new
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, *SHM])
+@pytest.mark.parametrize("layout", [*LAYOUTS, *SHM, *SINGLE])
 @pytest.mark.parametrize("numel", [1, 7, 48, 100, 1001])  # 48: parts need no padding
 @pytest.mark.parametrize("op", ["mean", "sum"])
 def test_matches_float64_reference_bitwise_equal_everywhere(six, layout, numel, op):
-    hosts, k = {**LAYOUTS, **SHM}[layout]
+    """Also on one node (1x6: a part's result rows start at odd byte offsets, which the decode
+    read as fp32 in place and failed on)."""
+    hosts, k = {**LAYOUTS, **SHM, **SINGLE}[layout]
     steps = 3
     per_rank = six.run(run_steps, layout, numel, op, steps, ranks=ranks_of(layout))
     state: dict = {}

@@ -168,6 +168,8 @@ def _serves(be: Backend) -> Callable[[int], tuple[int, int, str]]:
 def _scan(spec: CallSpec, i: int, n: int) -> Scanned:
     """Tensor i's local pass (see `Scanned`)."""
     if spec.reduced_exactly(i):
+        if spec.formed_by(i) != (None, 1.0):
+            raise ValueError("a formed tensor cannot be reduced exactly: its rows are the tensor itself")
         flat, rows, bound = _exact_rows(spec.tensors[i], n)
         return flat, rows, bound, None
     scan = WorkerScan(spec.tensors[i], spec.error_feedbacks[i], spec.into(i), n, *spec.formed_by(i))
@@ -295,7 +297,7 @@ class FlatCall:
     x_prime: torch.Tensor | None  # x' = x + e_w from the scan: the worker error state after the call
     result: torch.Tensor | None = None  # after commit: phase 2's bytes, see `decode_result`
     sent: bool = False  # phase 1 already ran during the scan: `rows` are the rows received
-    output: torch.Tensor | None = None  # where the result is decoded, flat, contiguous (`CallSpec.outputs`)
+    output: torch.Tensor | None = None  # where the result is decoded, flat (`CallSpec.outputs`)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -390,10 +392,7 @@ class FlatCall:
 def exact_sum(received: torch.Tensor, divisor: int) -> torch.Tensor:
     """The exact reduction of fp32 rows ((n, 4C) bytes): summed in rank order, then / divisor."""
     parts = as_fp32(received)
-    total = sum_in_rank_order(list(parts), torch.empty_like(parts[0]))
-    if divisor != 1:
-        total.div_(divisor)
-    return total
+    return codec.divide_(sum_in_rank_order(list(parts), torch.empty_like(parts[0])), divisor)
 
 
 def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False) -> None:
@@ -403,7 +402,9 @@ def decode_result(everyone: torch.Tensor, out: torch.Tensor, exact: bool = False
     if exact:
         out.copy_(as_fp32(everyone).view(-1)[:numel])
         return
-    server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).view(torch.float32).tolist()
+    # copied out: the rows need not be aligned for fp32 (one row at an odd offset, when a single
+    # node decodes its part from the node's gathered results)
+    server_scales = everyone[:, :SERVER_SCALE_BYTES].reshape(-1).clone().view(torch.float32).tolist()
     for j in range(n):
         decode_chunk(everyone[j], server_scales[j], out, j, n)
 

@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import codec
 from ..agreement import CallSpec, Measured, agree_on_call, raise_agreed
 from ..backends.hierarchical import HierarchicalBackend
 from ..backends.ordering import Channel
@@ -67,15 +68,13 @@ def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
     summed in a pass, the last added in the scan: the same rank order, the same bits)."""
     count = len(spec.tensors)
     exact = _agree_over_all_ranks(spec, be)
-    outs = [t.detach().reshape(-1) for t in spec.tensors]  # the results: views of the tensors where they can be
+    outs = [_flat_output(t) for t in spec.tensors]
     divisor = float(be.intra.world_size) if spec.op == "mean" else 1.0
     parts: list[torch.Tensor] = [torch.empty(0)] * count
     formed: list[tuple[torch.Tensor | None, float]] = [(None, 1.0)] * count
 
     def written_mean(blocks: list[torch.Tensor], part: torch.Tensor) -> None:
-        sum_in_rank_order(blocks, part)
-        if divisor != 1.0:
-            part.div_(divisor)
+        codec.divide_(sum_in_rank_order(blocks, part), divisor)
 
     for i in range(1, count):
         parts[i] = _node_step(be, outs[i], i, written_mean)[: part_of(be, outs[i].numel())[0]]
@@ -113,6 +112,13 @@ def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
         call.commit()
         _share_result(be, call, tensor, out)
     return spec.tensors
+
+
+def _flat_output(tensor: torch.Tensor) -> torch.Tensor:
+    """Where the call reads the tensor and writes its result: its flat view, or a contiguous copy
+    (which `_share_result` copies back), so that the scan and the decode take contiguous memory."""
+    flat = tensor.detach().reshape(-1)
+    return flat if flat.is_contiguous() else flat.contiguous()
 
 
 def _own_part(be: HierarchicalBackend, out: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+python bench/netsim.py --hosts 4 --rate 100mbit --delay 20ms --cpus-per-host 1 --subnet 10.77.151.0/24 -- python bench/train_step.py --methods diloco,diloco_rotate --sync-every 16 --steps 32 --warmup-steps 4 -q --json bench/results/train_step_wan_4h_100mbit_20ms_emul_c1_diloco_rotate.json
