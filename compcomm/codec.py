@@ -107,12 +107,13 @@ def _bf16_bits(f32: int) -> int:
 
 
 def divide_(t: torch.Tensor, divisor: float) -> torch.Tensor:
-    """t /= divisor, a true division in t's dtype on every device, as the fused kernels and the
-    CPU compute it: torch on CUDA multiplies by 1/divisor when the divisor is a Python number,
-    one ulp off in about a third of the elements for a divisor of 3, so it divides by a tensor.
-    Returns t."""
+    """t /= divisor, a true division on every device, as the fused kernels and the CPU compute
+    it: torch on CUDA multiplies by 1/divisor when the divisor is a Python number (or a CPU
+    scalar), one ulp off in about a third of the elements for a divisor of 3, so it divides by
+    a 0-dim tensor on t's device, held in at least fp32 (a half-precision divisor would round
+    257 to 256). Returns t."""
     if divisor != 1:
-        t.div_(torch.tensor(float(divisor), dtype=t.dtype, device=t.device))
+        t.div_(torch.tensor(float(divisor), dtype=torch.promote_types(t.dtype, torch.float32), device=t.device))
     return t
 
 

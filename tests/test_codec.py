@@ -187,8 +187,11 @@ def test_divide_is_a_true_division_on_every_device(device):
     came out one ulp off."""
     x = data(10000, torch.float32, 7)
     expected = torch.from_numpy(x.numpy() / np.float32(3))
-    assert same_bits(divide_(x.to(device), 3).cpu(), expected)
-    assert divide_(x.to(device), 1).cpu().equal(x)
+    assert same_bits(divide_(x.to(device, copy=True), 3).cpu(), expected)
+    assert divide_(x.to(device, copy=True), 1).cpu().equal(x)
+    half = (x * 100).half()  # a divisor that fp16 cannot hold (2049 -> 2048) is not rounded first
+    expected = torch.from_numpy(half.numpy().astype(np.float32) / np.float32(2049)).half()
+    assert same_bits(divide_(half.to(device, copy=True), 2049).cpu(), expected)
 
 
 def test_update_into_a_buffer_overlapping_the_errors_is_refused(kind):
