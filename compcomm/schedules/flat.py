@@ -168,7 +168,8 @@ def _serves(be: Backend) -> Callable[[int], tuple[int, int, str]]:
 def _scan(spec: CallSpec, i: int, n: int) -> Scanned:
     """Tensor i's local pass (see `Scanned`)."""
     if spec.reduced_exactly(i):
-        if spec.formed_by(i) != (None, 1.0):
+        addend, divisor = spec.formed_by(i)
+        if addend is not None or divisor != 1.0:
             raise ValueError("a formed tensor cannot be reduced exactly: its rows are the tensor itself")
         flat, rows, bound = _exact_rows(spec.tensors[i], n)
         return flat, rows, bound, None
