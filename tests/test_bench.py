@@ -353,3 +353,44 @@ def test_cost_model_mirrors_the_library_thresholds():
     assert model.FOLD_BYTES == FOLD_BYTES
     assert model.ROW_BY_ROW_BYTES == DIRECT_GATHER_BYTES
     assert model.HEADER_BYTES == HEADER.itemsize
+
+
+def test_timeline_records_every_step_of_both_calls(tmp_path):
+    """bench/timeline.py on 4 self-spawned ranks, 2 per host: every timed call of each kind has
+    every rank's spans, inside the call, with the steps its schedule runs, and its CPU time."""
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "timeline.py"), "--size", "1M", "--calls", "2", "--warmup", "1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "WORLD_SIZE"))}
+    proc = subprocess.run(cmd + ["--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "== flat" in proc.stdout and "== hierarchical" in proc.stdout and "rank 3 scan" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["meta"]["world_size"] == 4 and report["meta"]["ranks_per_host"] == 2
+    calls = report["calls"]
+    assert sorted((c["kind"], c["call"]) for c in calls) == [
+        ("flat", 0),
+        ("flat", 1),
+        ("hierarchical", 0),
+        ("hierarchical", 1),
+    ]
+    expected = {
+        "flat": {"call", "phase 0", "scan", "phase 1", "server", "error update", "phase 2", "decode"},
+        "hierarchical": {"call", "phase 0", "node exchange", "scan", "server", "phase 2", "decode", "share"},
+    }
+    for call in calls:
+        assert [r["rank"] for r in call["ranks"]] == [0, 1, 2, 3] and call["links"] == []
+        for r in call["ranks"]:
+            steps = {s for s, _, _ in r["spans"]}
+            assert expected[call["kind"]] <= steps, (call["kind"], steps)
+            assert r["cpu_ms"] > 0
+            assert all(0 <= a <= b <= call["time_ms"] + 1e-3 for _, a, b in r["spans"])
+
+
+def test_timeline_counts_each_step_once_and_marks_unsampled_sends():
+    timeline = bench_scripts.load("timeline")
+    spans = [["scan", 1.0, 3.0], ["scan", 2.0, 4.0], ["phase 0", 0.0, 9.0], ["scan", 6.0, 7.0]]
+    assert timeline.busy(spans, "scan") == (4.0, 1.0, 7.0)  # [1, 4] and [6, 7]
+    assert timeline.busy(spans, "share")[0] == 0.0
+    samples = [[0.0, 0], [1.0, 100], [5.0, 100], [9.0, 500], [9.5, 600]]
+    assert timeline.link_bytes(samples, 0.0, 1.0) == 100 and timeline.link_bytes(samples, 0.5, 7.0) == 250
+    assert timeline.blind_spots(samples) == [(5.0, 9.0)]  # idle gaps are known: nothing was sent
