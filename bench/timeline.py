@@ -18,10 +18,12 @@ alternated, --calls of each after a warm-up. Every rank records, per call,
 
 and under bench/netsim.py the first rank of each host samples its host's outgoing link (the
 namespace's eth0 transmit counter, about every half millisecond), so the wire shows beside the
-steps. Times are emulated (divided by the dilation d); a call's origin is the earliest rank's
-start after a barrier. The report gives each kind's calls, the CPU each host used against the
-cores it had (busy: CPU time over call time x cores per host), and for the call of median time,
-per rank, each step's busy time and an ASCII chart; --png draws that call (matplotlib).
+steps. Times are emulated (divided by the dilation d; CPU times are not: a host's quota of C / d
+real cores stands for its C emulated ones); a call's origin is the earliest rank's start after a
+barrier, on the one clock the ranks share (they must run on one machine, as netsim's do). The
+report gives each kind's calls, the CPU each host used against the cores it had (busy: CPU time
+over call time x cores per host), and for the call of median time, per rank, each step's busy
+time and an ASCII chart; --png draws that call (matplotlib).
 
 The steps are timed by wrapping the schedule's functions for this process only (their results
 and bits are untouched); the wrappers and the sampler cost a few microseconds per step.
@@ -61,6 +63,7 @@ STEPS = (
     "share",
 )
 LINK_COUNTER = "/sys/class/net/eth0/statistics/tx_bytes"  # inside a bench/netsim.py namespace
+BOOT_ID = "/proc/sys/kernel/random/boot_id"  # one per running kernel: ranks that share it share CLOCK_MONOTONIC
 SAMPLE_S = 0.0005
 CHART_COLUMNS = 100
 LINK_BINS = 250  # of the drawn chart's link lanes
@@ -113,29 +116,38 @@ class Recorder:
 
 
 class LinkSampler:
-    """(time, bytes sent) of this host's link, sampled in a thread while `running` is set, and
-    the CPU time the thread took (which the calls' CPU figures leave out)."""
+    """(time, bytes sent) of this host's link, sampled in a thread while `running` is set (and
+    by the caller at the edges of a call: `mark`), and that thread's CPU time, which the calls'
+    CPU figures leave out."""
 
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDONLY)
         self.samples: list[tuple[float, int]] = []
-        self.cpu_s = 0.0
         self.running = threading.Event()
         self.done = False
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
+        assert self.thread.ident is not None
+        self.clock = time.pthread_getcpuclockid(self.thread.ident)
 
     def _loop(self) -> None:
         while not self.done:
             if self.running.wait(0.05):
-                self.samples.append((time.monotonic(), int(os.pread(self.fd, 32, 0))))
-                self.cpu_s = time.thread_time()
+                self.mark()
                 time.sleep(SAMPLE_S)
 
-    def take(self) -> tuple[list[tuple[float, int]], float]:
-        """The samples since the last take, and the thread's CPU time so far."""
+    def mark(self) -> None:
+        """One sample, now."""
+        self.samples.append((time.monotonic(), int(os.pread(self.fd, 32, 0))))
+
+    def cpu_s(self) -> float:
+        """The sampling thread's CPU time so far."""
+        return time.clock_gettime(self.clock)
+
+    def take(self) -> list[tuple[float, int]]:
+        """The samples since the last take, in time order."""
         samples, self.samples = self.samples, []
-        return samples, self.cpu_s
+        return sorted(samples)
 
     def close(self) -> None:
         self.done = True
@@ -155,6 +167,14 @@ def run_calls(args: argparse.Namespace) -> dict:
     kinds = {"flat": backends.get("gloo")}
     if 1 < per_host < world:
         kinds["hierarchical"] = backends.get("hierarchical", local_world_size=per_host)
+    machines: list[Any] = [None] * world
+    with open(BOOT_ID) as f:
+        dist.all_gather_object(machines, f.read().strip())
+    if len(set(machines)) > 1:
+        raise SystemExit(
+            "timeline.py compares the ranks' CLOCK_MONOTONIC, which only one machine shares: "
+            "run it on local ranks or inside bench/netsim.py"
+        )
     recorder = Recorder()
     recorder.instrument()
     sampler = LinkSampler(LINK_COUNTER) if rank % per_host == 0 and os.environ.get("NETSIM_RATE") else None
@@ -168,24 +188,26 @@ def run_calls(args: argparse.Namespace) -> dict:
                 buf.copy_(x)
                 dist.barrier()
                 recorder.spans.clear()
-                samples: list[tuple[float, int]] = []
                 sampler_cpu = 0.0
                 if sampler is not None:
-                    sampler_cpu = sampler.take()[1]
+                    sampler.take()
+                    sampler.mark()
                     sampler.running.set()
+                    sampler_cpu = sampler.cpu_s()
                 cpu = time.process_time()
                 compcomm.compressed_allreduce(buf, errors[kind], backend=be)
                 cpu = time.process_time() - cpu
                 if sampler is not None:
-                    time.sleep(0.002)  # the call's last bytes leave the queue
+                    cpu -= sampler.cpu_s() - sampler_cpu
+                dist.barrier()  # every rank's call is over: nothing more leaves for it
+                if sampler is not None:
+                    time.sleep(0.002)  # the call's last bytes leave the shaper's queue
                     sampler.running.clear()
-                    samples, until = sampler.take()
-                    cpu -= until - sampler_cpu
+                    sampler.mark()
                 if i >= warmup:
-                    link = samples if sampler is not None else None
-                    mine.append(
-                        {"kind": kind, "call": i - warmup, "spans": list(recorder.spans), "cpu_s": cpu, "link": link}
-                    )
+                    link = sampler.take() if sampler is not None else None
+                    spans = list(recorder.spans)
+                    mine.append({"kind": kind, "call": i - warmup, "spans": spans, "cpu_s": cpu, "link": link})
     finally:
         if sampler is not None:
             sampler.close()
@@ -214,7 +236,8 @@ def assemble(data: dict) -> list[dict]:
         ranks, links = [], []
         for r in sorted(call["ranks"], key=lambda r: r["rank"]):
             spans = sorted(([step, ms(a), ms(b)] for step, a, b in r["spans"]), key=lambda s: (s[1], -s[2]))
-            ranks.append({"rank": r["rank"], "host": r["host"], "cpu_ms": r["cpu_s"] / d * 1e3, "spans": spans})
+            # CPU time is not dilated: a host's quota of C / d real cores is its C emulated cores
+            ranks.append({"rank": r["rank"], "host": r["host"], "cpu_ms": r["cpu_s"] * 1e3, "spans": spans})
             if r["link"]:
                 base = r["link"][0][1]
                 links.append({"host": r["host"], "samples": [[ms(t), n - base] for t, n in r["link"]]})

@@ -394,3 +394,28 @@ def test_timeline_counts_each_step_once_and_marks_unsampled_sends():
     samples = [[0.0, 0], [1.0, 100], [5.0, 100], [9.0, 500], [9.5, 600]]
     assert timeline.link_bytes(samples, 0.0, 1.0) == 100 and timeline.link_bytes(samples, 0.5, 7.0) == 250
     assert timeline.blind_spots(samples) == [(5.0, 9.0)]  # idle gaps are known: nothing was sent
+
+
+def test_timeline_divides_times_but_not_cpu_by_the_dilation(monkeypatch):
+    """Emulated at d = 2: spans and call times halve, from the earliest rank's start; CPU time
+    stays (a host's C / d real cores are its C emulated ones); the link's bytes count from the
+    sample before the call, and a lane shows busy, idle and unsampled cells."""
+    timeline = bench_scripts.load("timeline")
+    monkeypatch.setenv("NETSIM_DILATION", "2")
+    records = [
+        [{"kind": "flat", "call": 0, "spans": [("call", 10.0, 10.2), ("scan", 10.01, 10.05)], "cpu_s": 0.15,
+          "link": [(9.99, 1000)] + [(10.0 + 0.002 * i, 1000 + 1000 * min(i, 50)) for i in range(101)]}],
+        [{"kind": "flat", "call": 0, "spans": [("call", 10.02, 10.16)], "cpu_s": 0.05, "link": None}],
+    ]  # fmt: skip
+    (call,) = timeline.assemble({"per_host": 2, "records": records})
+    assert math.isclose(call["time_ms"], 100.0)
+    rank0, rank1 = call["ranks"]
+    assert rank0["cpu_ms"] == 150.0 and rank1["cpu_ms"] == 50.0
+    assert [s[0] for s in rank0["spans"]] == ["call", "scan"] and rank0["spans"][1][1:] == [5.0, 25.0]
+    assert rank1["spans"][0][1:] == [10.0, 80.0]
+    (link,) = call["links"]
+    assert link["host"] == 0 and link["samples"][0] == [-5.0, 0] and link["samples"][-1] == [100.0, 50000]
+    # sampled every emulated ms: 1000 bytes a ms for 50 ms, then idle; at 1 KB/ms half the call is busy
+    assert timeline.link_cells(link, 100.0, 4, 1000.0) == ["#", "#", ".", "."]
+    gappy = {"samples": [[0.0, 0], [10.0, 0], [40.0, 30000], [50.0, 30000]]}
+    assert timeline.link_cells(gappy, 50.0, 5, 1000.0) == [".", "?", "?", "?", "."]
