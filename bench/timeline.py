@@ -326,14 +326,25 @@ def describe(meta: dict) -> str:
     )
 
 
+def by_time(calls: list[dict], kind: str) -> tuple[list[dict], dict]:
+    """A kind's calls, fastest first, and the one charted: the middle one (the upper of the two
+    middle ones for an even count)."""
+    mine = sorted((c for c in calls if c["kind"] == kind), key=lambda c: c["time_ms"])
+    return mine, mine[len(mine) // 2]
+
+
+def link_rate(meta: dict) -> float | None:
+    """The emulated link's rate in bytes per second (None outside netsim)."""
+    return parse_rate(meta["rate"]) / 8 if meta["rate"] else None
+
+
 def report(calls: list[dict], meta: dict) -> list[str]:
     """The printed report (see the module's docstring)."""
-    rate = parse_rate(meta["rate"]) / 8 if meta["rate"] else None
+    rate = link_rate(meta)
     cores = meta["cpus_per_host"] or (os.cpu_count() or 1) / max(1, meta["hosts"])
     lines = [f"timeline: {describe(meta)}"]
     for kind in dict.fromkeys(c["kind"] for c in calls):
-        mine = sorted((c for c in calls if c["kind"] == kind), key=lambda c: c["time_ms"])
-        median = mine[len(mine) // 2]
+        mine, median = by_time(calls, kind)
         times = ", ".join(f"{c['time_ms']:.1f}" for c in sorted(mine, key=lambda c: c["call"]))
         lines += ["", f"== {kind}: calls {times} ms; median {statistics.median(c['time_ms'] for c in mine):.1f} ms"]
         hosts = sorted({r["host"] for r in median["ranks"]})
@@ -369,13 +380,12 @@ def draw(calls: list[dict], path: str, meta: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rate = parse_rate(meta["rate"]) / 8 if meta["rate"] else None
+    rate = link_rate(meta)
     kinds = list(dict.fromkeys(c["kind"] for c in calls))
     fig, axes = plt.subplots(len(kinds), 1, figsize=(12, 3 + 2.2 * len(kinds)), squeeze=False)
     colors = {step: plt.get_cmap("tab10")(i) for i, step in enumerate(STEPS)}
     for ax, kind in zip(axes[:, 0], kinds):
-        mine = sorted((c for c in calls if c["kind"] == kind), key=lambda c: c["time_ms"])
-        call = mine[len(mine) // 2]
+        call = by_time(calls, kind)[1]
         rows, y = [], 0
         for r in call["ranks"]:
             for step in STEPS:

@@ -31,6 +31,12 @@ SPEC_KEYS = {
 WORLD = 4
 
 
+def _unlaunched_environment() -> dict[str, str]:
+    """This environment without the variables of an MPI or torchrun launch, so that a bench
+    program started from the tests spawns its own ranks (or mpirun starts fresh ones)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "WORLD_SIZE"))}
+
+
 def _load_module():
     return bench_scripts.load("allreduce_bw")
 
@@ -182,7 +188,7 @@ def test_the_mpirun_command_the_main_job_prints_runs():
     assert hint.returncode != 0
     command = hint.stderr.strip().splitlines()[-1].split()
     assert command[0].endswith("mpirun") and "--oversubscribe" in command
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "WORLD_SIZE"))}
+    env = _unlaunched_environment()
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "compressed" in run.stdout and "allreduce" in run.stdout
@@ -360,7 +366,7 @@ def test_timeline_records_every_step_of_both_calls(tmp_path):
     every rank's spans, inside the call, with the steps its schedule runs, and its CPU time."""
     out = tmp_path / "t.json"
     cmd = [sys.executable, str(ROOT / "bench" / "timeline.py"), "--size", "1M", "--calls", "2", "--warmup", "1"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "WORLD_SIZE"))}
+    env = _unlaunched_environment()
     proc = subprocess.run(cmd + ["--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "== flat" in proc.stdout and "== hierarchical" in proc.stdout and "rank 3 scan" in proc.stdout
