@@ -66,6 +66,7 @@ CALL = np.dtype(
         ("dtype", "u1"),  # index in FLOAT_DTYPES
         ("exact", "u1"),  # 1 when reduced exactly (below min_compress_bytes)
         ("schedule", "u1"),  # index in SCHEDULES
+        ("limit", "<f4"),  # CallSpec.limits: the largest result magnitude the caller takes (inf: none)
     ]
 )
 """What every rank must agree on, per tensor. Only its digest travels, unless the digests differ."""
@@ -132,6 +133,10 @@ class CallSpec:
     out (a hierarchical node's mean, read in place from its ranks' blocks); only for a
     compressed tensor whose scan writes x' (`ErrorFeedback.scan_writes_x_prime`), since the
     other paths read the tensor itself.
+    `limits` caps, per tensor, the magnitude its result may reach, below what fp32 and its dtype
+    hold: for a caller that applies the result in a further step which must stay finite
+    (DiLoCo's outer step); a call whose bound reaches it is refused like an overflow. Every
+    rank must pass the same limits (they are part of the call's digest).
     """
 
     tensors: list[torch.Tensor]
@@ -143,6 +148,7 @@ class CallSpec:
     result_dtypes: list[torch.dtype] | None = None
     outputs: list[torch.Tensor] | None = None
     formed: list[tuple[torch.Tensor | None, float]] | None = None
+    limits: list[float] | None = None
 
     @classmethod
     def of(
@@ -182,6 +188,11 @@ class CallSpec:
     def formed_by(self, i: int) -> tuple[torch.Tensor | None, float]:
         """Tensor i's (addend, divisor) in the worker scan: (None, 1.0) when it is reduced as it is."""
         return (None, 1.0) if self.formed is None else self.formed[i]
+
+    def limit(self, i: int) -> float:
+        """Tensor i's limit as its CALL record holds it (fp32; inf: none, or beyond fp32)."""
+        limit = math.inf if self.limits is None else float(self.limits[i])
+        return limit if limit <= _LARGEST[torch.float32] else math.inf
 
     def result_dtype(self, i: int) -> torch.dtype:
         return self.tensors[i].dtype if self.result_dtypes is None else self.result_dtypes[i]
@@ -374,6 +385,7 @@ def _check_call(
             record = calls[i]
             record["numel"], record["tag"], record["op"] = tensor.numel(), ef.fingerprint, OPS.index(spec.op)
             record["dtype"] = FLOAT_DTYPES.index(spec.result_dtype(i))
+            record["limit"] = spec.limit(i)
     except Exception as exc:  # reported to every rank in the exchange, then raised everywhere
         failure = exc
     headers = _headers(calls)
@@ -505,7 +517,7 @@ def _disagreement(calls: np.ndarray) -> str:
             f"ranks disagree on the number of tensors in the call (per rank: {calls['count'][:, 0].tolist()}); "
             "nothing was reduced"
         )
-    for field in ("schedule", "seq", "numel", "op", "dtype", "exact", "tag"):
+    for field in ("schedule", "seq", "numel", "op", "dtype", "exact", "tag", "limit"):
         differs = np.flatnonzero((calls[field] != calls[field][:1]).any(axis=0))
         if differs.size:
             column = calls[field][:, int(differs[0])].tolist()
@@ -530,6 +542,7 @@ def _disagreement(calls: np.ndarray) -> str:
         "dtype": "dtype",
         "exact": "compression (1 = uncompressed)",
         "tag": "ErrorFeedback tags",
+        "limit": "largest result magnitude",
     }[field]
     hint = {
         "schedule": "; every rank must make the same compcomm calls on a group in the same order",
@@ -542,18 +555,24 @@ def _disagreement(calls: np.ndarray) -> str:
 
 
 def _check_headroom(headers: np.ndarray, call: np.void) -> None:
-    """NonFiniteError when the sums of this tensor could leave fp32 or the result's dtype: with
-    B = sum_r bound_r, partial sums stay below B and each output below B/n (mean) or B (sum),
-    plus max |e_s|."""
+    """NonFiniteError when the sums of this tensor could leave fp32, the result's dtype or the
+    call's limit: with B = sum_r bound_r, partial sums stay below B and each output below B/n
+    (mean) or B (sum), plus max |e_s|."""
     total = float(np.sum(headers["scale"].astype(np.float64)))
     divisor = len(headers) if OPS[int(call["op"])] == "mean" else 1
     largest = min(_LARGEST[torch.float32], _LARGEST[FLOAT_DTYPES[int(call["dtype"])]]) * _HEADROOM
     peak = total / divisor + float(np.max(headers["server_max"].astype(np.float64)))
+    limit = float(call["limit"])
     if total >= _LARGEST[torch.float32] * _HEADROOM or peak >= largest or not math.isfinite(peak):
         raise NonFiniteError(
             f"the reduction would overflow: the ranks' scales sum to {total:.3e} and the server values could "
             f"reach {peak:.3e}, beyond the {largest:.3e} that fp32 and the tensor's dtype hold; nothing was "
             "reduced and no error state changed (scale the tensor down)"
+        )
+    if peak >= limit:
+        raise NonFiniteError(
+            f"the result could reach {peak:.3e}, beyond the {limit:.3e} that the caller's next step takes "
+            "without overflowing; nothing was reduced and no error state changed"
         )
 
 

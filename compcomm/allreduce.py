@@ -106,7 +106,16 @@ def compressed_allreduce_coalesced(
     is and nothing changes (e.g. a NaN in the last bucket leaves the first bucket's error state
     untouched). Returns the list of tensors, or a handle with async_op=True.
     `error_feedbacks_out`: one per tensor, as `compressed_allreduce`'s `error_feedback_out`."""
-    spec = CallSpec.of(tensors, error_feedbacks, op, error_feedbacks_out, min_compress_bytes)
+    return allreduce_call(
+        CallSpec.of(tensors, error_feedbacks, op, error_feedbacks_out, min_compress_bytes), backend, async_op
+    )
+
+
+def allreduce_call(
+    spec: CallSpec, backend: Backend | str | None = None, async_op: bool = False
+) -> list[torch.Tensor] | Pending:
+    """`compressed_allreduce_coalesced` of a call already put together, for callers inside the
+    library that set what its keywords do not (`CallSpec.limits`)."""
     be = resolve(backend, spec.tensors[0] if spec.tensors else None)  # a bad pairing is agreed in phase 0
     return be.ordered(lambda: _run(spec, be), async_op=async_op)
 

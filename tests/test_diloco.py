@@ -4,6 +4,7 @@ starts and argument errors."""
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import warnings
@@ -320,6 +321,101 @@ def test_a_refused_later_pass_leaves_the_error_feedback_as_it_was(pool):
         assert res["skipped_syncs"] == 0 and not res["theta_unchanged"]
     for res in pool.run(huge_pseudo_gradient, 2):
         assert res["skipped_syncs"] == 1 and res["theta_unchanged"] and res["errors_unchanged"]
+
+
+def error_bytes(opt: DiLoCo) -> bytes:
+    """Every bucket's worker and server errors (none before a compressed sync)."""
+    held = [t for ef in opt.error_feedback for t in (ef.worker_error, ef.server_error) if t is not None]
+    return b"".join(raw_tensor(t) for t in held)
+
+
+def overflowing_outer_step(compress: bool, passes: int, rotate: bool) -> dict:
+    """Every parameter starts at -0.97 * fp32 max; before the sync after step 6 every rank's are
+    moved to -0.999 * fp32 max: a pseudo-gradient of 0.029 * fp32 max, whose mean fp32 holds
+    (the ranks' bounds sum to a ninth of its top) but whose outer Nesterov step (lr 0.7, momentum
+    0.9: theta - 1.33 D) would take theta past it, to -inf."""
+    rank = rank_of(WORLD)
+    top = torch.finfo(torch.float32).max
+    params = [torch.nn.Parameter(torch.full((n,), -0.97 * top)) for n in SIZES]
+    opt = DiLoCo(
+        params,
+        torch.optim.SGD(params, lr=INNER_LR),
+        3,
+        backend=gloo(),
+        compress=compress,
+        passes=passes,
+        rotate=rotate,
+        **OUTER,
+    )
+    out: dict = {}
+    for t in range(1, 7):
+        for p in params:
+            p.grad = synthetic_grad(rank, t, p.numel())
+        if t == 6:
+            with torch.no_grad():
+                for p in params:
+                    p.fill_(-0.999 * top)
+            errors = error_bytes(opt)
+            state = b"".join(raw_tensor(g) for g in opt.global_parameters()) + raw_tensor(
+                opt.outer.state[opt._sync.theta[0]]["momentum_buffer"]
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+    out["skipped_syncs"] = opt.skipped_syncs
+    out["finite"] = all(bool(torch.isfinite(g).all()) for g in [*opt.global_parameters(), *params])
+    out["errors_unchanged"] = errors == error_bytes(opt)
+    out["state_unchanged"] = state == b"".join(raw_tensor(g) for g in opt.global_parameters()) + raw_tensor(
+        opt.outer.state[opt._sync.theta[0]]["momentum_buffer"]
+    )
+    out["params"] = b"".join(raw_tensor(p) for p in params)
+    return out
+
+
+@pytest.mark.parametrize(
+    "compress, passes, rotate", [(False, 1, False), (True, 1, False), (True, 2, False), (True, 1, True)]
+)
+def test_a_mean_whose_outer_step_would_overflow_skips_the_sync_everywhere(pool, compress, passes, rotate):
+    """The collective refuses a mean beyond what the outer step takes (`OuterSync.step_limit`),
+    alike on every rank, so theta stays finite and nothing changes: theta, the outer momentum,
+    the error feedback; the parameters go back to theta on every rank."""
+    results = pool.run(overflowing_outer_step, compress, passes, rotate)
+    assert len({res["params"] for res in results}) == 1
+    for res in results:
+        assert res["finite"]
+        assert res["skipped_syncs"] == 1 and res["state_unchanged"] and res["errors_unchanged"]
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("momentum, dampening, weight_decay", [(0.9, 0.0, 0.0), (0.5, 0.3, 0.1), (0.0, 0.0, 0.2)])
+@pytest.mark.parametrize("lr", [0.7, 3.0])
+def test_the_outer_steps_limit_bounds_torchs_sgd_step(nesterov, momentum, dampening, weight_decay, lr):
+    """A mean just inside `step_limit`, every sign pushing theta outwards, leaves torch.optim.SGD's
+    outer step finite (its second step, with a momentum buffer). Without weight decay and
+    dampening every term of the bound is met with equality, and 1.1x the limit overflows: the
+    limit is tight there."""
+    if nesterov and momentum == 0.0:
+        pytest.skip("torch refuses Nesterov without momentum")
+    top = torch.finfo(torch.float32).max
+    param = torch.nn.Parameter(torch.zeros(8))
+    opt = DiLoCo([param], torch.optim.SGD([param], lr=0.1), backend="local")
+    opt.outer.param_groups[0].update(
+        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+    )
+    theta = opt._sync.theta[0]
+    outwards = torch.tensor([1.0, -1.0] * 4)  # a gradient of these signs moves theta away from 0
+    theta.copy_(-0.5 * top * outwards)
+    theta.grad = 1e36 * outwards
+    opt.outer.step()  # the first step: the momentum buffer is this gradient
+    limit = opt._sync.step_limit(0)
+    assert 0.0 < limit < top
+    tight = weight_decay == 0.0 and dampening == 0.0
+    for scale, finite in [(1.0 - 2.0**-20, True)] + [(1.1, False)] * tight:
+        trial = copy.deepcopy(opt.outer)
+        moved = trial.param_groups[0]["params"][0]
+        moved.grad = scale * limit * outwards
+        trial.step()
+        assert bool(torch.isfinite(moved).all()) == finite, scale
 
 
 # ------------------------------------------------------------------ streaming fragments

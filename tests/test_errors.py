@@ -84,6 +84,37 @@ def test_messages_say_what_is_wrong(pool):
     assert "rank 3" in messages["other_numel"] and "ErrorFeedback" in messages["other_numel"]
 
 
+def limited_call(case: str) -> dict:
+    """A call whose CallSpec.limits every rank sets below what its result may reach ("low"), or
+    rank 1 to another value than the rest ("other"), after a good call; then a good call."""
+    import torch.distributed as dist
+
+    from compcomm.agreement import CallSpec
+    from compcomm.allreduce import allreduce_call
+
+    backend = compcomm.backends.get("gloo")
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(torch.randn(NUMEL), ef, backend=backend)
+    state = (ef.worker_error.clone(), ef.server_error.clone())
+    t = torch.randn(NUMEL)
+    before = t.clone()
+    limit = 1e-3 if case == "low" else (2e30 if dist.get_rank() == 1 else 1e30)
+    error = caught(allreduce_call, CallSpec([t], [ef], limits=[limit]), backend)
+    kept = torch.equal(state[0], ef.worker_error) and torch.equal(state[1], ef.server_error) and torch.equal(before, t)
+    return {"error": error, "kept": kept}
+
+
+@pytest.mark.parametrize(
+    "case, expected, says",
+    [("low", "NonFiniteError", "the caller's next step takes"), ("other", "ValueError", "largest result magnitude")],
+)
+def test_a_result_limit_refuses_alike_and_must_agree(pool, case, expected, says):
+    results = pool.run(limited_call, case)
+    assert {r["error"][0] for r in results} == {expected}
+    assert len({r["error"][1] for r in results}) == 1 and says in results[0]["error"][1]
+    assert all(r["kept"] for r in results)
+
+
 def world_change() -> tuple | None:
     """An ErrorFeedback used over 4 ranks, then over a sub-group of 2: ValueError on both."""
     import torch.distributed as dist

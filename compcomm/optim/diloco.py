@@ -115,7 +115,9 @@ class DiLoCo(torch.optim.Optimizer):
     rank's). With torch.amp.GradScaler (`scaler.step(opt)`), the ranks agree at the end of every
     backward, every rank skips alike and the scales stay equal; that agreement is one 8-byte
     all-reduce per backward, which waits behind a fragment still in flight. A sync whose
-    pseudo-gradient is non-finite on any rank (or whose mean would overflow) is skipped on every
+    pseudo-gradient is non-finite on any rank, or whose mean would overflow fp32 or take the
+    outer step beyond it (the collective's bound against `OuterSync.step_limit`, from theta's
+    and the momentum's largest magnitudes and the outer SGD's settings), is skipped on every
     rank: theta, the outer momentum and the error feedback are unchanged, and the fragment's
     parameters return to theta everywhere (`skipped_syncs` counts them; the first warns).
 

@@ -9,8 +9,9 @@ with `rotate`, each bucket is rotated first (`rotation.rotate_`) and its mean ro
 it has arrived, before the error feedback is kept.
 Landing it: wait for the mean D, take the outer step, a torch.optim.SGD step on theta_f with D
 as its gradient, and move the fragment's parameters (see `OuterSync.land`). A collective that
-raises NonFiniteError (some rank's pseudo-gradient is not finite, or the mean would overflow)
-raised it on every rank with nothing changed; the sync is then skipped on every rank.
+raises NonFiniteError (some rank's pseudo-gradient is not finite, the mean would overflow, or
+the outer step of it could: see `step_limit`) raised it on every rank with nothing changed; the
+sync is then skipped on every rank.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ..allreduce import compressed_allreduce_coalesced
+from ..agreement import CallSpec
+from ..allreduce import allreduce_call, compressed_allreduce_coalesced
 from ..backends import Backend
 from ..backends.ordering import Pending
 from ..errors import NonFiniteError, largest_magnitude
@@ -31,6 +33,8 @@ from ..layout import unflatten
 from .buckets import BucketLayout
 from .fragments import FragmentSchedule
 from .rotation import rotate_, signs, unrotate_
+
+_TOP = float(torch.finfo(torch.float32).max) * (1.0 - 2.0**-10)  # fp32's top, less its rounding margin
 
 EXACT_BYTES = sys.maxsize
 """`min_compress_bytes` of an exact sync: every bucket goes through the collective's exact path
@@ -108,23 +112,62 @@ class OuterSync:
                 if keep is not None:
                     source = keep[j].copy_(source)
                 torch.sub(theta, source, out=slot)
-        if passes == 1 and self.signs is None:
-            handle = compressed_allreduce_coalesced(
-                [self.layout.buckets[b].flat for b in buckets],
-                [self.layout.error_feedback[b] for b in buckets],
-                backend=self.backend,
-                op="mean",
-                async_op=True,
-                min_compress_bytes=None if self.compress else EXACT_BYTES,
-            )
-        else:
-            handle = self.backend.ordered(self._in_passes, list(buckets), passes, async_op=True)
+        handle = self.backend.ordered(self._reduce, list(buckets), passes, async_op=True)
         assert isinstance(handle, Pending)
         self.sent_at[f] = s
         entry = self.in_flight[f] = InFlight(f, s + self.schedule.overlap, handle, sent)
         return entry
 
-    def _in_passes(self, buckets: list[int], passes: int) -> list[torch.Tensor]:
+    def _reduce(self, buckets: list[int], passes: int) -> list[torch.Tensor]:
+        """The buckets' mean pseudo-gradient, on the ordered lane: one call where a single plain
+        pass does, else `_in_passes`; each bucket's mean limited to what its outer step takes
+        (`step_limit`, read here, off the caller's steps: theta and the momentum only change
+        when this sync lands)."""
+        limits = [self.step_limit(b) for b in buckets]
+        if passes > 1 or self.signs is not None:
+            return self._in_passes(buckets, passes, limits)
+        spec = CallSpec(
+            [self.layout.buckets[b].flat for b in buckets],
+            [self.layout.error_feedback[b] for b in buckets],
+            min_compress_bytes=None if self.compress else EXACT_BYTES,
+            limits=limits,
+        )
+        result = allreduce_call(spec, self.backend)
+        assert isinstance(result, list)
+        return result
+
+    def step_limit(self, b: int) -> float:
+        """The largest |D| that the outer step of bucket b takes with every value it computes
+        inside fp32, from theta's and the momentum's largest magnitudes T and M (bitwise equal
+        on every rank, and unchanged until the bucket's sync lands): with torch.optim.SGD's
+        lr, momentum mu, dampening and weight decay wd, each of
+
+            g0 = D + wd theta              <= |D| + wd T
+            m' = mu m + (1 - dampening) g0 <= mu M + k g0    (k = max(1, |1 - dampening|))
+            g  = g0 + mu m' (Nesterov), m' (momentum), g0 (none)
+            theta - lr g                   <= T + lr |g|
+
+        grows linearly in |D|, and the limit keeps all of them below fp32's top. A mean beyond
+        it is refused like an overflow, so a finite theta never becomes inf."""
+        theta = self.theta[b]
+        group = next(g for g in self.outer.param_groups if any(p is theta for p in g["params"]))
+        lr, mu, wd = float(group["lr"]), float(group["momentum"]), float(group["weight_decay"])
+        top_theta = largest_magnitude(theta)
+        momentum = self.outer.state.get(theta, {}).get("momentum_buffer")
+        top_momentum = 0.0 if momentum is None else largest_magnitude(momentum)
+        g0 = (1.0, abs(wd) * top_theta)  # (a, c): the bound a |D| + c
+        forms = [g0]
+        if mu != 0.0:
+            kept = max(1.0, abs(1.0 - float(group["dampening"])))
+            m = (kept * g0[0], abs(mu) * top_momentum + kept * g0[1])
+            g = (g0[0] + abs(mu) * m[0], g0[1] + abs(mu) * m[1]) if group["nesterov"] else m
+            forms += [m, g]
+        else:
+            g = g0
+        forms.append((abs(lr) * g[0], top_theta + abs(lr) * g[1]))
+        return max(0.0, min((_TOP - c) / a if a > 0 else math.inf for a, c in forms))
+
+    def _in_passes(self, buckets: list[int], passes: int, limits: list[float]) -> list[torch.Tensor]:
         """The 1-bit mean of the buckets' pseudo-gradients in `passes` calls carrying one error
         feedback along: the first reduces the pseudo-gradients, each later one a zero input, i.e.
         the worker and server errors the calls before it left, and the means are summed in call
@@ -141,10 +184,10 @@ class OuterSync:
         bucket.
 
         Rotated (`signs` set, any number of passes), the calls reduce R d, and D is rotated back
-        here, before the errors are kept: a D that is not finite once rotated back (the same
-        bytes on every rank, so every rank finds it alike) raises NonFiniteError, with the error
-        feedback as it was. Both rotations run here, on the ordered lane, off the caller's
-        steps."""
+        here. A D that is not finite once rotated back, or beyond its bucket's `limits` entry
+        (`step_limit`: the same bytes and limits on every rank, so every rank finds it alike),
+        raises NonFiniteError before the errors are kept, with the error feedback as it was.
+        Both rotations run here, on the ordered lane, off the caller's steps."""
         layout = self.layout
         tensors = [layout.buckets[b].flat for b in buckets]
         if self.signs is not None:
@@ -164,8 +207,17 @@ class OuterSync:
         if self.signs is not None:
             for b, t in zip(buckets, tensors):
                 unrotate_(t, self.signs[b])
-            if not all(math.isfinite(largest_magnitude(t)) for t in tensors):
-                raise NonFiniteError("the 1-bit mean, rotated back, is not finite in float32: the sync is skipped")
+        for t, limit in zip(tensors, limits):
+            top = largest_magnitude(t)
+            if not math.isfinite(top):
+                raise NonFiniteError(
+                    "the 1-bit mean (summed over its calls, rotated back) is not finite in float32: the sync is skipped"
+                )
+            if top >= limit:
+                raise NonFiniteError(
+                    f"the 1-bit mean reaches {top:.3e}, beyond the {limit:.3e} that the outer step takes without "
+                    "overflowing float32: the sync is skipped"
+                )
         for b, spare in zip(buckets, spares):
             layout.keep(b, spare)
         return tensors

@@ -100,6 +100,7 @@ def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
             result_dtypes=[t.dtype for t in spec.tensors],
             outputs=[_own_part(be, out) for out in outs],  # decoded there as phase 2 arrives
             formed=formed,
+            limits=spec.limits,
         )
         try:
             calls = flat.prepare(across, be.inter)
