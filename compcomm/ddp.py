@@ -67,6 +67,7 @@ from .backends import Backend, check_backend_argument, get, resolve
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError, all_finite
 from .gather_objects import all_gather_object
+from .optim.checkpoints import agree_on_position
 
 __all__ = ["OnebitHookState", "onebit_hook"]
 
@@ -222,6 +223,7 @@ class OnebitHookState:
         raise_agreed(failure, be, context="cannot load the hook state: ")
         assert mine is not None  # else raised on every rank
         iteration, start_iter, params, buckets = mine
+        agree_on_position({"iteration": iteration}, be)
         self.iter, self.start_iter, self._params = iteration, start_iter, params
         self._buckets, self._spares, self._pending = buckets, {}, []
         self._owner = {number: key for key in buckets for number in key}

@@ -456,6 +456,8 @@ def _error_tensor(name: str, value: Any, length: int) -> torch.Tensor:
             f"ErrorFeedback state: {name} has shape {tuple(value.shape)}; shapes that do not fit "
             f"the saved numel and world_size (needs ({length},))"
         )
+    if value.device.type == "meta":
+        raise ValueError(f"ErrorFeedback state: {name} is on the meta device and holds no values")
     copy = value.detach().to(torch.float32).clone()  # values beyond fp32's range become inf: rejected
     if not bool(torch.isfinite(copy).all()):
         raise ValueError(f"ErrorFeedback state: {name} holds NaN or Inf (or values beyond fp32's range)")

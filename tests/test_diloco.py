@@ -577,6 +577,55 @@ def test_wrong_checkpoint_raises_the_same_error_on_every_rank(pool):
         assert alien is not None and alien[0] == "ValueError" and "not a DiLoCo state dict" in alien[1]
 
 
+def refused_loads() -> dict:
+    """Loads refused on every rank before anything changes: rank 1's error feedback holds a NaN
+    (the others' are fine); a model of the same sizes but other shapes; per-rank files of
+    different saves (rank 2's an earlier step's)."""
+    rank = rank_of(WORLD)
+    model, opt = trained(6)
+    earlier = opt.state_dict()
+    model, opt = trained(9)
+    mine = opt.state_dict()
+    before = state_bytes(model, opt)
+    corrupt = copy.deepcopy(mine)
+    if rank == 1:
+        corrupt["compcomm"]["error_feedback"][0]["worker_error"][0] = float("nan")
+    out = {"corrupt": caught(opt.load_state_dict, corrupt)}
+    out["corrupt_kept"] = state_bytes(model, opt) == before
+    reshaped = copy.deepcopy(mine)  # the first Linear's (16, 8) weight saved as (8, 16)
+    reshaped["compcomm"]["rank_local"]["params"][0] = reshaped["compcomm"]["rank_local"]["params"][0].reshape(8, 16)
+    out["reshaped"] = caught(opt.load_state_dict, reshaped)
+    out["reshaped_kept"] = state_bytes(model, opt) == before
+    out["stale"] = caught(opt.load_state_dict, earlier if rank == 2 else mine)
+    out["stale_kept"] = state_bytes(model, opt) == before
+    return out
+
+
+def test_loads_refused_on_every_rank_change_nothing(pool):
+    results = pool.run(refused_loads)
+    for res in results:
+        assert res["corrupt"][0] == "ValueError" and "rank 1: bucket 0's error feedback" in res["corrupt"][1]
+        assert res["reshaped"][0] == "ValueError" and "shapes" in res["reshaped"][1]
+        assert res["stale"][0] == "ValueError" and "different saves" in res["stale"][1]
+        assert res["corrupt_kept"] and res["reshaped_kept"] and res["stale_kept"]
+    assert len({res["stale"][1] for res in results}) == 1
+
+
+def differing_settings(case: str):
+    """DiLoCo built with a setting that differs on rank 3 (an invalid one, or a valid other one)."""
+    rank = rank_of(WORLD)
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync_every = {"invalid": 0, "other": 5}[case] if rank == 3 else 4
+    return caught(DiLoCo, model.parameters(), inner, sync_every=sync_every, backend=gloo())
+
+
+@pytest.mark.parametrize("case, says", [("invalid", "rank 3: invalid sync_every"), ("other", "different sync_every")])
+def test_settings_that_differ_across_ranks_raise_on_every_rank(pool, case, says):
+    results = pool.run(differing_settings, case)
+    assert all(r is not None and r[0] == "ValueError" and says in r[1] for r in results), results
+
+
 def save_on_four() -> bytes:
     _, opt = trained(3)
     buf = io.BytesIO()

@@ -223,8 +223,23 @@ def test_accumulation_without_sync_reduces_once(pool):
             np.testing.assert_allclose(got, row_of(expected[r], shapes, indices, 4, r), rtol=1e-5, atol=1e-6)
 
 
-def poisoned(nonfinite: str, hsdp: bool) -> dict:
-    """Two good iterations, then NaN in rank 1's input at the third, then a good one."""
+class NaNGradient(torch.autograd.Function):
+    """The identity forward; NaN for the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad * float("nan")
+
+
+def poisoned(nonfinite: str, hsdp: bool, where: str = "input") -> dict:
+    """Two good iterations, then NaN at the third on rank 1, then a good one. The NaN is in the
+    input (every module's gradient: the first one reduced fails), or only in the gradient that
+    reaches the first Linear, the module reduced last (`where="first"`): the other module's
+    reduction has then passed in the same backward."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -239,9 +254,14 @@ def poisoned(nonfinite: str, hsdp: bool) -> dict:
         model.zero_grad()
     before = {k: v.state_dict()["worker_error"].clone() for k, v in state.error_feedback.items()}
     x = batch(rank, 2)
-    if rank == 1:
+    poison = None
+    if rank == 1 and where == "input":
         x[0, 0] = float("nan")
+    elif rank == 1:
+        poison = model[0].register_forward_hook(lambda _, __, out: NaNGradient.apply(out))
     failure = caught(lambda: loss_of(model, x).backward())
+    if poison is not None:
+        poison.remove()
     if failure is not None:
         model.reset_iter_state()
     grads_nan = [bool(torch.isnan(p.grad.to_local()).all()) for p in model.parameters() if p.grad is not None]
@@ -260,19 +280,21 @@ def poisoned(nonfinite: str, hsdp: bool) -> dict:
     }
 
 
+@pytest.mark.parametrize("where", ["input", "first"])
 @pytest.mark.parametrize("hsdp", [False, True])
-def test_nonfinite_raises_on_every_rank_and_training_goes_on(pool, hsdp):
-    res = pool.run(poisoned, "raise", hsdp)
+def test_nonfinite_raises_on_every_rank_and_training_goes_on(pool, hsdp, where):
+    res = pool.run(poisoned, "raise", hsdp, where)
     for r in res:
         assert r["failure"] is not None and r["failure"][0] == "NonFiniteError", r["failure"]
         assert r["iteration"] == 2, "a failed backward is not counted"
         assert r["next"] == 3 and r["finite"], "the next backward reduces normally"
-        assert all(r["unchanged"].values()), "the first module reduced failed: no error state changed"
+        assert all(r["unchanged"].values()), "a failed backward leaves every error state as it was"
 
 
+@pytest.mark.parametrize("where", ["input", "first"])
 @pytest.mark.parametrize("hsdp", [False, True])
-def test_nonfinite_propagate_gives_nan_everywhere_and_leaves_no_trace(pool, hsdp):
-    res = pool.run(poisoned, "propagate", hsdp)
+def test_nonfinite_propagate_gives_nan_everywhere_and_leaves_no_trace(pool, hsdp, where):
+    res = pool.run(poisoned, "propagate", hsdp, where)
     for r in res:
         assert r["failure"] is None
         assert r["nan"] and any(r["nan"]), "the failing module's gradients come back as NaN"
@@ -350,6 +372,42 @@ def foreign_state() -> tuple[str, str] | None:
 def test_rank0_state_loaded_everywhere_raises_on_every_rank(pool):
     for failure in pool.run(foreign_state):
         assert failure is not None and failure[0] == "ValueError" and "rank 0's state" in failure[1], failure
+
+
+def other_saves() -> dict:
+    """Refused loads: rank 2 loads an earlier iteration's per-rank file than the others; a state
+    of a model whose modules have the same names but other shapes. A model built anew on an
+    equal but new mesh is accepted."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    state = compcomm.fsdp.compress(model, start_iter=0)
+    loss_of(model, batch(rank, 0)).backward()
+    earlier = state.state_dict()
+    loss_of(model, batch(rank, 1)).backward()
+    out = {"stale": caught(state.load_state_dict, earlier if rank == 2 else state.state_dict())}
+    torch.manual_seed(1)
+    wide = torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+    mesh = DeviceMesh.from_group(group((0, 1, 2, 3)), "cpu")
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in wide:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(wide, mesh=mesh)
+    out["reshaped"] = caught(compcomm.fsdp.compress(wide, start_iter=0).load_state_dict, state.state_dict())
+    out["rebuilt"] = caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), start_iter=0)
+    return out
+
+
+def test_other_saves_and_layouts_are_refused_on_every_rank(pool):
+    results = pool.run(other_saves)
+    for res in results:
+        assert res["stale"][0] == "ValueError" and "different saves" in res["stale"][1], res["stale"]
+        assert res["reshaped"][0] == "ValueError" and "shapes" in res["reshaped"][1], res["reshaped"]
+        assert res["rebuilt"] is None, res["rebuilt"]
 
 
 # ----------------------------------------------------------------- misuse

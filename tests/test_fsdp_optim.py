@@ -69,6 +69,32 @@ def test_sharded_steps_match_the_whole_tensor_rules(pool, name):
         assert max(r["gaps"]) < 1e-5, r["gaps"]
 
 
+def alone(name: str) -> tuple[int, bool, bool] | None:
+    """Rank 0 alone (a 1-rank mesh, where FSDP reduces nothing): steps past the freeze."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    model = shard(make_model(), (0,))
+    compcomm.fsdp.compress(model, start_iter=FREEZE)
+    opt = _optimizer(name, model.parameters())
+    before = full_params(model)
+    for step in range(FREEZE + 2):
+        loss_of(model, batch(0, step)).backward()
+        opt.step()
+        opt.zero_grad()
+    after = full_params(model)
+    moved = all(not torch.equal(a, b) for a, b in zip(before, after))
+    return opt.step_count, moved, all(bool(torch.isfinite(p).all()) for p in after)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_one_rank_steps_past_the_freeze(pool, name):
+    """FSDP2 skips the reduce-scatter of a 1-rank group, so no backward is counted there: the
+    optimizer must not take that for steps out of step with the compression."""
+    assert pool.run(alone, name)[0] == (FREEZE + 2, True, True)
+
+
 def hsdp_run(name: str, steps: int) -> list[bytes]:
     import torch.distributed as dist
 

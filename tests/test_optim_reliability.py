@@ -134,6 +134,34 @@ def test_rank0_state_loaded_everywhere_raises_on_every_rank(pool, name):
     assert "rank(s) [1, 2, 3]" in failures[0][1]
 
 
+def refused_loads(name: str) -> dict:
+    """Per-rank files refused on every rank with nothing loaded: rank 1's error feedback holds a
+    NaN; rank 2's file is of an earlier step than the others'."""
+    import copy
+
+    rank = rank_of(4)
+    _, opt = trained(name, 4)
+    earlier = copy.deepcopy(opt.state_dict())
+    model, opt = trained(name, 5)
+    mine = copy.deepcopy(opt.state_dict())
+    before = (raw(model), error_bytes(opt), opt.step_count)
+    corrupt = copy.deepcopy(mine)
+    if rank == 1:
+        corrupt["compcomm"]["error_feedback"][0]["worker_error"][0] = float("nan")
+    out = {"corrupt": caught(opt.load_state_dict, corrupt)}
+    out["stale"] = caught(opt.load_state_dict, earlier if rank == 2 else mine)
+    out["kept"] = (raw(model), error_bytes(opt), opt.step_count) == before
+    return out
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_refused_loads_raise_on_every_rank_with_nothing_loaded(pool, name):
+    for res in pool.run(refused_loads, name):
+        assert res["corrupt"][0] == "ValueError" and "rank 1: bucket 0's error feedback" in res["corrupt"][1]
+        assert res["stale"][0] == "ValueError" and "different saves" in res["stale"][1]
+        assert res["kept"]
+
+
 def one_file_resume(name: str) -> tuple[bytes, bytes, bytes, bytes]:
     rank = rank_of(4)
     model, opt = trained(name, 8)

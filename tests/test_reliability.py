@@ -300,6 +300,7 @@ def test_tensors_that_require_grad(pool):
             "numel": 8,
             "world_size": 1,
         },
+        {"worker_error": torch.zeros(8, device="meta"), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
     ],
     ids=[
         "empty",
@@ -315,6 +316,7 @@ def test_tensors_that_require_grad(pool):
         "world-0",
         "padding",
         "beyond-fp32",
+        "meta",
     ],
 )
 def test_load_state_dict_rejects_malformed_state(state):

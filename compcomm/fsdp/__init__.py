@@ -32,18 +32,19 @@ ValueError naming this fix.
 
 Memory. The FSDP worker error is the full (unsharded) gradient of each module, fp32, per rank:
 it gives back the 1/n that sharding saved on gradients, which is the price of error feedback on
-the sending side of a reduce-scatter. The HSDP error is the shard's size, plus a second buffer
-of that size for the x' form's next state (see `compcomm.ErrorFeedback`'s `double_buffer`) and
-the server error (1/R of the shard over R replicas). With
-nonfinite="propagate" each holds a second copy instead (see below).
+the sending side of a reduce-scatter. Each module holds it twice: its state and a spare that a
+backward's new errors go into, kept only when every module of the backward succeeded (see
+Errors), so 2x the full gradient in fp32. The HSDP error is the shard's size, likewise twice
+(the spare doubles as the x' form's second buffer, see `compcomm.ErrorFeedback`'s
+`double_buffer`), plus the server error (1/R of the shard over R replicas).
 
 Errors. Every rank raises the same error or none. NaN/Inf in any rank's gradients raises
-`NonFiniteError` on every rank from `backward()` (the failing module's error state unchanged;
-after catching it, call `reset_iter_state()` on the root FSDP module, as FSDP asks after any
-exception in backward), or, with `nonfinite="propagate"` (for a GradScaler), gives NaN gradients
-on every rank, so that the scaler skips the step; such a backward leaves no trace in any error
-state and does not count as an iteration: each module's new errors go into a spare that replaces
-its state only when every module of the backward succeeded.
+`NonFiniteError` on every rank from `backward()` (after catching it, call `reset_iter_state()`
+on the root FSDP module, as FSDP asks after any exception in backward), or, with
+`nonfinite="propagate"` (for a GradScaler), gives NaN gradients on every rank, so that the scaler
+skips the step. Either way such a backward leaves no trace in any error state, whichever module
+failed, and does not count as an iteration: each module's new errors go into its spare, which
+replaces its state only when every module of the backward succeeded.
 
 Gradient accumulation: `model.set_requires_gradient_sync(False)` on the micro-batches that only
 accumulate (FSDP then reduces nothing; the iteration counts the backward that reduces).

@@ -78,10 +78,10 @@ def _own_parameters(module: FSDPModule) -> list[torch.nn.Parameter]:
 
 
 def _shard_group(name: str, params: list[torch.nn.Parameter]) -> dist.ProcessGroup:
-    meshes = {id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}
-    if len(meshes) != 1 or len(params) != sum(isinstance(p, DTensor) for p in params):
+    meshes = [p.device_mesh for p in params if isinstance(p, DTensor)]
+    if not meshes or len(meshes) != len(params) or any(m != meshes[0] for m in meshes):
         raise ValueError(f"the FSDP module {name or '<root>'!r} shards its parameters on several meshes")
-    mesh = next(iter(meshes.values()))
+    mesh = meshes[0]  # equal meshes may be distinct objects (DTensor caches specs across models)
     if mesh.ndim != 1:
         raise ValueError(f"the FSDP module {name or '<root>'!r} is sharded on a {mesh.ndim}-D mesh. {TWO_D_MESH_FIX}")
     return mesh.get_group()

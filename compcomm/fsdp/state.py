@@ -3,9 +3,10 @@ and the rule that a backward either changes them all or none.
 
 Every reduction of a backward (one per FSDP module) goes through `CompressionState`: the first
 one of a backward queues a callback that autograd runs once the backward is over (after FSDP's
-own), which counts the iteration. With nonfinite="propagate" each module's new errors go into a
-spare ErrorFeedback that replaces its state only there, when every module of the backward
-succeeded: a step that a GradScaler skips leaves no trace in any error state.
+own), which counts the iteration. Each module's new errors go into a spare ErrorFeedback that
+replaces its state only there, when every module of the backward succeeded: a backward that
+raises NonFiniteError, or whose step a GradScaler skips, leaves no trace in any error state,
+whichever module failed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..backends import Backend, HierarchicalBackend, get
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import all_gather_object
+from ..optim.checkpoints import agree_on_position
 from ..optim.shards import register
 from .modules import ShardedModule, check_called_over
 
@@ -35,14 +37,13 @@ class _Module:
 
     name: str
     errors: ErrorFeedback
-    spare: ErrorFeedback | None  # where a backward's new errors go until it succeeds (propagate)
+    spare: ErrorFeedback  # where a backward's new errors go until it succeeds
     shard: Backend  # the group FSDP reduce-scatters over
     replicas: Backend | None  # HSDP: the replicas of this rank's shard (None: FSDP mode)
 
     def keep(self) -> None:
         """The backward succeeded: the spare's errors become the state."""
-        if self.spare is not None:
-            self.errors, self.spare = self.spare, self.errors
+        self.errors, self.spare = self.spare, self.errors
 
 
 class CompressionState:
@@ -79,7 +80,7 @@ class CompressionState:
             self._modules[m.name] = _Module(
                 m.name,
                 ErrorFeedback(tag=f"compcomm.fsdp:{m.name}"),
-                ErrorFeedback(tag=f"compcomm.fsdp:{m.name}") if nonfinite == "propagate" else None,
+                ErrorFeedback(tag=f"compcomm.fsdp:{m.name}"),
                 shards[id(m.shard_group)],
                 replicas,
             )
@@ -90,13 +91,14 @@ class CompressionState:
         self._pending: list[_Module] = []
         self._failed = False
         self._shard_of = {id(p): self._modules[m.name].shard for m in modules for p in m.params}
+        self._shapes = {m.name: [list(p.shape) for p in m.params] for m in modules}
         for p in self.params:
             register(p, self)
 
     @property
     def error_feedback(self) -> dict[str, ErrorFeedback]:
-        """Each FSDP module's error feedback, by module name (with nonfinite="propagate" the
-        object alternates between two: look it up again after each backward)."""
+        """Each FSDP module's error feedback, by module name (the object alternates between
+        two, the state and its spare: look it up again after each backward)."""
         return {name: m.errors for name, m in self._modules.items()}
 
     @property
@@ -145,8 +147,8 @@ class CompressionState:
             failure = exc
         self._run(module, shard, lambda: raise_agreed(failure, module.shard, context="across replicas: "))
 
-    def _outs(self, module: _Module) -> list[ErrorFeedback] | None:
-        return None if module.spare is None else [module.spare]
+    def _outs(self, module: _Module) -> list[ErrorFeedback]:
+        return [module.spare]
 
     def _run(self, module: _Module, output: torch.Tensor, reduce: Any) -> None:
         """`reduce()`, then note the module for the end of the backward; a non-finite verdict
@@ -199,6 +201,7 @@ class CompressionState:
             "rank": self.world.rank,
             "world_size": self.world.world_size,
             "modules": modules,
+            "shapes": self._shapes,
         }
 
     def gathered_state_dict(self) -> dict[str, Any]:
@@ -226,6 +229,7 @@ class CompressionState:
         except Exception as exc:  # reported to every rank, then raised everywhere
             failure = ValueError(f"{type(exc).__name__}: {exc}")
         raise_agreed(failure, self.world, context="cannot load the compcomm.fsdp state: ")
+        agree_on_position({"iteration": int(mine["iteration"])}, self.world)
         self.iteration, self.start_iter = int(mine["iteration"]), int(mine["start_iter"])
         for name, ef in loaded.items():
             self._modules[name].errors = ef
@@ -247,6 +251,12 @@ class CompressionState:
             raise ValueError(
                 f"the state's FSDP modules {sorted(state.get('modules', {}))} are not this model's "
                 f"{sorted(self._modules)}"
+            )
+        shapes = state.get("shapes", self._shapes)  # a state saved before shapes were kept: unchecked
+        if shapes != self._shapes:
+            raise ValueError(
+                f"the state's FSDP modules hold parameters of the shapes {shapes}, this model's {self._shapes}: "
+                "its error feedback belongs to another model"
             )
         if state.get("rank") != self.world.rank and any(
             saved.get("worker_error") is not None for saved in state["modules"].values()

@@ -365,8 +365,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
         elif extra is not None:
             layout = self._rounds.lay_out(checkpoints.saved_order(extra, len(self._params())))
             mine, problem = checkpoints.own_part(extra, be, layout)
+            if problem is None and self._gradient_rounds is not None:
+                problem = checkpoints.error_feedback_problem(mine["error_feedback"])
         raise_agreed(None if problem is None else ValueError(problem), be)
         assert extra is not None  # else raised on every rank
+        checkpoints.agree_on_position({"step": int(extra["step"])}, be)
         plain = {k: v for k, v in state_dict.items() if k != checkpoints.EXTRA_KEY}
         super().load_state_dict(plain)
         # torch casts floating state to the parameter dtype; keep ours exactly as saved (fp32).

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..backends import Backend
+from ..error_feedback import ErrorFeedback
 from ..gather_objects import all_gather_object
 from .buckets import BucketLayout
 
@@ -80,6 +81,32 @@ def own_part(extra: dict[str, Any], be: Backend, layout: BucketLayout) -> tuple[
             "rank, or one file for all ranks with gathered_state_dict()"
         )
     return extra, None
+
+
+def agree_on_position(position: dict[str, int], be: Backend) -> None:
+    """ValueError on every rank when the ranks load states of different saves (per-rank files of
+    different steps: one rank's latest save failed): resumed, they would pair collectives of
+    different steps, or switch from exact to 1-bit at different calls. `position`: what must
+    be equal on every rank (the step count, a digest of state that is)."""
+    everyone = all_gather_object(position, be)
+    if any(p != everyone[0] for p in everyone):
+        raise ValueError(
+            f"the ranks loaded states of different saves ({', '.join(position)} per rank: "
+            f"{[tuple(p.values()) for p in everyone]}); load files saved at the same step on every "
+            "rank, or one file from gathered_state_dict()"
+        )
+
+
+def error_feedback_problem(saved: list[Any]) -> str | None:
+    """Why a checkpoint's error-feedback states cannot load (None if every one can): each is
+    loaded into a fresh ErrorFeedback first, so that a refused one (malformed, non-finite) is
+    found, and agreed, before anything is loaded."""
+    for b, state in enumerate(saved):
+        try:
+            ErrorFeedback().load_state_dict(state)
+        except ValueError as exc:
+            return f"bucket {b}'s error feedback: {exc}"
+    return None
 
 
 def sharded_entry(step: int, be: Backend, scalars: dict[str, Any], rank_local: dict[str, Any]) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -65,6 +66,7 @@ from ..allreduce import compressed_allreduce_coalesced
 from ..backends import Backend, check_backend_argument, resolve
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
+from ..gather_objects import all_gather_object
 from ..layout import DEFAULT_BUCKET_BYTES
 from . import checkpoints
 from .base import OnebitOptimizer
@@ -151,52 +153,44 @@ class DiLoCo(torch.optim.Optimizer):
         rotate: bool = False,
     ) -> None:
         check_backend_argument(backend)
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise TypeError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
-        if isinstance(inner, (OnebitOptimizer, DiLoCo)):
-            raise ValueError(
-                f"inner must step on this rank's own gradients; {type(inner).__name__} communicates "
-                "itself: use a torch optimizer (e.g. torch.optim.AdamW)"
-            )
-        check_count("sync_every", sync_every, 1)
-        check_count("fragments", fragments, 1)
-        check_count("start_iter", start_iter, 0)
-        check_count("bucket_bytes", bucket_bytes, 1)
-        check_count("passes", passes, 1)
-        if passes_until is not None:
-            check_count("passes_until", passes_until, 0)
-        if passes > 1 and not compress:
-            raise ValueError(f"passes={passes} needs compress=True: an exact sync is exact in one call")
-        if fragments > sync_every:
-            raise ValueError(f"fragments={fragments} must be at most sync_every={sync_every} (one sync per step)")
-        overlap = (0 if fragments == 1 else 1) if overlap_steps is None else overlap_steps
-        check_count("overlap_steps", overlap, 0)
-        if overlap >= sync_every:
-            raise ValueError(
-                f"overlap_steps={overlap} must be below sync_every={sync_every}: a fragment must land "
-                "before it is sent again"
-            )
-        check_range("outer_lr", outer_lr, 0.0, low_open=True)
-        check_range("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
-        for name, flag in (("nesterov", nesterov), ("compress", compress), ("rotate", rotate)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        if rotate and not compress:
-            raise ValueError("rotate=True needs compress=True: it serves the 1-bit code; an exact mean needs none")
-        if nesterov and outer_momentum == 0:
-            raise ValueError("nesterov=True needs outer_momentum > 0")
         super().__init__(params, {})
         mine = [p for group in self.param_groups for p in group["params"]]
-        theirs = [p for group in inner.param_groups for p in group["params"]]
-        if {id(p) for p in mine} != {id(p) for p in theirs} or len(mine) != len({id(p) for p in mine}):
-            raise ValueError(
-                "params must be exactly the parameters that inner optimizes (each once): "
-                f"got {len(mine)} here and {len(theirs)} in inner"
+        be = resolve(backend, mine[0])
+        failure: Exception | None = None
+        try:  # a bad argument on one rank is raised on every rank, not left to hang the others
+            overlap = _checked_arguments(
+                inner, mine, sync_every, fragments, start_iter, bucket_bytes, passes, passes_until, overlap_steps
             )
-        for p in mine:
-            if p.dtype not in PARAM_DTYPES:
-                raise ValueError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")
-        check_plain_replicas(mine, "DiLoCo")
+            check_range("outer_lr", outer_lr, 0.0, low_open=True)
+            check_range("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
+            for name, flag in (("nesterov", nesterov), ("compress", compress), ("rotate", rotate)):
+                if not isinstance(flag, bool):
+                    raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+            if passes > 1 and not compress:
+                raise ValueError(f"passes={passes} needs compress=True: an exact sync is exact in one call")
+            if rotate and not compress:
+                raise ValueError("rotate=True needs compress=True: it serves the 1-bit code; an exact mean needs none")
+            if nesterov and outer_momentum == 0:
+                raise ValueError("nesterov=True needs outer_momentum > 0")
+        except (TypeError, ValueError) as exc:
+            failure = exc
+        raise_agreed(failure, be)
+        outer = dict(lr=float(outer_lr), momentum=float(outer_momentum), nesterov=nesterov)
+        _agree_on_settings(
+            dict(
+                sync_every=sync_every,
+                fragments=fragments,
+                overlap_steps=overlap,
+                start_iter=start_iter,
+                compress=compress,
+                bucket_bytes=bucket_bytes,
+                passes=passes,
+                passes_until=passes_until,
+                rotate=rotate,
+                **outer,
+            ),
+            be,
+        )
         self.param_groups = inner.param_groups  # an LR scheduler on this object schedules inner's
         self.defaults = inner.defaults
         self.inner = inner
@@ -205,12 +199,10 @@ class DiLoCo(torch.optim.Optimizer):
         self.start_iter, self.compress = int(start_iter), compress
         self.passes, self.passes_until = int(passes), None if passes_until is None else int(passes_until)
         self.rotate = rotate
-        self._backend = resolve(backend, mine[0])
-        be = self._backend
+        self._backend = be
         equalize_from_rank0(mine, be)
         layout = BucketLayout(mine, range(len(mine)), bucket_bytes, be.world_size, "DiLoCo")
         schedule = FragmentSchedule(layout.sizes(), fragments, sync_every, overlap)
-        outer = dict(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         self._sync = OuterSync(mine, layout, schedule, outer, compress, be, rotate)
         with torch.no_grad():
             self._sync.reset_from_params()
@@ -414,8 +406,12 @@ class DiLoCo(torch.optim.Optimizer):
         sync, be = self._sync, self._backend
         mine, problem = self._own_part(state_dict)
         raise_agreed(None if problem is None else ValueError(problem), be)
-        sync.drop_all()
+        digest = 0
+        for t in state_dict["synced"]:
+            digest = zlib.crc32(t.detach().contiguous().cpu().view(torch.uint8).numpy(), digest)
         extra = state_dict[checkpoints.EXTRA_KEY]
+        checkpoints.agree_on_position({"step": int(extra["step"]), "theta crc32": digest}, be)
+        sync.drop_all()
         local = mine["rank_local"]
         with torch.no_grad():
             for theta, saved in zip(sync.theta, state_dict["synced"]):
@@ -447,8 +443,75 @@ class DiLoCo(torch.optim.Optimizer):
                 "parameters belong to each of those ranks"
             )
         mine, problem = checkpoints.own_part(extra, self._backend, self._sync.layout)
-        if problem is None:
-            saved_groups = mine["rank_local"]["inner"]["param_groups"]
-            if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.inner.param_groups]:
-                problem = "the checkpoint's inner optimizer has other parameter groups than this one's"
-        return mine, problem
+        if problem is not None:
+            return mine, problem
+        saved_groups = mine["rank_local"]["inner"]["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.inner.param_groups]:
+            return mine, "the checkpoint's inner optimizer has other parameter groups than this one's"
+        shapes = [tuple(p.shape) for p in self._params]
+        saved_shapes = [tuple(t.shape) for t in mine["rank_local"]["params"]]
+        if saved_shapes != shapes:
+            return mine, f"the checkpoint's parameters have the shapes {saved_shapes}, not this model's {shapes}"
+        synced = [t.numel() for t in state_dict["synced"]]
+        if synced != [t.numel() for t in self._sync.theta]:
+            return mine, f"the checkpoint's synced parameters hold {synced} elements per bucket, not this optimizer's"
+        return mine, checkpoints.error_feedback_problem(mine["error_feedback"])
+
+
+def _checked_arguments(
+    inner: Any,
+    params: list[torch.Tensor],
+    sync_every: int,
+    fragments: int,
+    start_iter: int,
+    bucket_bytes: int,
+    passes: int,
+    passes_until: int | None,
+    overlap_steps: int | None,
+) -> int:
+    """This rank's checks of DiLoCo's inner optimizer, parameters and schedule (TypeError or
+    ValueError); returns the steps a fragment's sync overlaps."""
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
+    if isinstance(inner, (OnebitOptimizer, DiLoCo)):
+        raise ValueError(
+            f"inner must step on this rank's own gradients; {type(inner).__name__} communicates "
+            "itself: use a torch optimizer (e.g. torch.optim.AdamW)"
+        )
+    check_count("sync_every", sync_every, 1)
+    check_count("fragments", fragments, 1)
+    check_count("start_iter", start_iter, 0)
+    check_count("bucket_bytes", bucket_bytes, 1)
+    check_count("passes", passes, 1)
+    if passes_until is not None:
+        check_count("passes_until", passes_until, 0)
+    if fragments > sync_every:
+        raise ValueError(f"fragments={fragments} must be at most sync_every={sync_every} (one sync per step)")
+    overlap = (0 if fragments == 1 else 1) if overlap_steps is None else overlap_steps
+    check_count("overlap_steps", overlap, 0)
+    if overlap >= sync_every:
+        raise ValueError(
+            f"overlap_steps={overlap} must be below sync_every={sync_every}: a fragment must land "
+            "before it is sent again"
+        )
+    theirs = [p for group in inner.param_groups for p in group["params"]]
+    if {id(p) for p in params} != {id(p) for p in theirs} or len(params) != len({id(p) for p in params}):
+        raise ValueError(
+            "params must be exactly the parameters that inner optimizes (each once): "
+            f"got {len(params)} here and {len(theirs)} in inner"
+        )
+    for p in params:
+        if p.dtype not in PARAM_DTYPES:
+            raise ValueError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")
+    check_plain_replicas(params, "DiLoCo")
+    return int(overlap)
+
+
+def _agree_on_settings(settings: dict[str, Any], be: Backend) -> None:
+    """ValueError on every rank when the ranks built DiLoCo with different schedules or outer
+    steps: their syncs would pair collectives of different steps, and theta would part."""
+    everyone = all_gather_object(settings, be)
+    for name in settings:
+        values = [s[name] for s in everyone]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"ranks built DiLoCo with different {name} (per rank: {values}); pass the same everywhere")

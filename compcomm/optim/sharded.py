@@ -85,7 +85,7 @@ class ShardedSteps:
                 f"{type(self.owner).__name__}'s freeze_step ({switch}) must equal the start_iter of "
                 f"compcomm.fsdp.compress ({state.start_iter}): the variance freezes when the gradients turn 1-bit"
             )
-        if state.iteration != t:
+        if state.iteration != t and state.world.world_size > 1:  # alone, FSDP reduces nothing to count
             raise ValueError(
                 f"step {t} follows {state.iteration} reducing backward passes: one reducing backward per step keeps "
                 "the optimizer's stages in step with the compression's (accumulate micro-batches under "
