@@ -8,6 +8,7 @@ import copy
 import io
 import math
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -287,46 +288,57 @@ def test_rotation_of_a_huge_finite_pseudo_gradient_neither_overflows_nor_refuses
         assert skipped == 0 and finite
 
 
-def huge_pseudo_gradient(passes: int) -> dict:
-    """Before the sync after step 6, 4 of the first parameter's elements are -0.95 * fp32 max on
-    every rank: the first call's bound still fits fp32, but the worker error it leaves would make
-    a second call's overflow."""
+def error_bytes(opt: DiLoCo) -> bytes:
+    """Every bucket's worker and server errors (none before a compressed sync)."""
+    held = [t for ef in opt.error_feedback for t in (ef.worker_error, ef.server_error) if t is not None]
+    return b"".join(raw_tensor(t) for t in held)
+
+
+def outer_bytes(opt: DiLoCo) -> bytes:
+    """theta and the outer momentum."""
+    momenta = [opt.outer.state[t].get("momentum_buffer") for t in opt._sync.theta]
+    return b"".join(raw_tensor(t) for t in [*opt.global_parameters(), *(m for m in momenta if m is not None)])
+
+
+def second_sync(params: list[torch.nn.Parameter], opt: DiLoCo, move: Callable[[], None]) -> dict:
+    """Six steps on the synthetic gradients (syncs after steps 3 and 6, H = 3), `move()` changing
+    the parameters just before the second sync: whether it was skipped and changed nothing."""
     rank = rank_of(WORLD)
-    params = [torch.nn.Parameter(initial(n)) for n in SIZES]
-    opt = DiLoCo(params, torch.optim.SGD(params, lr=INNER_LR), 3, backend=gloo(), passes=passes, **OUTER)
-    out: dict = {}
     for t in range(1, 7):
         for p in params:
             p.grad = synthetic_grad(rank, t, p.numel())
         if t == 6:
             with torch.no_grad():
-                params[0][:4] = -0.95 * torch.finfo(torch.float32).max
-            errors = b"".join(raw_tensor(ef.worker_error) + raw_tensor(ef.server_error) for ef in opt.error_feedback)
-            theta = b"".join(raw_tensor(g) for g in opt.global_parameters())
+                move()
+            errors, outer = error_bytes(opt), outer_bytes(opt)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             opt.step()
-    out["skipped_syncs"] = opt.skipped_syncs
-    out["errors_unchanged"] = errors == b"".join(
-        raw_tensor(ef.worker_error) + raw_tensor(ef.server_error) for ef in opt.error_feedback
-    )
-    out["theta_unchanged"] = theta == b"".join(raw_tensor(g) for g in opt.global_parameters())
-    return out
+    return {
+        "skipped_syncs": opt.skipped_syncs,
+        "errors_unchanged": errors == error_bytes(opt),
+        "outer_unchanged": outer == outer_bytes(opt),
+        "finite": all(bool(torch.isfinite(g).all()) for g in [*opt.global_parameters(), *params]),
+        "params": b"".join(raw_tensor(p) for p in params),
+    }
+
+
+def huge_pseudo_gradient(passes: int) -> dict:
+    """Before the sync after step 6, 4 of the first parameter's elements are -0.95 * fp32 max on
+    every rank: the first call's bound still fits fp32, but the worker error it leaves would make
+    a second call's overflow."""
+    params = [torch.nn.Parameter(initial(n)) for n in SIZES]
+    opt = DiLoCo(params, torch.optim.SGD(params, lr=INNER_LR), 3, backend=gloo(), passes=passes, **OUTER)
+    return second_sync(params, opt, lambda: params[0][:4].fill_(-0.95 * torch.finfo(torch.float32).max))
 
 
 def test_a_refused_later_pass_leaves_the_error_feedback_as_it_was(pool):
     """passes=1 takes that sync; with passes=2 the second call is refused on every rank and the
     sync is skipped with nothing changed, though the first call had passed."""
     for res in pool.run(huge_pseudo_gradient, 1):
-        assert res["skipped_syncs"] == 0 and not res["theta_unchanged"]
+        assert res["skipped_syncs"] == 0 and not res["outer_unchanged"]
     for res in pool.run(huge_pseudo_gradient, 2):
-        assert res["skipped_syncs"] == 1 and res["theta_unchanged"] and res["errors_unchanged"]
-
-
-def error_bytes(opt: DiLoCo) -> bytes:
-    """Every bucket's worker and server errors (none before a compressed sync)."""
-    held = [t for ef in opt.error_feedback for t in (ef.worker_error, ef.server_error) if t is not None]
-    return b"".join(raw_tensor(t) for t in held)
+        assert res["skipped_syncs"] == 1 and res["outer_unchanged"] and res["errors_unchanged"]
 
 
 def overflowing_outer_step(compress: bool, passes: int, rotate: bool) -> dict:
@@ -334,42 +346,11 @@ def overflowing_outer_step(compress: bool, passes: int, rotate: bool) -> dict:
     moved to -0.999 * fp32 max: a pseudo-gradient of 0.029 * fp32 max, whose mean fp32 holds
     (the ranks' bounds sum to a ninth of its top) but whose outer Nesterov step (lr 0.7, momentum
     0.9: theta - 1.33 D) would take theta past it, to -inf."""
-    rank = rank_of(WORLD)
     top = torch.finfo(torch.float32).max
     params = [torch.nn.Parameter(torch.full((n,), -0.97 * top)) for n in SIZES]
-    opt = DiLoCo(
-        params,
-        torch.optim.SGD(params, lr=INNER_LR),
-        3,
-        backend=gloo(),
-        compress=compress,
-        passes=passes,
-        rotate=rotate,
-        **OUTER,
-    )
-    out: dict = {}
-    for t in range(1, 7):
-        for p in params:
-            p.grad = synthetic_grad(rank, t, p.numel())
-        if t == 6:
-            with torch.no_grad():
-                for p in params:
-                    p.fill_(-0.999 * top)
-            errors = error_bytes(opt)
-            state = b"".join(raw_tensor(g) for g in opt.global_parameters()) + raw_tensor(
-                opt.outer.state[opt._sync.theta[0]]["momentum_buffer"]
-            )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            opt.step()
-    out["skipped_syncs"] = opt.skipped_syncs
-    out["finite"] = all(bool(torch.isfinite(g).all()) for g in [*opt.global_parameters(), *params])
-    out["errors_unchanged"] = errors == error_bytes(opt)
-    out["state_unchanged"] = state == b"".join(raw_tensor(g) for g in opt.global_parameters()) + raw_tensor(
-        opt.outer.state[opt._sync.theta[0]]["momentum_buffer"]
-    )
-    out["params"] = b"".join(raw_tensor(p) for p in params)
-    return out
+    inner = torch.optim.SGD(params, lr=INNER_LR)
+    opt = DiLoCo(params, inner, 3, backend=gloo(), compress=compress, passes=passes, rotate=rotate, **OUTER)
+    return second_sync(params, opt, lambda: [p.fill_(-0.999 * top) for p in params])
 
 
 @pytest.mark.parametrize(
@@ -383,7 +364,7 @@ def test_a_mean_whose_outer_step_would_overflow_skips_the_sync_everywhere(pool, 
     assert len({res["params"] for res in results}) == 1
     for res in results:
         assert res["finite"]
-        assert res["skipped_syncs"] == 1 and res["state_unchanged"] and res["errors_unchanged"]
+        assert res["skipped_syncs"] == 1 and res["outer_unchanged"] and res["errors_unchanged"]
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
