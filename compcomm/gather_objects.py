@@ -1,4 +1,5 @@
-"""Every rank's Python object on every rank: how one checkpoint file holds all ranks' state.
+"""Every rank's Python object on every rank: how one checkpoint file holds all ranks' state, and
+how the ranks check that they were given the same values.
 
 The gather runs in its turn on the backend's ordered channel, behind any compcomm reduction
 still in flight, so it never pairs with the wrong messages on other ranks.
@@ -32,3 +33,14 @@ def all_gather_object(obj: Any, be: Backend) -> list[Any]:
     return [
         torch.load(io.BytesIO(rows[r, : sizes[r]].numpy().tobytes()), weights_only=False) for r in range(be.world_size)
     ]
+
+
+def agree_on_values(values: dict[str, Any], be: Backend, why: str) -> None:
+    """ValueError on every rank unless every rank passed equal `values`: each rank compares the
+    same gathered list, so all raise alike, naming the first value that differs and `why` it
+    must not."""
+    everyone = all_gather_object(values, be)
+    for name in values:
+        column = [v[name] for v in everyone]
+        if any(c != column[0] for c in column):
+            raise ValueError(f"ranks passed different {name} (per rank: {column}): {why}")

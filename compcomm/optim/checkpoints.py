@@ -14,7 +14,7 @@ from typing import Any
 
 from ..backends import Backend
 from ..error_feedback import ErrorFeedback
-from ..gather_objects import all_gather_object
+from ..gather_objects import agree_on_values, all_gather_object
 from .buckets import BucketLayout
 
 EXTRA_KEY = "compcomm"
@@ -88,13 +88,12 @@ def agree_on_position(position: dict[str, int], be: Backend) -> None:
     different steps: one rank's latest save failed): resumed, they would pair collectives of
     different steps, or switch from exact to 1-bit at different calls. `position`: what must
     be equal on every rank (the step count, a digest of state that is)."""
-    everyone = all_gather_object(position, be)
-    if any(p != everyone[0] for p in everyone):
-        raise ValueError(
-            f"the ranks loaded states of different saves ({', '.join(position)} per rank: "
-            f"{[tuple(p.values()) for p in everyone]}); load files saved at the same step on every "
-            "rank, or one file from gathered_state_dict()"
-        )
+    agree_on_values(
+        position,
+        be,
+        "the ranks loaded states of different saves; load files saved at the same step on every rank, "
+        "or one file from gathered_state_dict()",
+    )
 
 
 def error_feedback_problem(saved: list[Any]) -> str | None:

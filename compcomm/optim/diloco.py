@@ -66,7 +66,7 @@ from ..allreduce import compressed_allreduce_coalesced
 from ..backends import Backend, check_backend_argument, resolve
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
-from ..gather_objects import all_gather_object
+from ..gather_objects import agree_on_values
 from ..layout import DEFAULT_BUCKET_BYTES
 from . import checkpoints
 from .base import OnebitOptimizer
@@ -176,7 +176,7 @@ class DiLoCo(torch.optim.Optimizer):
             failure = exc
         raise_agreed(failure, be)
         outer = dict(lr=float(outer_lr), momentum=float(outer_momentum), nesterov=nesterov)
-        _agree_on_settings(
+        agree_on_values(
             dict(
                 sync_every=sync_every,
                 fragments=fragments,
@@ -190,6 +190,8 @@ class DiLoCo(torch.optim.Optimizer):
                 **outer,
             ),
             be,
+            "DiLoCo's schedule and outer step must be the same on every rank (else its syncs pair "
+            "collectives of different steps and theta parts)",
         )
         self.param_groups = inner.param_groups  # an LR scheduler on this object schedules inner's
         self.defaults = inner.defaults
@@ -505,13 +507,3 @@ def _checked_arguments(
             raise ValueError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")
     check_plain_replicas(params, "DiLoCo")
     return int(overlap)
-
-
-def _agree_on_settings(settings: dict[str, Any], be: Backend) -> None:
-    """ValueError on every rank when the ranks built DiLoCo with different schedules or outer
-    steps: their syncs would pair collectives of different steps, and theta would part."""
-    everyone = all_gather_object(settings, be)
-    for name in settings:
-        values = [s[name] for s in everyone]
-        if any(v != values[0] for v in values):
-            raise ValueError(f"ranks built DiLoCo with different {name} (per rank: {values}); pass the same everywhere")
