@@ -37,11 +37,24 @@ def flat_bytes(numel: int, n: int) -> dict[str, float]:
     }
 
 
-def comm_time(p: dict, bytes_: float, steps: int, share: float, bandwidth: float) -> float:
+def comm_time(p: dict, bytes_: float, steps: int, share: float, bandwidth: float, free: float | None = None) -> float:
     """A collective of `steps` peer steps: (alpha0 + alpha steps) of latency, stretched by the
-    CPU share, plus the bytes beyond the link's burst at its bandwidth. alpha0 (per collective,
-    whatever the peers) is 0 unless calibrated on two cluster sizes."""
-    return (p.get("alpha0", 0.0) + p["alpha"] * steps) * share + max(0.0, bytes_ - p["burst"]) / bandwidth
+    CPU share, plus the bytes beyond what the link lets through freely (`free`, by default a
+    whole token bucket, p["burst"]) at its bandwidth. alpha0 (per collective, whatever the peers)
+    is 0 unless calibrated on two cluster sizes."""
+    free = p["burst"] if free is None else free
+    return (p.get("alpha0", 0.0) + p["alpha"] * steps) * share + max(0.0, bytes_ - free) / bandwidth
+
+
+def spend_bucket(bucket: float, transfers: list[float]) -> list[float]:
+    """The bytes of each transfer that a link's token bucket lets through at once, the transfers
+    taken in the order they leave: one bucket serves a whole call, whose later phases find it
+    spent by the earlier ones (it refills at the link's rate, i.e. not within the call)."""
+    free = []
+    for size in transfers:
+        free.append(min(bucket, size))
+        bucket -= free[-1]
+    return free
 
 
 def flat_parts(
@@ -75,29 +88,39 @@ def flat_parts(
       during phase 2's collective, the other chunks' decode after it:
       max(gather, serr + decode / n) + decode (n-1) / n.
 
+    The link's token bucket (p["burst"]) is the host's: its k ranks (or `sharing_link`) share it,
+    each phase measured alone finds it full, and a call's phases spend one bucket in turn
+    (`spend_bucket`).
+
     `addend`: the scan reads a second fp32 input (a hierarchical part's last node block)."""
-    link = p["B"] / (sharing_link or k)
+    sharing = sharing_link or k
+    link, bucket = p["B"] / sharing, p["burst"]
     b = flat_bytes(numel, n)
     if addend:
         b["scan"] += 4.0 * numel
     t = {part: b[part] / p["gamma"][part] * share for part in CODEC}
     crossing = (n - k) / (n - 1) if n > 1 else 0.0
     row = chunk(numel, n) / 8
-    t["header"] = comm_time(p, b["header"] * crossing, n - 1, share, link)
-    t["a2a"] = comm_time(p, b["a2a"] * crossing, n - 1, share, link) if b["a2a"] else 0.0
-    t["gather"] = comm_time(p, b["gather"] * crossing, n - 1, share, link)
+
+    def sent(bytes_: float, free: float = bucket) -> float:
+        return comm_time(p, bytes_ * crossing, n - 1, share, link, free) if bytes_ else 0.0
+
+    t["header"], t["a2a"], t["gather"] = sent(b["header"]), sent(b["a2a"]), sent(b["gather"])
     t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, p["B"])
-    if row_by_row and n > 1 and row > ROW_BY_ROW_BYTES:
-        header = comm_time(p, (n - 1) * HEADER_BYTES * crossing, n - 1, share, link)
-        every_row = comm_time(p, (n - 1) * row * crossing, n - 1, share, link)
+    streamed = row_by_row and n > 1 and row > ROW_BY_ROW_BYTES
+    first = [(n - 1) * HEADER_BYTES, (n - 1) * row] if streamed else [b["header"], b["a2a"]]
+    free = spend_bucket(bucket, [crossing * x for x in (*first, b["gather"])])
+    if streamed:
+        header, every_row = sent(first[0], free[0]), sent(first[1], free[1])
         phase1 = header + max(t["scan"] + header, t["scan"] / n + every_row)
     else:
-        phase1 = t["scan"] + t["header"] + t["a2a"]
+        phase1 = t["scan"] + sent(first[0], free[0]) + sent(first[1], free[1])
+    gather = sent(b["gather"], free[2])
     if row_by_row and n > 2 and 4 + row > ROW_BY_ROW_BYTES:
-        step, own = t["gather"] / (n - 1), t["decode"] / n
+        step, own = gather / (n - 1), t["decode"] / n
         phase2 = max(step, t["serr"] + own) + (n - 2) * max(step, own) + own
     else:
-        phase2 = max(t["gather"], t["serr"] + t["decode"] / n) + t["decode"] * (n - 1) / n
+        phase2 = max(gather, t["serr"] + t["decode"] / n) + t["decode"] * (n - 1) / n
     t["call"] = p.get("overhead", 0.0) * share + phase1 + t["server"] + phase2
     return t
 

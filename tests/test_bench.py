@@ -349,6 +349,25 @@ def test_cost_model_overlaps_what_gloo_overlaps():
         assert hier["hier"] == pytest.approx(hier["agree"] + hier["rs"] + inner["call"] + hier["share"] + others)
 
 
+def test_cost_model_spends_one_token_bucket_per_call():
+    """A host link's token bucket lets a burst through at once and then refills at the link's
+    rate: each phase timed alone finds it full, but a call's phases spend one bucket between
+    them, in the order they leave (phase 0, phase 1, phase 2), so a call whose phases each fit
+    in the bucket still sends what they add up to beyond it at the link's bandwidth."""
+    model = bench_scripts.load("collective_model")
+    n, numel, bandwidth, burst = 4, 10 << 20 >> 2, 1e8, 256 * 1024
+    p = {"alpha": 0.0, "burst": float(burst), "B": bandwidth, "gamma": {part: 1e18 for part in model.CODEC}}
+    b = model.flat_bytes(numel, n)
+    phases = [b["header"], b["a2a"], b["gather"]]
+    assert all(0 < sent < burst for sent in phases) and sum(phases) > burst
+    t = model.flat_parts(p, numel, n, 1.0, row_by_row=False)
+    assert t["header"] == t["a2a"] == t["gather"] == 0.0  # alone, each leaves at once
+    assert t["call"] == pytest.approx((sum(phases) - burst) / bandwidth, rel=1e-6)
+    assert model.spend_bucket(burst, phases) == [phases[0], phases[1], burst - phases[0] - phases[1]]
+    streamed = model.flat_parts(p, numel, n, 1.0)  # rows of 80 KiB: gloo sends them in one all-to-all too
+    assert streamed["call"] == pytest.approx(t["call"], rel=1e-6)
+
+
 def test_cost_model_mirrors_the_library_thresholds():
     """bench/collective_model.py runs without compcomm, so it copies the thresholds that decide
     what a call folds and overlaps; they must stay the library's."""
