@@ -43,8 +43,8 @@ from codec_passes import time_passes
 from collective_model import flat_bytes, flat_parts
 from peak_memory import PeakMemory, mmap_threshold_env
 from peak_memory import supported as memory_measurable
-from ranks import add_nprocs_argument, gather_floats, launch_label, set_threads
-from records import rel_error, write_json
+from ranks import add_nprocs_argument, gather_floats, launch_label, launched_world, set_threads
+from records import codec_line, rel_error, write_json
 from units import human, parse_rate, parse_size
 
 OPS = ("compressed", "allreduce", "exact")
@@ -148,25 +148,29 @@ def _time_calls(be, fn, iters: int) -> tuple[np.ndarray, float]:
 
 
 def check_args(args) -> list[str]:
-    """The ops to run, after rejecting bad --ops / --iters / --warmup."""
+    """The ops to run, after rejecting bad --ops / --iters / --warmup / --factor / --backend
+    (in `main`, before any rank is spawned, and again on each rank)."""
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     for op in ops:
         if op not in OPS:
             raise SystemExit(f"unknown op {op!r} in --ops (choose from {', '.join(OPS)})")
+    if not ops:
+        raise SystemExit(f"--ops names no op (choose from {', '.join(OPS)})")
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    if not math.isfinite(args.factor):
+        raise SystemExit(f"--factor must be a finite number > 1, got {args.factor}")
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        raise SystemExit("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
     return ops
 
 
 def print_header(args, n: int, label: str) -> None:
-    import compcomm
-
-    codecs = ", ".join(f"{device}: {what}" for device, what in compcomm.codec_info().items())
     print(
         f"# compcomm allreduce_bw: {label}, world size {n}, backend {args.backend}, dtype {args.dtype}, "
         f"iters {args.iters}, warmup {args.warmup}, op mean"
     )
-    print(f"# codec: {codecs}")
+    print(codec_line())
     if emulation.label():
         print(f"# times: {emulation.label()} (bench/netsim.py --cpus-per-host, time dilation)")
     if not memory_measurable(torch.device("cpu")):
@@ -450,8 +454,6 @@ def _torch_dist_rank(args, label: str) -> None:
 
     set_threads()
     if args.backend == "nccl":
-        if not torch.cuda.is_available():
-            raise SystemExit("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(args.backend, timeout=datetime.timedelta(minutes=30))
     try:
@@ -467,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep_sizes(args.min_bytes, args.max_bytes, args.factor, 1)
     except ValueError as exc:
         build_parser().error(str(exc))
+    check_args(args)
     if args.plot:  # fail before the sweep, not after it
         try:
             import matplotlib  # noqa: F401
@@ -489,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--backend mpi runs under an MPI launcher, e.g.:\n  {command}")
         set_threads()
         run_rank(args, backends.get("mpi"), launch_label(args.nprocs))
-    elif how == "torchrun":
+    elif launched_world() is not None:  # torchrun, bench/netsim.py, or mpirun's ranks as one gloo group
         _torch_dist_rank(args, launch_label(args.nprocs))
     else:
         if args.nprocs < 1:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ranks import add_nprocs_argument, run_ranks
-from records import write_json
+from records import codec_line, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         f"# {args.optimizer}, {world} ranks, {args.layers}x{args.width}^2 MLP, batch {args.batch}, "
         f"buckets of {args.bucket_mb} MiB, median of {args.steps} steps"
     )
+    print(codec_line())
     print(
         f"{'stage':>10s} | {'no overlap(ms)':>14s} {'overlap(ms)':>12s} {'speedup':>8s} | "
         f"{'comm hidden behind backward':>27s} | bitwise equal"

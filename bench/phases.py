@@ -49,7 +49,7 @@ import torch.distributed as dist
 from codec_passes import codec_passes
 from emulation import emulated, record_fields
 from ranks import gather_floats, set_threads
-from records import write_json
+from records import codec_line, write_json
 from units import parse_size
 
 PARTS = ("header", "scan", "a2a", "werr", "server", "gather", "serr", "decode", "call", "allreduce")
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         parts += [part for part in NODE_PARTS if part not in parts]
     records, rank = [], be.rank
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if rank == 0:
+        print(codec_line(), flush=True)
     try:
         measure(be, min(sizes) // 4, 1, parts, hier)  # connections and caches warm
         for size in sizes:

@@ -1,10 +1,11 @@
 """Starting a benchmark's ranks, and collecting what each rank measured.
 
 SPEC 7 lets every benchmark run three ways: under torchrun (or inside bench/netsim.py, which
-sets torchrun's environment), under mpirun (bench/allreduce_bw.py --backend mpi), or plainly as
-`python bench/<prog>.py`, which spawns local gloo ranks itself through `compcomm.launch`. The
-gloo cases are the same code once the process group exists, so a benchmark writes one
-function of its parsed arguments that runs on every rank and hands it to `run_ranks`.
+sets torchrun's environment), under mpirun, or plainly as `python bench/<prog>.py`, which spawns
+local gloo ranks itself through `compcomm.launch`. Under mpirun the ranks mpirun started form the
+gloo group (`launched_world` gives them torchrun's variables from MPI's world), so the three are
+the same code once the process group exists: a benchmark writes one function of its parsed
+arguments that runs on every rank and hands it to `run_ranks`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,51 @@ def launch_label(world: int) -> str:
     return how if how is not None else f"{world} local ranks (self-spawned)"
 
 
+def launched_world() -> int | None:
+    """The world size when this process is one rank of a launch, None for a plain run (whose
+    ranks the benchmark spawns). Under mpirun, the first call gives this process torchrun's
+    variables from MPI's world (`_torchrun_variables_from_mpi`), so that
+    `init_process_group("gloo")` joins the ranks mpirun started instead of each spawning its own."""
+    how = launch.launcher()
+    if how is None:
+        return None
+    if how == "mpirun" and "RANK" not in os.environ:
+        _torchrun_variables_from_mpi()
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _torchrun_variables_from_mpi() -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (the ranks sharing this node's memory),
+    MASTER_ADDR and MASTER_PORT from MPI's COMM_WORLD: rank 0 picks a free port on MASTER_ADDR
+    (when set), else on loopback when the whole world is on its node, else on its host name's
+    address, and broadcasts both."""
+    import socket
+
+    from compcomm.backends.mpi_runtime import import_mpi
+
+    mpi = import_mpi()
+    world = mpi.COMM_WORLD
+    node = world.Split_type(mpi.COMM_TYPE_SHARED)
+    try:
+        where = None
+        if world.rank == 0:
+            addr = os.environ.get("MASTER_ADDR") or (
+                launch.HOST if node.size == world.size else socket.gethostbyname(socket.gethostname())
+            )
+            where = (addr, launch.free_port(addr))
+        addr, port = world.bcast(where, root=0)
+        os.environ.update(
+            RANK=str(world.rank),
+            WORLD_SIZE=str(world.size),
+            LOCAL_RANK=str(node.rank),
+            LOCAL_WORLD_SIZE=str(node.size),
+            MASTER_ADDR=addr,
+            MASTER_PORT=str(port),
+        )
+    finally:
+        node.Free()
+
+
 def run_ranks(
     rank_fn: Callable[[argparse.Namespace], T],
     args: argparse.Namespace,
@@ -69,12 +115,12 @@ def run_ranks(
     timeout: datetime.timedelta = TIMEOUT,
 ) -> tuple[T | None, int]:
     """Run `rank_fn(args)` on every rank of a gloo group: here, when this process is one rank of
-    a torchrun-style launch, else on `world` local ranks spawned for it (`rank_fn` and `args`
-    must then pickle: a module-level function, or a functools.partial of one). Returns rank 0's
-    result (None on the other ranks) and the world size."""
-    if launch.launcher() == "torchrun":
-        result = _joined(rank_fn, args, timeout)
-        return result, int(os.environ["WORLD_SIZE"])
+    a launch (torchrun, bench/netsim.py or mpirun), else on `world` local ranks spawned for it
+    (`rank_fn` and `args` must then pickle: a module-level function, or a functools.partial of
+    one). Returns rank 0's result (None on the other ranks) and the world size."""
+    launched = launched_world()
+    if launched is not None:
+        return _joined(rank_fn, args, timeout), launched
     return launch.spawn(_joined, world, rank_fn, args, timeout)[0], world
 
 

@@ -1,4 +1,5 @@
-"""What the benchmarks report: their JSON files, and the relative error their tables show.
+"""What the benchmarks report: their JSON files, the relative error their tables show, and the
+codec their headers name.
 
 One writer, so that every `--json PATH` of bench/ behaves alike: the directory is made, the
 records are indented one space (diffable in bench/results/), and the file ends with a newline.
@@ -27,3 +28,12 @@ def rel_error(out: torch.Tensor, exact: torch.Tensor) -> float:
     diff = out.double() - exact.double()
     norm = float(exact.double().norm())
     return float(diff.norm()) / norm if norm > 0 else float(diff.norm())
+
+
+def codec_line() -> str:
+    """The header line naming the codec that ran on each device (native C and its instruction
+    set, CUDA, or the torch fallback): every timed table carries it, so that a build that lost
+    the fast codec shows in its figures."""
+    import compcomm
+
+    return "# codec: " + ", ".join(f"{device}: {what}" for device, what in compcomm.codec_info().items())

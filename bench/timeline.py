@@ -43,11 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from compcomm import launch
-
 from emulation import dilation, record_fields
-from ranks import add_nprocs_argument, launch_label, run_ranks, set_threads
-from records import write_json
+from ranks import add_nprocs_argument, launch_label, launched_world, run_ranks, set_threads
+from records import codec_line, write_json
 from units import parse_rate, parse_size
 
 STEPS = (
@@ -428,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.calls < 1 or args.warmup < 0:
         raise SystemExit("--calls must be at least 1 and --warmup at least 0")
-    launched = launch.launcher() == "torchrun"
+    launched = launched_world() is not None
     if args.ranks_per_host is None and not launched:
         args.ranks_per_host = 2
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nprocs
@@ -450,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         **record_fields(),
     }
     calls = assemble(data)
-    print("\n".join(report(calls, meta)), flush=True)
+    print("\n".join([codec_line(), *report(calls, meta)]), flush=True)
     if args.json:
         write_json({"meta": meta, "calls": calls}, args.json)
     if args.png:

@@ -3,6 +3,7 @@
 
     python bench/train_step.py                                   # spawns 4 local gloo ranks
     torchrun --nproc-per-node 4 bench/train_step.py
+    mpirun -n 4 python bench/train_step.py --backend mpi         # compcomm's collectives over MPI
     python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/train_step.py --json out.json
     python bench/train_step.py --compute-heavy                   # the compute-bound end
     python bench/train_step.py --plot curves.png --methods ddp_sgd,ddp_sgd_onebit --steps 400 ...
@@ -79,9 +80,11 @@ import torch.distributed as dist
 from sharding import host_groups, shard_children
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from compcomm import launch
+
 import emulation
 from ranks import add_nprocs_argument, launch_label, run_ranks, set_threads
-from records import write_json
+from records import codec_line, write_json
 from tasks import CharMLP, load_text, random_windows
 
 RECORD_KEYS = ("method", "world_size", "step_time_ms", "bytes_per_step", "final_loss", "steps")
@@ -169,7 +172,9 @@ def ddp_method(optimizer: Callable, hook: str | None = None, nonfinite: str = "r
         if hook == "onebit":
             import compcomm.ddp
 
-            state = compcomm.ddp.OnebitHookState(start_iter=args.warmup_steps, nonfinite=nonfinite)
+            state = compcomm.ddp.OnebitHookState(
+                start_iter=args.warmup_steps, nonfinite=nonfinite, backend=compcomm_backend(args)
+            )
             ddp.register_comm_hook(state, compcomm.ddp.onebit_hook)
             return Run(ddp, opt, lambda: float(state.backend().bytes_sent))
         counter = AllReduceCounter()
@@ -191,6 +196,14 @@ def ddp_method(optimizer: Callable, hook: str | None = None, nonfinite: str = "r
     return build
 
 
+def compcomm_backend(args: argparse.Namespace):
+    """The backend of compcomm's own collectives (the 1-bit hook, the optimizers, DiLoCo):
+    `--backend`, over the ranks of the gloo group that torch's DDP and FSDP use either way."""
+    import compcomm
+
+    return compcomm.backends.get(args.backend)
+
+
 def compcomm_optimizer(name: str, stage_arg: str, lr_arg: str = "lr_adam") -> Builder:
     """compcomm.optim.<name> (the model is not wrapped: the optimizer communicates), with the
     warm-up length passed as `stage_arg`."""
@@ -199,7 +212,7 @@ def compcomm_optimizer(name: str, stage_arg: str, lr_arg: str = "lr_adam") -> Bu
         import compcomm
         import compcomm.optim
 
-        backend = compcomm.backends.get("gloo")
+        backend = compcomm_backend(args)
         trained = [p for p in model.parameters() if p.requires_grad]
         opt = getattr(compcomm.optim, name)(
             trained, lr=getattr(args, lr_arg), eps=args.eps, backend=backend, **{stage_arg: args.warmup_steps}
@@ -219,11 +232,10 @@ def diloco_method(compress: bool, rotate: bool = False) -> Builder:
     """compcomm.optim.DiLoCo around AdamW (the model is not wrapped), every --sync-every steps."""
 
     def build(model: torch.nn.Module, args: argparse.Namespace) -> Run:
-        import compcomm
         from compcomm.layout import DEFAULT_BUCKET_BYTES
         from compcomm.optim import DiLoCo
 
-        backend = compcomm.backends.get("gloo")
+        backend = compcomm_backend(args)
         trained = [p for p in model.parameters() if p.requires_grad]
         opt = DiLoCo(
             trained,
@@ -304,6 +316,9 @@ def alone(model: torch.nn.Module, args: argparse.Namespace) -> Run:
     """DDP + AdamW's step without any communication (each rank on its own): its compute time."""
     return Run(model, adamw(model.parameters(), args))
 
+
+FROZEN_AFTER_WARMUP = {"onebit_adam", "onebit_lamb", "zeroone_adam", "fsdp_onebit_adam", "hsdp_onebit_adam"}
+"""The methods whose optimizer freezes its variance after the warm-up, which must be a step at least."""
 
 METHODS: dict[str, Builder] = {
     "ddp_adamw": ddp_method(adamw),
@@ -443,7 +458,7 @@ def summarize(name: str, res: dict[str, list], args: argparse.Namespace, world: 
     window = max(1, steps // 10)
     per_step = [b - a for a, b in zip([0.0] + sent[:-1], sent)]
     compressed = range(w, steps) if w < steps else range(steps)
-    warm = range(1, w) if w > 1 else range(0)
+    warm = range(1, min(w, steps))  # the first step, with its one-time costs, left out
     return {
         "method": name,
         "world_size": world,
@@ -493,9 +508,11 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
         if base is not None:
             base["comm_fraction"] = max(0.0, 1.0 - compute / base["step_time_ms"])
     print(
-        f"# compcomm train_step: {label}, world size {world}, gloo, CharMLP {params / 1e6:.1f}M trained params "
+        f"# compcomm train_step: {label}, world size {world}, torch on gloo, compcomm on {args.backend}, "
+        f"CharMLP {params / 1e6:.1f}M trained params "
         f"({args.setting}), batch {batch}/rank, {args.steps} steps ({args.warmup_steps} warm-up)"
     )
+    print(codec_line())
     if emulation.label():
         print(f"# times: {emulation.label()} (bench/netsim.py --cpus-per-host, time dilation)")
     print(
@@ -637,6 +654,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-lamb", type=float, default=1e-2, help="1-bit LAMB (default 1e-2)")
     p.add_argument("--eps", type=float, default=1e-4, help="eps of every Adam/LAMB method (default 1e-4: see above)")
     p.add_argument("--lr-sgd", type=float, default=0.1, help="SGD with momentum 0.9 (default 0.1)")
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "mpi"),
+        default="gloo",
+        help="compcomm's collectives (the 1-bit hook, the optimizers, DiLoCo): gloo, or mpi under mpirun; "
+        "torch's DDP and FSDP always run on the gloo group of the same ranks (default gloo)",
+    )
     p.add_argument("--sync-every", type=int, default=8, help="DiLoCo's inner steps per sync, H (default 8)")
     p.add_argument("--diloco-fragments", type=int, default=1, help="DiLoCo's streaming fragments (default 1)")
     p.add_argument(
@@ -666,6 +690,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
     if args.steps < 1 or not 0 <= args.warmup_steps:
         p.error("--steps must be >= 1 and --warmup-steps >= 0")
+    chosen = {m for m in args.methods.split(",") if m}
+    frozen = sorted(chosen & FROZEN_AFTER_WARMUP)
+    if args.warmup_steps < 1 and frozen:
+        p.error(f"{', '.join(frozen)} freeze their variance after a warm-up of at least one step: --warmup-steps >= 1")
+    if args.warmup_steps < 2 and "ddp_adamw_powersgd" in chosen:
+        p.error("PowerSGD compresses from step 2 at the earliest (start_powerSGD_iter >= 2): --warmup-steps >= 2")
+    if any(m.startswith("diloco") for m in chosen) and (args.sync_every < 1 or args.diloco_fragments < 1):
+        p.error("--sync-every and --diloco-fragments must be >= 1")
+    if args.backend == "mpi" and launch.launcher() != "mpirun":
+        p.error(f"--backend mpi runs under mpirun, e.g. mpirun -n 4 {sys.executable} {' '.join(sys.argv)}")
     defaults = SETTINGS[args.setting]
     args.shape = tuple(
         v if v is not None else d for v, d in zip((args.context, args.embed, args.hidden, args.batch), defaults)

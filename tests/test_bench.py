@@ -194,6 +194,51 @@ def test_the_mpirun_command_the_main_job_prints_runs():
     assert "compressed" in run.stdout and "allreduce" in run.stdout
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--ops", "bogus"], "unknown op 'bogus'"),
+        (["--ops", ","], "--ops names no op"),
+        (["--iters", "0"], "--iters must be >= 1"),
+        (["--factor", "nan"], "--factor must be a finite number > 1"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_rank_starts(args, says):
+    """A plain run checks its arguments before spawning: one line, not a traceback per rank."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--nprocs", "2", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_unlaunched_environment(),
+    )
+    assert proc.returncode != 0 and says in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "rank 0" not in proc.stderr
+
+
+@pytest.mark.mpi
+def test_under_mpirun_without_backend_mpi_the_ranks_are_one_gloo_world(tmp_path):
+    """mpirun -n 2 python bench/allreduce_bw.py (gloo): the two processes form one gloo group
+    and write one table, instead of each spawning a world of --nprocs ranks of its own."""
+    from compcomm.launch import find_mpirun
+
+    mpirun = find_mpirun()
+    if mpirun is None:
+        pytest.skip("no mpirun")
+    pytest.importorskip("mpi4py")
+    out = tmp_path / "r.json"
+    command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, str(SCRIPT)]
+    args = ["--nprocs", "3", "-b", "64K", "-e", "64K", "-n", "1", "-w", "0", "-q", "--json", str(out)]
+    proc = subprocess.run(
+        [*command, *args], cwd=ROOT, capture_output=True, text=True, timeout=240, env=_unlaunched_environment()
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("# compcomm allreduce_bw: mpirun, world size 2, backend gloo") == 1
+    records = json.loads(out.read_text())
+    assert {r["world_size"] for r in records} == {2} and {r["op"] for r in records} == {"compressed", "allreduce"}
+
+
 def test_fsdp_memory_counts_an_unsharded_error_per_rank(tmp_path):
     """bench/fsdp_memory.py: in FSDP mode each rank's error state is the whole gradient (fp32,
     one module's worth of every module), against shards of 1/n for everything else."""

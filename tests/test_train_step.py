@@ -84,10 +84,76 @@ def test_tiny_run_self_spawned(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step(ms)" in proc.stdout and "speedup of ddp_sgd_onebit over ddp_sgd" in proc.stdout
+    assert "# codec: cpu: " in proc.stdout  # the header names the codec that ran
     assert "diloco mean step / the step with no communication:" in proc.stdout
     check_records(json.loads(out.read_text()), 2)
     if _has_matplotlib():
         assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _run(args: list[str], command: list[str] | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "WORLD_SIZE"))}
+    return subprocess.run(
+        [*(command or [sys.executable]), str(SCRIPT), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_a_run_no_longer_than_its_warmup_still_reports(tmp_path):
+    """--steps at most --warmup-steps: every step is reported as the (only) stage, and the JSON
+    is written (it raised an IndexError after training)."""
+    out = tmp_path / "r.json"
+    proc = _run(
+        ["--nprocs", "2", *TINY, "--steps", "3", "--warmup-steps", "4", "--methods", "ddp_sgd", "--json", str(out)]
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (record,) = json.loads(out.read_text())
+    assert record["steps"] == 3 and record["step_time_ms"] > 0 and len(record["step_times_ms"]) == 3
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--methods", "ddp_sgd,onebit_adam", "--warmup-steps", "0"], "--warmup-steps >= 1"),
+        (["--methods", "ddp_adamw_powersgd", "--warmup-steps", "1"], "--warmup-steps >= 2"),
+        (["--methods", "diloco", "--sync-every", "0"], "--sync-every and --diloco-fragments must be >= 1"),
+        (["--methods", "ddp_sgd", "--backend", "mpi"], "--backend mpi runs under mpirun"),
+    ],
+)
+def test_arguments_a_method_cannot_take_are_refused_before_any_rank_starts(args, says):
+    """Refused by the parser with the reason (they used to fail on a rank after the methods
+    before them had trained, in a traceback)."""
+    proc = _run(["--nprocs", "2", *TINY, *args], timeout=60)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.mpi
+def test_under_mpirun_the_ranks_mpirun_started_are_the_world(tmp_path):
+    """mpirun -n 2 python bench/train_step.py: the two processes form one gloo group (torch's
+    methods) and compcomm's collectives run on --backend mpi; neither spawns ranks of its own
+    (--nprocs is for plain runs), and one JSON is written by rank 0."""
+    from compcomm.launch import find_mpirun
+
+    mpirun = find_mpirun()
+    if mpirun is None:
+        pytest.skip("no mpirun")
+    pytest.importorskip("mpi4py")
+    out = tmp_path / "r.json"
+    methods = "ddp_sgd,ddp_sgd_onebit,onebit_adam,diloco"
+    command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable]
+    proc = _run(["--nprocs", "3", *TINY, "--methods", methods, "--backend", "mpi", "--json", str(out)], command, 240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("# compcomm train_step: mpirun, world size 2, torch on gloo, compcomm on mpi") == 1
+    records = json.loads(out.read_text())
+    assert [r["method"] for r in records] == methods.split(",") and {r["world_size"] for r in records} == {2}
+    fp32 = 4 * records[0]["params"]  # 2(n-1)/n = 1 on two ranks
+    assert records[0]["bytes_per_step"] == pytest.approx(fp32)
+    assert 0 < records[1]["bytes_per_step"] < fp32 / 16 and 0 < records[2]["bytes_per_step"] < fp32 / 16
 
 
 def _has_matplotlib() -> bool:
