@@ -192,14 +192,17 @@ class Backend(ABC):
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
         if not tensor.is_contiguous():
             raise ValueError("all_reduce needs a contiguous tensor")
+        if op == "mean" and not tensor.is_floating_point():
+            raise TypeError(f"all_reduce(op='mean') needs a floating-point tensor, got {tensor.dtype}")
         n = self.world_size
         self.bytes_sent += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+        data = tensor.detach()  # its data, in place, also for a tensor that requires grad
 
         def reduce() -> torch.Tensor:
             if n > 1:
-                self._all_reduce_sum(tensor)
+                self._all_reduce_sum(data)
                 if op == "mean":
-                    tensor.div_(n)
+                    data.div_(n)
             return tensor
 
         return self.ordered(reduce, async_op=async_op)

@@ -227,10 +227,10 @@ class CallSpec:
 
 
 def check_arguments(
-    tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, serves: tuple[int, int, str]
+    tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, serves: Callable[[int], tuple[int, int, str]]
 ) -> None:
     """This rank's own checks of one tensor of a call (TypeError/ValueError); `ef` must hold
-    errors of the (numel, world_size, layout) `serves`, or none yet."""
+    errors of the (numel, world_size, layout) that `serves(numel)` gives, or none yet."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"compressed collectives take a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
@@ -250,7 +250,7 @@ def check_arguments(
             f"{tensor.stride()}, e.g. from expand()); the result cannot be written back: "
             "pass a tensor that owns its elements (.clone())"
         )
-    why = ef.mismatch(*serves)
+    why = ef.mismatch(*serves(tensor.numel()))
     if why:
         raise ValueError(why)
 
@@ -380,7 +380,7 @@ def _check_call(
     try:
         spec.check_pairs()
         for i, (tensor, ef) in enumerate(zip(spec.tensors, spec.error_feedbacks)):
-            check_arguments(tensor, ef, be, spec.op, serves(tensor.numel()))
+            check_arguments(tensor, ef, be, spec.op, serves)
             calls["exact"][i] = spec.reduced_exactly(i)
             record = calls[i]
             record["numel"], record["tag"], record["op"] = tensor.numel(), ef.fingerprint, OPS.index(spec.op)

@@ -63,7 +63,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .agreement import raise_agreed
 from .allreduce import compressed_allreduce
-from .backends import Backend, check_backend_argument, get, resolve
+from .backends import Backend, check_backend_argument, get
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError, all_finite
 from .gather_objects import all_gather_object
@@ -85,7 +85,9 @@ class OnebitHookState:
     `process_group`: the group DDP reduces over (pass the one you gave DDP; None is the default
     group). `start_iter`: iterations averaged uncompressed before the 1-bit stage begins.
     `backend`: the compcomm transport (a name such as "gloo", "nccl", "mpi", or a Backend, e.g.
-    one over a sub-group); None builds gloo (CPU gradients) or nccl (CUDA) over `process_group`.
+    one over a sub-group); None builds gloo (CPU gradients) or nccl (CUDA) over `process_group`,
+    and so does the name "gloo" or "nccl". A backend over other ranks than `process_group` is a
+    ValueError.
     `nonfinite`: "raise" (backward raises NonFiniteError on every rank) or "propagate" (the
     bucket comes back as NaN on every rank, for GradScaler; see the module docstring).
 
@@ -126,18 +128,41 @@ class OnebitHookState:
     # ----------------------------------------------------------------- transport
 
     def backend(self, device: torch.device | None = None) -> Backend:
-        """The compcomm backend that reduces buckets on `device` (resolved once per device type)."""
-        if self._backend_arg is not None:
-            return resolve(self._backend_arg)
-        if device is None:
-            if self._backends:
-                return next(iter(self._backends.values()))
-            kind = "cuda" if dist.get_backend(self.process_group) == "nccl" else "cpu"
+        """The compcomm backend that reduces buckets on `device`: the one given, or one built once
+        per name over `process_group` (a name given; else gloo for CPU buckets, nccl for CUDA).
+        ValueError if it spans other ranks than `process_group`."""
+        arg = self._backend_arg
+        if isinstance(arg, Backend):
+            return self._over_the_group(arg)
+        if arg is None and device is None and self._backends:
+            return next(iter(self._backends.values()))
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "compcomm.ddp.OnebitHookState reduces over DDP's process group, but torch.distributed is not "
+                "initialized: call torch.distributed.init_process_group() first"
+            )
+        if arg is not None:
+            name = arg
+        elif device is None:
+            name = "nccl" if dist.get_backend(self.process_group) == "nccl" else "gloo"
         else:
-            kind = "cuda" if device.type == "cuda" else "cpu"
-        if kind not in self._backends:
-            self._backends[kind] = get("nccl" if kind == "cuda" else "gloo", group=self.process_group)
-        return self._backends[kind]
+            name = "nccl" if device.type == "cuda" else "gloo"
+        if name not in self._backends:
+            options = {"group": self.process_group} if name in ("gloo", "nccl") else {}
+            self._backends[name] = self._over_the_group(get(name, **options))
+        return self._backends[name]
+
+    def _over_the_group(self, be: Backend) -> Backend:
+        """`be`, if it spans as many ranks as DDP's process group (where torch.distributed is up)."""
+        if dist.is_available() and dist.is_initialized():
+            ranks = dist.get_world_size(self.process_group)
+            if be.world_size != ranks:
+                raise ValueError(
+                    f"the hook state's {be.name} backend spans {be.world_size} ranks, DDP's process group "
+                    f"{ranks}: pass a backend over the group's ranks (e.g. compcomm.backends.get('gloo', "
+                    "group=process_group)), or none"
+                )
+        return be
 
     # ----------------------------------------------------------------- bucket layout
 

@@ -163,17 +163,19 @@ def test_compressed_buckets_equal_compressed_allreduce_per_bucket(pool, start_it
 # ------------------------------------------------------------------ sub-group and explicit backends
 
 
-def on_subgroup(members: tuple[int, ...], explicit_backend: bool) -> tuple[list[bytes], int, int]:
+def on_subgroup(members: tuple[int, ...], explicit_backend: str) -> tuple[list[bytes], int, int]:
     pg = group(members)
-    backend = compcomm.backends.get("gloo", group=pg) if explicit_backend else None
+    backend = {"none": None, "object": compcomm.backends.get("gloo", group=pg), "name": "gloo"}[explicit_backend]
     ddp, state = hooked(process_group=pg, start_iter=1, backend=backend)
     params = train(ddp, sgd(ddp), range(4), dist.get_rank())
     be = state.backend()
     return params, be.world_size, be.bytes_sent
 
 
-@pytest.mark.parametrize("explicit_backend", [False, True])
+@pytest.mark.parametrize("explicit_backend", ["none", "object", "name"])
 def test_subgroup(pool, explicit_backend):
+    """The hook reduces over DDP's process group, also when its backend is given by name (which
+    reduced over the default group before)."""
     members = (1, 3)
     results = pool.run(on_subgroup, members, explicit_backend, ranks=members)
     assert len({tuple(r[0]) for r in results}) == 1, "ranks of the sub-group differ"
@@ -360,6 +362,30 @@ def test_hook_over_mpi_matches_gloo_bitwise(tmp_path):
 
 
 # ------------------------------------------------------------------ argument checks (no ranks)
+
+
+def backend_over_other_ranks() -> tuple:
+    pair = group((1, 3)) if dist.get_rank() in (1, 3) else group((0, 2))
+    by_name = OnebitHookState(process_group=pair, backend="gloo")  # built over the pair
+    everyone = OnebitHookState(process_group=pair, backend=compcomm.backends.get("gloo"))  # over all four
+    return caught(by_name.backend), by_name.backend().world_size, caught(everyone.backend)
+
+
+def test_a_backend_over_other_ranks_than_ddps_group_is_refused(pool):
+    for by_name, size, everyone in pool.run(backend_over_other_ranks):
+        assert by_name is None and size == 2
+        assert everyone[0] == "ValueError" and "spans 4 ranks, DDP's process group 2" in everyone[1]
+
+
+def test_without_a_process_group_the_hook_state_names_init_process_group(monkeypatch):
+    """As every compcomm entry point under a launcher: a RuntimeError naming the fix, not
+    torch's ValueError (which, from load_state_dict, would read as a refused checkpoint)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    state = OnebitHookState()
+    for method in (state.state_dict, state.backend, state.gathered_state_dict):
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            method()
 
 
 def test_bad_arguments():

@@ -30,6 +30,8 @@ def bad_input(case: str, rank: int, ef: compcomm.ErrorFeedback) -> tuple[torch.T
         kwargs["op"] = "max"
     elif case == "other_numel" and rank == 3:
         t = torch.randn(NUMEL + 8)
+    elif case == "list" and rank == 1:
+        return t.tolist(), ef, kwargs  # type: ignore[return-value]  # not a tensor at all
     return t, ef, kwargs
 
 
@@ -42,7 +44,7 @@ def bad_call(case: str) -> dict:
     compcomm.compressed_allreduce(torch.randn(NUMEL), ef, backend=backend)
     state = (ef.worker_error.clone(), ef.server_error.clone())
     t, ef_used, kwargs = bad_input(case, dist.get_rank(), ef)
-    t_before = t.clone() if t.device.type == "cpu" else None
+    t_before = t.clone() if isinstance(t, torch.Tensor) and t.device.type == "cpu" else None
     error = caught(compcomm.compressed_allreduce, t, ef_used, backend=backend, **kwargs)
     kept = (
         torch.equal(state[0], ef.worker_error)
@@ -61,6 +63,7 @@ def bad_call(case: str) -> dict:
         ("inf", "NonFiniteError"),
         ("size", "ValueError"),
         ("int", "TypeError"),
+        ("list", "TypeError"),
         ("device", "ValueError"),
         ("other_numel", "ValueError"),
         ("op", "ValueError"),

@@ -240,12 +240,15 @@ def byte_collectives(layout: str) -> dict:
     be.all_reduce(total, "sum")
     mean = torch.full((7,), float(rank))
     be.all_reduce(mean, "mean")
+    weight = torch.full((3,), float(rank), requires_grad=True)  # a parameter: its data is reduced
+    be.all_reduce(weight, "mean")
     be.barrier()
     return {
         "gathered": gathered.tolist(),
         "received": received.tolist(),
         "total": total.tolist(),
         "mean": mean.tolist(),
+        "weight": weight.detach().tolist(),
         "rank": be.rank,
         "global": dist.get_rank(),
     }
@@ -261,6 +264,7 @@ def test_byte_collectives_compose_the_two_levels(six, layout):
         assert res["received"] == [[(r * 3 + i + 100 * q % 256) % 256 for i in range(3)] for q in range(n)]
         assert res["total"] == [i * n * (n + 1) // 2 for i in range(11)]
         assert res["mean"] == [sum(range(n)) / n] * 7
+        assert res["weight"] == [sum(range(n)) / n] * 3
 
 
 def coalesced_all_or_nothing(layout: str) -> dict:

@@ -310,6 +310,15 @@ def check_async_and_all_reduce() -> dict:
         expect(x.dtype == DTYPES[dtype] and bool((x == SIZE * (SIZE + 1) / 2).all()), f"{dtype} sum wrong")
         expect(bool((y == (SIZE + 1) / 2).all()), f"{dtype} mean wrong")
         sums[dtype] = float(x[0])
+    w = torch.full((4,), float(RANK + 1), requires_grad=True)  # a parameter: its data is reduced
+    be.all_reduce(w, op="mean")
+    expect(bool((w.detach() == (SIZE + 1) / 2).all()) and w.grad_fn is None, "all_reduce of a parameter wrong")
+    ints = torch.arange(3) + RANK
+    try:
+        be.all_reduce(ints, op="mean")
+        expect(False, "mean of an integer tensor accepted")
+    except TypeError:
+        expect(torch.equal(ints, torch.arange(3) + RANK), "a refused all_reduce changed the tensor")
     be.barrier()
     return {"sums": sums}
 
