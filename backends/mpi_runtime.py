@@ -6,6 +6,7 @@ started this process without loading MPI.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import subprocess
@@ -50,7 +51,20 @@ def import_mpi() -> Any:
         raise ImportError(f"mpi4py is installed but cannot load an MPI library ({exc}); {INSTALL_HINT}") from exc
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        atexit.register(_finalize, MPI)  # initialized here, so finalized here (mpirun checks)
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError(
+            "the mpi backend runs its collectives on a worker thread beside the caller's own MPI calls, "
+            "so it needs MPI initialized with MPI_THREAD_MULTIPLE (mpi4py's default, rc.thread_level = "
+            f"'multiple'); this process's MPI provides level {MPI.Query_thread()}"
+        )
     return MPI
+
+
+def _finalize(MPI: Any) -> None:
+    """MPI_Finalize at exit, if nothing else finalized it."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def _probe_singleton() -> None:

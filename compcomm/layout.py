@@ -101,13 +101,14 @@ class Bucket:
     def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Copy this bucket's tensors (from the full list) into the buffer; return `flat`."""
         for view, i in zip(self.views, self.indices):
-            view.copy_(tensors[i])
+            view.copy_(tensors[i].detach())
         return self.flat
 
     def scatter(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy the buffer back into this bucket's tensors (from the full list)."""
+        """Copy the buffer back into this bucket's tensors (from the full list): their data, also
+        for tensors that require grad (parameters)."""
         for view, i in zip(self.views, self.indices):
-            tensors[i].copy_(view)
+            tensors[i].detach().copy_(view)
 
 
 class Bucketer:

@@ -58,6 +58,19 @@ def test_bucketer_groups_by_size_and_dtype_and_round_trips():
     assert all(torch.equal(t, 2 * o) for t, o in zip(tensors, originals))
 
 
+def test_buckets_of_parameters_gather_and_scatter_their_data():
+    """Parameters (tensors that require grad) go in and come back as data, outside no_grad,
+    without an autograd graph (copy_ into a leaf that requires grad raised)."""
+    params = [torch.nn.Parameter(torch.randn(7)), torch.nn.Parameter(torch.randn(3, 2))]
+    (bucket,) = Bucketer(params, world_size=2)
+    flat = bucket.gather(params)
+    assert not flat.requires_grad and torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in params]))
+    bucket.flat.add_(1.0)
+    before = [p.detach().clone() for p in params]
+    bucket.scatter(params)
+    assert all(torch.equal(p.detach(), b + 1.0) and p.grad_fn is None for p, b in zip(params, before))
+
+
 def test_bucketer_casts_to_a_common_dtype_when_asked():
     tensors = [torch.randn(4, dtype=torch.bfloat16), torch.randn(4)]
     bucketer = Bucketer(tensors, world_size=2, dtype=torch.float32)

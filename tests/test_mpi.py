@@ -107,6 +107,42 @@ def test_frozen_peer_makes_every_live_rank_raise_within_the_timeout(tmp_path):
         assert r["after"]["seconds"] < 0.5
 
 
+INITIALIZED_HERE = """
+import mpi4py
+mpi4py.rc.initialize = False  # compcomm initializes MPI, so it must finalize it too
+import torch, compcomm
+t = torch.ones(8)
+compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(), backend="mpi")
+print("mean", float(t[0]))
+"""
+
+SINGLE_THREADED = """
+import mpi4py
+mpi4py.rc.thread_level = "single"
+import compcomm
+try:
+    compcomm.backends.get("mpi")
+except RuntimeError as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.mark.parametrize("program, says", [(INITIALIZED_HERE, "mean 1.0"), (SINGLE_THREADED, "MPI_THREAD_MULTIPLE")])
+def test_mpi_that_compcomm_initializes_is_finalized_and_must_allow_threads(program, says):
+    """MPI initialized by compcomm is finalized at exit (mpirun failed the job: "exited without
+    calling finalize"); MPI without MPI_THREAD_MULTIPLE is refused with the reason, since the
+    backend's collectives run on a worker thread beside the caller's own MPI calls."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    done = subprocess.run(
+        [*mpirun_python(2), "-c", program], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count(says) == 2, done.stdout
+
+
 @pytest.mark.parametrize("timeout", [0, -1.0, datetime.timedelta(0)])
 def test_timeout_must_be_positive(timeout):
     with pytest.raises(ValueError, match="timeout must be positive"):
