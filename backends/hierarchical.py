@@ -41,6 +41,24 @@ class HierarchicalBackend(Backend):
         self.intra, self.inter = intra, inter
         self._scratch: list[torch.Tensor] = []  # one reused receive buffer per tensor of a call
         super().__init__()
+        self._check_grouping()
+
+    def _check_grouping(self) -> None:
+        """ValueError on every rank unless `inter` joins ranks of one local index of nodes of one
+        size, and every node's ranks see as many nodes: else each node's parts would be reduced
+        with other local indices' parts, into results that differ from rank to rank."""
+        mine = torch.tensor([self.intra.rank, self.intra.world_size, self.inter.world_size], dtype=torch.int64)
+        across, within = _gathered(self.inter, mine), _gathered(self.intra, mine)
+        bad = bool((across[:, :2] != mine[:2]).any() or (within[:, 1:] != mine[1:]).any())
+        for group in (self.intra, self.inter, self.intra):  # every rank learns of any rank's finding
+            bad = bool(_gathered(group, torch.tensor([int(bad)], dtype=torch.int64)).any())
+        if bad:
+            raise ValueError(
+                "hierarchical(intra, inter): `inter` must join the ranks of one local index (the same "
+                "intra.rank) on nodes of the same size, one per node; some rank's inter group mixes local "
+                "indices or node sizes. Build inter from the ranks with the same local index, e.g. "
+                "compcomm.backends.get('hierarchical')"
+            )
 
     # The count lives in the two transports; the generic accounting's writes are ignored.
     @property
@@ -162,9 +180,19 @@ class HierarchicalBackend(Backend):
         self.intra.barrier()
 
 
+def _gathered(be: Backend, values: torch.Tensor) -> torch.Tensor:
+    """Every rank of `be`'s int64 `values`, as rows."""
+    send = values.to(be.device).view(torch.uint8)
+    recv = torch.empty(be.world_size, send.numel(), dtype=torch.uint8, device=be.device)
+    be.all_gather(send, recv)
+    return recv.view(torch.int64).cpu()
+
+
 def hierarchical(intra: Backend, inter: Backend) -> HierarchicalBackend:
     """A backend that reduces exactly over `intra` (this node's ranks) and with 1 bit over
-    `inter` (the ranks of this local index on every node); see `backends.hierarchical`."""
+    `inter` (the ranks of this local index on every node); see `backends.hierarchical`. A
+    collective (call it on every rank): groups that do not fit that layout are a ValueError on
+    every rank."""
     return HierarchicalBackend(intra, inter)
 
 

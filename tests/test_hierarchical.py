@@ -339,6 +339,27 @@ def test_get_needs_a_divisible_world_and_known_transports(six):
         assert {r[0] for r in six.run(_wrong_layout, options)} == {"ValueError"}
 
 
+def _misgrouped() -> tuple | None:
+    import torch.distributed as dist
+
+    from compcomm import backends
+
+    rank = dist.get_rank()
+    node = [dist.new_group(r) for r in ([0, 1], [2, 3])]  # group creation: all six ranks
+    crossed = [dist.new_group(r) for r in ([0, 3], [1, 2])]  # local index 0 with 1: not one index
+    if rank >= 4:
+        return None
+    inter = crossed[0] if rank in (0, 3) else crossed[1]
+    return caught(backends.hierarchical, backends.get("gloo", group=node[rank // 2]), backends.get("gloo", group=inter))
+
+
+def test_inter_groups_that_mix_local_indices_are_refused_everywhere(six):
+    """Ranks 0 and 3 (local indices 0 and 1) as one inter group: each node's parts would be
+    summed with the other index's, different results on different ranks (no error before)."""
+    results = six.run(_misgrouped)[:4]
+    assert all(r is not None and r[0] == "ValueError" and "one local index" in r[1] for r in results), results
+
+
 def _wrong_layout(options: dict) -> tuple | None:
     from compcomm import backends
 
