@@ -38,7 +38,7 @@ def import_mpi() -> Any:
         if already.Is_finalized():
             raise RuntimeError("the mpi backend cannot be used after MPI.Finalize() was called")
         if already.Is_initialized():
-            return already
+            return _threaded(already)
     try:
         import mpi4py  # noqa: F401  (the package alone, which does not initialize MPI)
     except ImportError as exc:
@@ -52,6 +52,12 @@ def import_mpi() -> Any:
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
         atexit.register(_finalize, MPI)  # initialized here, so finalized here (mpirun checks)
+    return _threaded(MPI)
+
+
+def _threaded(MPI: Any) -> Any:
+    """`MPI` if it was initialized with MPI_THREAD_MULTIPLE, else a RuntimeError: the backend runs
+    its collectives on a worker thread beside the caller's own MPI calls."""
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise RuntimeError(
             "the mpi backend runs its collectives on a worker thread beside the caller's own MPI calls, "

@@ -119,6 +119,7 @@ print("mean", float(t[0]))
 SINGLE_THREADED = """
 import mpi4py
 mpi4py.rc.thread_level = "single"
+from mpi4py import MPI  # initialized by the program, before compcomm sees it
 import compcomm
 try:
     compcomm.backends.get("mpi")
