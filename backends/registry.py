@@ -77,3 +77,23 @@ def _auto_name(tensor: torch.Tensor | None) -> str:
             "pass backend='local' to reduce within this process on purpose"
         )
     return "local"
+
+
+def over_group(
+    group: torch.distributed.ProcessGroup | None, backend: Backend | str | None, device: torch.device, what: str
+) -> Backend:
+    """The compcomm backend that reduces over torch `group` (None: the default group), for
+    tensors on `device`: gloo (CPU) or nccl (CUDA) over the group by default or by those names;
+    another name or a Backend must span the group's ranks with this rank at its place there,
+    else a ValueError naming `what` the group is (e.g. "DDP's process group")."""
+    if backend is None or backend in ("gloo", "nccl"):
+        return get(backend or ("nccl" if device.type == "cuda" else "gloo"), group=group)
+    be = get(backend) if isinstance(backend, str) else backend
+    ranks, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    if be.world_size != ranks or be.rank != rank:
+        raise ValueError(
+            f"the {be.name} backend does not match {what}: it spans {be.world_size} ranks, {what} {ranks} "
+            f"(this rank is number {be.rank} in the backend, {rank} in the group): build the backend over "
+            "that group's ranks (e.g. compcomm.backends.get('gloo', group=...)), or pass none"
+        )
+    return be

@@ -43,7 +43,7 @@ from codec_passes import time_passes
 from collective_model import flat_bytes, flat_parts
 from peak_memory import PeakMemory, mmap_threshold_env
 from peak_memory import supported as memory_measurable
-from ranks import add_nprocs_argument, gather_floats, launch_label, launched_world, set_threads
+from ranks import add_nprocs_argument, gather_floats, launch_label, launched_world, mpirun_needed, set_threads
 from records import codec_line, rel_error, write_json
 from units import human, parse_rate, parse_size
 
@@ -484,12 +484,9 @@ def main(argv: list[str] | None = None) -> int:
             "LOCAL_WORLD_SIZE (ranks per node), with --backend gloo or nccl"
         )
     if args.backend == "mpi":
-        if how != "mpirun":
-            try:
-                command = " ".join([*launch.mpirun(args.nprocs), *sys.argv])
-            except RuntimeError as exc:  # no mpirun here: say how to get one
-                raise SystemExit(f"--backend mpi runs under an MPI launcher: {exc}") from None
-            raise SystemExit(f"--backend mpi runs under an MPI launcher, e.g.:\n  {command}")
+        why = mpirun_needed(args.nprocs)
+        if why:
+            raise SystemExit(why)
         set_threads()
         run_rank(args, backends.get("mpi"), launch_label(args.nprocs))
     elif launched_world() is not None:  # torchrun, bench/netsim.py, or mpirun's ranks as one gloo group

@@ -88,13 +88,12 @@ def flat_parts(
       during phase 2's collective, the other chunks' decode after it:
       max(gather, serr + decode / n) + decode (n-1) / n.
 
-    The link's token bucket (p["burst"]) is the host's: its k ranks (or `sharing_link`) share it,
-    each phase measured alone finds it full, and a call's phases spend one bucket in turn
-    (`spend_bucket`).
+    The link's token bucket (p["burst"]): each phase measured alone finds it full, and a call's
+    phases spend one bucket in turn (`spend_bucket`). Each of a host's ranks is given the whole
+    bucket (dividing it among them overshot the measured calls: docs/cost_model.md).
 
     `addend`: the scan reads a second fp32 input (a hierarchical part's last node block)."""
-    sharing = sharing_link or k
-    link, bucket = p["B"] / sharing, p["burst"]
+    link = p["B"] / (sharing_link or k)
     b = flat_bytes(numel, n)
     if addend:
         b["scan"] += 4.0 * numel
@@ -102,14 +101,14 @@ def flat_parts(
     crossing = (n - k) / (n - 1) if n > 1 else 0.0
     row = chunk(numel, n) / 8
 
-    def sent(bytes_: float, free: float = bucket) -> float:
+    def sent(bytes_: float, free: float | None = None) -> float:
         return comm_time(p, bytes_ * crossing, n - 1, share, link, free) if bytes_ else 0.0
 
     t["header"], t["a2a"], t["gather"] = sent(b["header"]), sent(b["a2a"]), sent(b["gather"])
     t["allreduce"] = comm_time(p, b["allreduce"], 2 * (n - 1), share, p["B"])
     streamed = row_by_row and n > 1 and row > ROW_BY_ROW_BYTES
     first = [(n - 1) * HEADER_BYTES, (n - 1) * row] if streamed else [b["header"], b["a2a"]]
-    free = spend_bucket(bucket, [crossing * x for x in (*first, b["gather"])])
+    free = spend_bucket(p["burst"], [crossing * x for x in (*first, b["gather"])])
     if streamed:
         header, every_row = sent(first[0], free[0]), sent(first[1], free[1])
         phase1 = header + max(t["scan"] + header, t["scan"] / n + every_row)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -61,6 +62,18 @@ def launch_label(world: int) -> str:
         return f"netsim {rate}" + (f" +{delay}" if delay else "")
     how = launch.launcher()
     return how if how is not None else f"{world} local ranks (self-spawned)"
+
+
+def mpirun_needed(nprocs: int) -> str | None:
+    """None under mpirun; elsewhere, what to tell a user who asked for --backend mpi: the mpirun
+    command that runs this very command line on `nprocs` local ranks, or how to get an mpirun."""
+    if launch.launcher() == "mpirun":
+        return None
+    try:
+        command = " ".join([*launch.mpirun(nprocs), *sys.argv])
+    except RuntimeError as exc:  # no mpirun here: say how to get one
+        return f"--backend mpi runs under mpirun (an MPI launcher): {exc}"
+    return f"--backend mpi runs under mpirun (an MPI launcher), e.g.:\n  {command}"
 
 
 def launched_world() -> int | None:

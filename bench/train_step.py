@@ -80,10 +80,8 @@ import torch.distributed as dist
 from sharding import host_groups, shard_children
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from compcomm import launch
-
 import emulation
-from ranks import add_nprocs_argument, launch_label, run_ranks, set_threads
+from ranks import add_nprocs_argument, launch_label, mpirun_needed, run_ranks, set_threads
 from records import codec_line, write_json
 from tasks import CharMLP, load_text, random_windows
 
@@ -698,8 +696,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("PowerSGD compresses from step 2 at the earliest (start_powerSGD_iter >= 2): --warmup-steps >= 2")
     if any(m.startswith("diloco") for m in chosen) and (args.sync_every < 1 or args.diloco_fragments < 1):
         p.error("--sync-every and --diloco-fragments must be >= 1")
-    if args.backend == "mpi" and launch.launcher() != "mpirun":
-        p.error(f"--backend mpi runs under mpirun, e.g. mpirun -n 4 {sys.executable} {' '.join(sys.argv)}")
+    why = mpirun_needed(args.nprocs) if args.backend == "mpi" else None
+    if why:
+        p.error(why)
     defaults = SETTINGS[args.setting]
     args.shape = tuple(
         v if v is not None else d for v, d in zip((args.context, args.embed, args.hidden, args.batch), defaults)

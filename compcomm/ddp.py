@@ -63,7 +63,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .agreement import raise_agreed
 from .allreduce import compressed_allreduce
-from .backends import Backend, check_backend_argument, get
+from .backends import Backend, check_backend_argument
+from .backends.registry import over_group
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError, all_finite
 from .gather_objects import all_gather_object
@@ -128,41 +129,22 @@ class OnebitHookState:
     # ----------------------------------------------------------------- transport
 
     def backend(self, device: torch.device | None = None) -> Backend:
-        """The compcomm backend that reduces buckets on `device`: the one given, or one built once
-        per name over `process_group` (a name given; else gloo for CPU buckets, nccl for CUDA).
-        ValueError if it spans other ranks than `process_group`."""
-        arg = self._backend_arg
-        if isinstance(arg, Backend):
-            return self._over_the_group(arg)
-        if arg is None and device is None and self._backends:
+        """The compcomm backend that reduces buckets on `device`, built once per device type over
+        `process_group` (`backends.registry.over_group`: the one given, or gloo / nccl)."""
+        if device is None and self._backends:
             return next(iter(self._backends.values()))
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "compcomm.ddp.OnebitHookState reduces over DDP's process group, but torch.distributed is not "
                 "initialized: call torch.distributed.init_process_group() first"
             )
-        if arg is not None:
-            name = arg
-        elif device is None:
-            name = "nccl" if dist.get_backend(self.process_group) == "nccl" else "gloo"
-        else:
-            name = "nccl" if device.type == "cuda" else "gloo"
-        if name not in self._backends:
-            options = {"group": self.process_group} if name in ("gloo", "nccl") else {}
-            self._backends[name] = self._over_the_group(get(name, **options))
-        return self._backends[name]
-
-    def _over_the_group(self, be: Backend) -> Backend:
-        """`be`, if it spans as many ranks as DDP's process group (where torch.distributed is up)."""
-        if dist.is_available() and dist.is_initialized():
-            ranks = dist.get_world_size(self.process_group)
-            if be.world_size != ranks:
-                raise ValueError(
-                    f"the hook state's {be.name} backend spans {be.world_size} ranks, DDP's process group "
-                    f"{ranks}: pass a backend over the group's ranks (e.g. compcomm.backends.get('gloo', "
-                    "group=process_group)), or none"
-                )
-        return be
+        if device is None:
+            device = torch.device("cuda" if dist.get_backend(self.process_group) == "nccl" else "cpu")
+        if device.type not in self._backends:
+            self._backends[device.type] = over_group(
+                self.process_group, self._backend_arg, device, "DDP's process group"
+            )
+        return self._backends[device.type]
 
     # ----------------------------------------------------------------- bucket layout
 

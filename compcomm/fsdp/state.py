@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from .. import schedules
 from ..agreement import CallSpec, raise_agreed
-from ..backends import Backend, HierarchicalBackend, get
+from ..backends import Backend, HierarchicalBackend
+from ..backends.registry import over_group
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import all_gather_object
@@ -71,12 +72,14 @@ class CompressionState:
         self.params = [p for m in modules for p in m.params]
         device = self.params[0].device
         shards: dict[int, Backend] = {}
-        replicas = None if replicate_group is None else _backend_over(replicate_group, backend, device)
+        replicas = (
+            None if replicate_group is None else over_group(replicate_group, backend, device, "the replicate group")
+        )
         self._modules: dict[str, _Module] = {}
         for m in modules:
             if id(m.shard_group) not in shards:
                 chosen = backend if replicate_group is None else None  # HSDP: FSDP's own group is the node's
-                shards[id(m.shard_group)] = _backend_over(m.shard_group, chosen, device)
+                shards[id(m.shard_group)] = over_group(m.shard_group, chosen, device, "the shard group")
             self._modules[m.name] = _Module(
                 m.name,
                 ErrorFeedback(tag=f"compcomm.fsdp:{m.name}"),
@@ -268,18 +271,3 @@ class CompressionState:
         if not isinstance(state.get("iteration"), int) or not isinstance(state.get("start_iter"), int):
             raise ValueError("the state's iteration and start_iter must be integers")
         return state
-
-
-def _backend_over(group: dist.ProcessGroup, backend: Backend | str | None, device: torch.device) -> Backend:
-    """The compcomm backend over `group`: gloo (CPU) or nccl (CUDA) by default; a given one must
-    have the group's size and this rank's place in it."""
-    if backend is None or backend in ("gloo", "nccl"):
-        name = backend or ("nccl" if device.type == "cuda" else "gloo")
-        return get(name, group=group)
-    be = get(backend) if isinstance(backend, str) else backend
-    if be.world_size != dist.get_world_size(group) or be.rank != dist.get_rank(group):
-        raise ValueError(
-            f"backend {be!r} does not match the group it must reduce over ({dist.get_world_size(group)} ranks, "
-            f"this one number {dist.get_rank(group)}): build it over that group"
-        )
-    return be
