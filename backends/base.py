@@ -46,6 +46,8 @@ class Backend(ABC):
     """
 
     name = "backend"
+    timeout: float | None = None
+    """Seconds that bound every wait of a call, its wait for its turn included (None: unbounded)."""
 
     def __init__(self) -> None:
         self.bytes_sent = 0
@@ -82,8 +84,15 @@ class Backend(ABC):
     def ordered(self, fn: Callable, *args, async_op: bool = False) -> Any:
         """fn(*args) in its turn on this backend's channels; async_op returns a handle at once."""
         if async_op:
-            return ordering.submit(self.channels, fn, *args)
-        return ordering.run(self.channels, fn, *args)
+            return ordering.submit(self.channels, fn, *args, timeout=self.timeout)
+        return ordering.run(self.channels, fn, *args, timeout=self.timeout)
+
+    def _break_channel(self, reason: str) -> RuntimeError:
+        """Mark this group's channel unusable after a failure that leaves the peers out of step (a
+        timed-out collective), so that every backend object over the group refuses calls; returns
+        the error to raise. By key: the channel may be failing to open."""
+        ordering.break_channel(self._channel_key(), reason)
+        return RuntimeError(reason)
 
     @property
     @abstractmethod

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import ordering
 from .base import Backend, Handle
 from .mpi_runtime import import_mpi, query_cuda_aware
 from .pinned import PinnedPool
@@ -103,7 +104,7 @@ class MPIBackend(Backend):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.timeout = timeout_seconds(timeout)
+        self.timeout: float = timeout_seconds(timeout)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
@@ -134,7 +135,6 @@ class MPIBackend(Backend):
         self.staging = PinnedPool()
         self._float16 = self._mpi_type("FLOAT16_T")
         self._bfloat16 = self._mpi_type("BFLOAT16_T")
-        self._failed: str | None = None
 
     def _mpi_type(self, name: str):
         t = getattr(self.MPI, name, None)
@@ -177,21 +177,22 @@ class MPIBackend(Backend):
         while not request.Test():
             now = time.monotonic()
             if now >= deadline:
-                self._failed = (
+                raise self._break_channel(
                     f"the mpi backend's {what} did not complete within {self.timeout:g}s: a peer of this "
                     f"{self._size}-rank communicator stopped answering (crashed, hung, or out of step). "
-                    "The communicator may still hold the unfinished collective, so this backend is "
-                    "unusable; end the job (e.g. MPI.COMM_WORLD.Abort()) and restart from a checkpoint"
+                    "The communicator may still hold the unfinished collective, so every mpi backend over "
+                    "it is unusable; end the job (e.g. MPI.COMM_WORLD.Abort()) and restart from a checkpoint"
                 )
-                raise RuntimeError(self._failed)
             pause = (now - start) * _PAUSE_FRACTION
             if pause >= _SHORTEST_PAUSE_S:
                 time.sleep(min(pause, _LONGEST_PAUSE_S))
 
     def _start(self, what: str, start: Callable[[], Any]) -> Any:
-        """MPI request of collective `what`, started by `start` unless a timeout broke the backend."""
-        if self._failed is not None:
-            raise RuntimeError(f"mpi backend unusable after an earlier timeout: {self._failed}")
+        """MPI request of collective `what`, started by `start` unless a timeout broke the communicator
+        (a call that timed out may have left requests of its own to start)."""
+        reason = ordering.broken(self._channel_key())
+        if reason is not None:
+            raise RuntimeError(f"mpi backend unusable after an earlier timeout: {reason}")
         return start()
 
     # -- buffers -----------------------------------------------------------------------------

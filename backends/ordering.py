@@ -13,12 +13,24 @@ work (C kernels, transfers) releases the GIL, so the caller computes meanwhile.
 What stays the caller's job, as with any collective: every rank submits the same calls in the same
 order per group. Calls submitted from several threads are ordered by submission time on each rank,
 which only matches across ranks when the threads are themselves ordered.
+
+A broken channel. A backend whose collective timed out marks its channel broken
+(`break_channel`): the transport may still hold the unfinished collective and its peers are out
+of step, so every call waiting for its turn on the channel, every later call, and every backend
+object opened over the same group later raise RuntimeError at once, naming the first failure
+(an async call queued on the channel's worker thread behind a call that is still running is
+refused as soon as that call returns, which its own timeout bounds).
+A call's wait for its turn is bounded too (`timeout`, the backend's): when the calls ahead of
+it make no progress for that long, it gives up its turn and breaks the channel. Without that
+bound, a call queued behind another backend object's hung call would wait out that call's own,
+perhaps longer, timeout first.
 """
 
 from __future__ import annotations
 
 import atexit
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -29,6 +41,7 @@ _cond = threading.Condition()
 _registry: dict[Hashable, Channel] = {}
 _opening: dict[Hashable, threading.Lock] = {}
 _held = threading.local()
+_broken: dict[Hashable, str] = {}
 
 
 class Channel:
@@ -39,7 +52,20 @@ class Channel:
         self.transport = transport
         self._issued = 0
         self._serving = 0
+        self._abandoned: set[int] = set()  # tickets whose calls gave up before their turn
         self._worker: ThreadPoolExecutor | None = None
+
+    @property
+    def broken(self) -> str | None:
+        """Why this channel is unusable (see `break_channel`), or None."""
+        return _broken.get(self.key)
+
+    def _advance(self) -> None:
+        """Serve the next ticket, skipping those whose calls gave up (under `_cond`)."""
+        self._serving += 1
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
+            self._serving += 1
 
     def worker(self) -> ThreadPoolExecutor:
         """The thread that runs this channel's async calls (made on first use)."""
@@ -60,6 +86,7 @@ def channel(key: Hashable, open_transport: Callable[[], Any]) -> Channel:
     open it once.
     """
     with _cond:
+        _raise_if_broken([key])
         found = _registry.get(key)
         if found is not None:
             return found
@@ -72,6 +99,25 @@ def channel(key: Hashable, open_transport: Callable[[], Any]) -> Channel:
             with _cond:
                 _registry[key] = found
         return found
+
+
+def break_channel(key: Hashable, reason: str) -> None:
+    """Mark the channel of `key` unusable (the first reason stays): calls waiting for their turn
+    on it raise RuntimeError now, later calls and channels opened under `key` at once."""
+    with _cond:
+        _broken.setdefault(key, reason)
+        _cond.notify_all()
+
+
+def broken(key: Hashable) -> str | None:
+    """Why the channel of `key` is unusable, or None."""
+    return _broken.get(key)
+
+
+def _raise_if_broken(keys: Sequence[Hashable]) -> None:
+    reason = next((_broken[k] for k in keys if k in _broken), None)
+    if reason is not None:
+        raise RuntimeError(f"compcomm's collectives over this group are unusable after an earlier failure: {reason}")
 
 
 @atexit.register
@@ -134,10 +180,8 @@ def _take(channels: Sequence[Channel]) -> list[int]:
     return tickets
 
 
-def _execute(channels: Sequence[Channel], tickets: list[int], fn: Callable, args: tuple) -> Any:
-    with _cond:
-        while any(ch._serving != t for ch, t in zip(channels, tickets)):
-            _cond.wait()
+def _execute(channels: Sequence[Channel], tickets: list[int], fn: Callable, args: tuple, timeout: float | None) -> Any:
+    _await_turn(channels, tickets, timeout)
     held = _holding()
     mine = {id(ch) for ch in channels} - held
     held |= mine
@@ -147,21 +191,68 @@ def _execute(channels: Sequence[Channel], tickets: list[int], fn: Callable, args
         held -= mine
         with _cond:
             for ch in channels:
-                ch._serving += 1
+                ch._advance()
             _cond.notify_all()
 
 
-def run(channels: Sequence[Channel], fn: Callable, *args) -> Any:
+def _await_turn(channels: Sequence[Channel], tickets: list[int], timeout: float | None) -> None:
+    """Until every ticket is being served. Raises RuntimeError, giving the tickets up, when a
+    channel is broken or when the calls ahead make no progress for `timeout` seconds (the
+    channel is then broken: this rank skips a call its peers may make)."""
+    with _cond:
+        progress = [ch._serving for ch in channels]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                _raise_if_broken([ch.key for ch in channels])
+            except RuntimeError:
+                _give_up(channels, tickets)
+                raise
+            if all(ch._serving == t for ch, t in zip(channels, tickets)):
+                return
+            now = [ch._serving for ch in channels]
+            if now != progress:
+                progress, deadline = now, None if timeout is None else time.monotonic() + timeout
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                reason = (
+                    f"a call waited {timeout:g}s for its turn behind an earlier compcomm call over the same "
+                    "group that made no progress (a peer stopped answering, or another backend object's call "
+                    "hung); this rank skipped a collective its peers may make, so the group's collectives are "
+                    "out of step: end the job and restart from a checkpoint"
+                )
+                for ch in channels:
+                    _broken.setdefault(ch.key, reason)
+                _give_up(channels, tickets)
+                _cond.notify_all()
+                raise RuntimeError(reason)
+            _cond.wait(left)
+
+
+def _give_up(channels: Sequence[Channel], tickets: list[int]) -> None:
+    """Drop tickets that will never run, so that the calls behind them still get their turn
+    (under `_cond`)."""
+    for ch, t in zip(channels, tickets):
+        if ch._serving == t:
+            ch._advance()
+        elif ch._serving < t:
+            ch._abandoned.add(t)
+    _cond.notify_all()
+
+
+def run(channels: Sequence[Channel], fn: Callable, *args, timeout: float | None = None) -> Any:
     """fn(*args) in this thread, in its turn on every channel (at once if this thread already
-    holds them all, i.e. fn is part of a call that is running)."""
+    holds them all, i.e. fn is part of a call that is running). `timeout` bounds the wait for
+    the turn while the calls ahead make no progress (see `_await_turn`)."""
     if all(holds(ch) for ch in channels):
         return fn(*args)
-    return _execute(channels, _take(channels), fn, args)
+    return _execute(channels, _take(channels), fn, args, timeout)
 
 
-def submit(channels: Sequence[Channel], fn: Callable, *args) -> Pending:
+def submit(channels: Sequence[Channel], fn: Callable, *args, timeout: float | None = None) -> Pending:
     """fn(*args) on the first channel's worker thread, in its turn on every channel; inside a call
-    that holds them all, at once (a later turn would wait for the very call that waits on it)."""
+    that holds them all, at once (a later turn would wait for the very call that waits on it).
+    `timeout` as in `run`."""
     if all(holds(ch) for ch in channels):
         done: Future = Future()
         try:
@@ -170,7 +261,7 @@ def submit(channels: Sequence[Channel], fn: Callable, *args) -> Pending:
             done.set_exception(exc)
         return Pending(done)
     tickets = _take(channels)
-    return Pending(channels[0].worker().submit(_execute, channels, tickets, fn, args))
+    return Pending(channels[0].worker().submit(_execute, channels, tickets, fn, args, timeout))
 
 
 def sequence_number(channel_: Channel) -> int:

@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from .base import Backend, Handle
 from .rank_order import sum_in_rank_order
-from .shm_segment import SHM_DIRECTORY, Segment, alive, open_segment
+from .shm_segment import SHM_DIRECTORY, RendezvousTimeout, Segment, alive, open_segment
 from .torch_dist import group_timeout, require_member
 from .waiting import timeout_seconds
 
@@ -153,7 +153,7 @@ class ShmBackend(Backend):
         self.group = group
         if timeout is None:
             timeout = group_timeout(group, torch.device("cpu"))
-        self.timeout = timeout_seconds(timeout)
+        self.timeout: float = timeout_seconds(timeout)
         self.directory = directory
         self._rank, self._size = dist.get_rank(group), dist.get_world_size(group)
         self._mapping = _Mapping()
@@ -209,7 +209,10 @@ class ShmBackend(Backend):
                 self.timeout,
                 self.directory,
             )
-        except RuntimeError as exc:
+        except RendezvousTimeout as exc:
+            self._failed = str(exc)
+            raise self._break_channel(str(exc)) from exc
+        except RuntimeError as exc:  # agreed on every rank (e.g. ranks of several hosts): still in step
             self._failed = str(exc)
             raise
         self._mapping.segment, self._count = segment, 0
@@ -268,10 +271,10 @@ class ShmBackend(Backend):
 
     def _fail(self, message: str) -> None:
         self._failed = (
-            f"the shm backend's {message}. Its peers are out of step, so this backend is unusable; "
-            "end the job and restart from a checkpoint"
+            f"the shm backend's {message}. Its peers are out of step, so every shm backend over its "
+            "group is unusable; end the job and restart from a checkpoint"
         )
-        raise RuntimeError(self._failed)
+        raise self._break_channel(self._failed)
 
     # -- the collectives -----------------------------------------------------------------------
 

@@ -154,11 +154,15 @@ def open_segment(
             path.unlink(missing_ok=True)
 
 
+class RendezvousTimeout(RuntimeError):
+    """A rank of the group never reached the rendezvous: the group's segment numbering is out of step."""
+
+
 def _store_wait(store: Any, keys: list[str], wait: datetime.timedelta, what: str) -> Any:
     try:
         store.wait(keys, wait)
     except RuntimeError as exc:
-        raise RuntimeError(
+        raise RendezvousTimeout(
             f"the shm backend timed out after {wait.total_seconds():g}s waiting for {what}: a rank of its "
             f"group did not reach the same call (crashed, hung, or out of step): {exc}"
         ) from exc

@@ -22,7 +22,8 @@ from compcomm.launch import free_port, rank_environment
 from rankpool import caught, group
 
 GROUPS = [(0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 3)]
-ABSENT_GROUP = (2, 3)  # only test_a_peer_that_never_arrives uses it: it leaves the group out of step
+ABSENT_GROUP = (2, 3)  # only test_a_peer_that_never_arrives uses these two: they leave
+ABSENT_RENDEZVOUS_GROUP = (0, 2)  # their groups out of step
 _made: dict[tuple[int, ...], tuple[object, object]] = {}  # per rank process: members -> (shm, gloo)
 
 
@@ -189,31 +190,37 @@ def test_ranks_making_different_calls_raise_valueerror_everywhere(pool):
     assert pool.run(still_works, ranks=[0, 1]) == [[2.0] * 4] * 2  # still in step
 
 
-def never_arrives() -> dict:
-    """Rank 3 skips a call on a working backend, then the first call of a fresh one."""
+def never_arrives(members: tuple[int, ...], case: str) -> dict:
+    """The group's last member skips a call: the first call of a fresh backend ("rendezvous"), or
+    one on a backend that has worked ("mid-run"). The others time out; then that backend, and a
+    fresh one over the same group (its peers are out of step), refuse calls at once."""
     import torch.distributed as dist
 
-    me, out = dist.get_rank(), {}
-    for case in ("mid-run", "rendezvous"):
-        shm = backends.get("shm", group=group(ABSENT_GROUP), timeout=1.0)
-        if case == "mid-run":
-            shm.all_reduce(torch.ones(8))
-        if me == 3:
-            continue
+    shm = backends.get("shm", group=group(members), timeout=1.0)
+    if case == "mid-run":
+        shm.all_reduce(torch.ones(8))
+    if dist.get_rank() == members[-1]:
+        return {}
+    out = {}
+    for what, call in (("call", shm.all_reduce), ("after", shm.all_reduce), ("fresh", None)):
+        if call is None:
+            call = backends.get("shm", group=group(members), timeout=60.0).all_reduce
         start = time.monotonic()
-        out[case] = (caught(shm.all_reduce, torch.ones(8)), time.monotonic() - start)
-        out[case + " after"] = caught(shm.barrier)
+        out[what] = (caught(call, torch.ones(8)), time.monotonic() - start)
     return out
 
 
-def test_a_peer_that_never_arrives_raises_runtimeerror_within_the_timeout(pool):
-    waiting, _ = pool.run(never_arrives, ranks=ABSENT_GROUP)
-    for case in ("mid-run", "rendezvous"):
-        (kind, message), seconds = waiting[case]
-        assert kind == "RuntimeError" and "1s" in message, message
-        assert 0.9 < seconds < 5
-        assert waiting[case + " after"][0] == "RuntimeError"  # and refuses further calls
-    assert "rank(s) [1]" in waiting["mid-run"][0][1]
+@pytest.mark.parametrize("members, case", [(ABSENT_GROUP, "mid-run"), (ABSENT_RENDEZVOUS_GROUP, "rendezvous")])
+def test_a_peer_that_never_arrives_raises_runtimeerror_within_the_timeout(pool, members, case):
+    waiting, _ = pool.run(never_arrives, members, case, ranks=members)
+    (kind, message), seconds = waiting["call"]
+    assert kind == "RuntimeError" and "1s" in message, message
+    assert 0.9 < seconds < 5
+    if case == "mid-run":
+        assert f"rank(s) [{len(members) - 1}]" in message
+    for what in ("after", "fresh"):  # the backend, and any other over the group, refuse at once
+        (kind, message), seconds = waiting[what]
+        assert kind == "RuntimeError" and "unusable" in message and seconds < 0.5, (what, message)
     assert leftovers(pool) == []
 
 

@@ -4,7 +4,13 @@ Every rank builds three mpi backends (timeout 2 s, one given as a timedelta) on 
 COMM_WORLD; then rank 2 freezes (sleeps, never calling) while ranks 0 and 1 run a compressed
 allreduce, an uncompressed all_reduce and a barrier, one per backend. Each must raise
 RuntimeError once the timeout has passed, not hang, and a backend that timed out refuses the
-next call at once. Each rank writes OUT_DIR/rank<r>.json.
+next call at once.
+
+Then two backends over one more communicator, timeouts 4 s and 2 s: an async call of the first
+is in flight when the second's call is made, which queues behind it. The second call must raise
+after its own 2 s (its wait for its turn is bounded), not after the first call's 4 s and then
+its own; the first call raises after its 4 s; a third backend made over the same communicator
+afterwards refuses at once. Each rank writes OUT_DIR/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -42,10 +48,13 @@ def main(out_dir: str) -> int:
     rank = world.Get_rank()
     timeouts = [TIMEOUT_S, datetime.timedelta(seconds=TIMEOUT_S), TIMEOUT_S]
     backends = [MPIBackend(comm=world.Dup(), timeout=t, device="cpu") for t in timeouts]
+    shared = world.Dup()
+    slow, quick = (MPIBackend(comm=shared, timeout=t, device="cpu") for t in (2 * TIMEOUT_S, TIMEOUT_S))
+    slow.barrier()  # opens the communicator's private duplicate (a collective) while every rank answers
     world.Barrier()
     result: dict = {"rank": rank}
     if rank == FROZEN_RANK:
-        time.sleep(4 * TIMEOUT_S)  # frozen: the others' collectives never complete
+        time.sleep(8 * TIMEOUT_S)  # frozen: the others' collectives never complete
         result["frozen"] = True
     else:
         compressed, plain, barrier = backends
@@ -56,6 +65,12 @@ def main(out_dir: str) -> int:
         result["all_reduce"] = timed(lambda: plain.all_reduce(torch.ones(100)))
         result["barrier"] = timed(barrier.barrier)
         result["after"] = timed(lambda: compressed.all_reduce(torch.ones(100)))
+        start = time.monotonic()
+        in_flight = slow.all_reduce(torch.ones(100), async_op=True)
+        result["queued"] = timed(lambda: quick.all_reduce(torch.ones(100)))
+        result["in_flight"] = timed(in_flight.wait)
+        result["in_flight"]["seconds"] = time.monotonic() - start
+        result["fresh"] = timed(lambda: MPIBackend(comm=shared, device="cpu").all_reduce(torch.ones(100)))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     return 0
