@@ -20,7 +20,7 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 SIGNATURES: dict[str, tuple[str, ...]] = {
     "cc_worker_scan": (PTR, I32, I64, PTR, F32, PTR, F32, I32, I64, PTR, PTR, PTR),
     "cc_error_update": (PTR, I32, I64, PTR, PTR, I64, I64, F32),
-    "cc_server_scan": (PTR, I64, I32, PTR, F32, PTR, I64, I64, PTR, PTR),
+    "cc_server_scan": (PTR, I64, I32, PTR, F32, PTR, PTR, I64, I64, PTR, PTR),
     "cc_decode": (PTR, I64, I32, U32, U32, PTR),
 }
 """Parameter kinds of each kernel, in order. A summing kernel's last parameter is `partial`."""

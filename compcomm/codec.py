@@ -11,7 +11,8 @@ the allreduce calls in this order:
   rejected afterwards with nothing changed.
 - `error_update_`: e <- v - s sign(v) on the real elements, 0 on padding (worker and server),
   in place or into another buffer.
-- `server_scan_`: y = (1/n) sum_r s_r sign_r + e_s, stored in e_s; bits = sign(y); sum(y^2).
+- `server_scan_`: y = (1/n) sum_r s_r sign_r + e_s, stored in e_s (or read from another buffer:
+  `previous`); bits = sign(y); sum(y^2).
 - `decode`: out = t sign, written in the output dtype.
 
 Each pass runs as one fused kernel when the codec's kernel set takes the tensors (C on
@@ -293,24 +294,35 @@ class Codec:
         error: torch.Tensor,
         real: int,
         out_bits: torch.Tensor,
+        previous: torch.Tensor | None = None,
     ) -> float:
-        """error <- y = (sum_r scales[r] sign_r) / divisor + error, summed in rank order, where row r
-        of `bits` (n, C/8; rows may lie apart, each contiguous) holds rank r's signs of this
-        chunk; out_bits <- sign(y). Returns sum(y[:real]^2) in float64."""
+        """error <- y = (sum_r scales[r] sign_r) / divisor + previous, summed in rank order, where
+        row r of `bits` (n, C/8; rows may lie apart, each contiguous) holds rank r's signs of
+        this chunk; out_bits <- sign(y). Returns sum(y[:real]^2) in float64. `previous` (fp32, C)
+        is the server error before the call: `error` itself by default (in place), or a buffer
+        sharing no memory with it, which is left as it is (a call that keeps the old errors
+        reads them there, instead of copying them into `error` first)."""
         n, c = bits.shape[0], error.numel()
+        if previous is None:
+            previous = error
+        elif previous.shape != error.shape or previous.dtype != error.dtype or previous.device != error.device:
+            raise ValueError("server_scan_: previous must be an fp32 tensor of error's shape, on its device")
+        elif previous.data_ptr() != error.data_ptr() and _shares_storage(previous, error):
+            raise ValueError("server_scan_: previous must be error itself or share no memory with it")
         # the kernel steps from row to row itself: each row must be contiguous, not the whole
         rows = bits if bits.is_contiguous() or bits.stride(-1) != 1 or not n else bits[0]
         total = self._fused_sum(
             "cc_server_scan",
             error.device,
             c,
-            (rows, scales, error, out_bits),
+            (rows, scales, previous, error, out_bits),
             (
                 bits.data_ptr(),
                 bits.stride(0),
                 n,
                 scales.data_ptr(),
                 float(divisor),
+                previous.data_ptr(),
                 error.data_ptr(),
                 c,
                 real,
@@ -329,7 +341,7 @@ class Codec:
                 a += tables[r][bits[r, start // 8 : stop // 8].long()].view(-1)
             divide_(a, divisor)
             y = error[start:stop]
-            y += a
+            torch.add(previous[start:stop], a, out=y)
             head = y[: max(0, min(real, stop) - start)].double()
             acc += torch.dot(head, head)
             pack_signs(y, out_bits[start // 8 : stop // 8])

@@ -237,10 +237,13 @@ class ErrorFeedback:
 
     def take_x_prime(
         self, source: ErrorFeedback, x_prime: torch.Tensor, scale: float, numel: int, world_size: int
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """After the verdict, the call's errors become this instance's: the worker error in the
         x' form (`x_prime`, from `next_x_prime_buffer`, with this rank's scale), and the server
-        error as `source`'s, which the call goes on to update in place: returned."""
+        error, which the call goes on to write. Returns (the server error to write, the server
+        error before the call to read): the same tensor in place; into another ErrorFeedback,
+        this one's own buffer and `source`'s errors, which the server pass reads where they lie
+        (`Codec.server_scan_`'s `previous`), so keeping the old state costs no copy of them."""
         device, server_shape = x_prime.device, (chunk_size(numel, world_size),)
         if self is source:
             if self._worker is None:
@@ -248,20 +251,21 @@ class ErrorFeedback:
                 self.numel, self.world_size, self.layout = numel, world_size, ALLREDUCE
             self._to(device)
             self._spare = self._worker
+            previous = self.server_error
         else:
             server = self._spare_server
             if server is None or not _fits(server, server_shape, device, codec.storages(source.server_error)):
                 server = torch.empty(server_shape, dtype=torch.float32, device=device)
             if source.server_error is None:
-                server.zero_()
+                previous = server.zero_()
             else:
-                server.copy_(source.server_error)
+                previous = source.server_error.to(device)
             self.server_error, self._spare_server = server, None
             self.tag, self.numel, self.world_size, self.layout = source.tag, numel, world_size, ALLREDUCE
         self._state = (x_prime, scale, numel)
         self._server_max = None
-        assert self.server_error is not None
-        return self.server_error
+        assert self.server_error is not None and previous is not None
+        return self.server_error, previous
 
     def follow(
         self, source: ErrorFeedback, numel: int, world_size: int, device: torch.device, layout: str = ALLREDUCE

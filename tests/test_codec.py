@@ -233,6 +233,28 @@ def test_server_scan_and_update(kind, n, c, real):
     assert same_bits(n_args[0], t_args[0])
 
 
+@pytest.mark.parametrize("n, c, real", [(1, 8, 3), (4, 4096, 4000), (5, 8192, 8013)])
+def test_server_scan_reads_the_previous_errors_where_they_lie(kind, n, c, real):
+    """`previous`: the server pass reads the errors before the call from another buffer (a
+    call that keeps the old state) and writes y into `error`, bitwise as in place; `previous`
+    is left as it was, and one that overlaps `error` is refused."""
+    g = torch.Generator().manual_seed(n * c)
+    bits = torch.randint(0, 256, (n, c // 8), dtype=torch.uint8, generator=g).to(kind.device)
+    scales = (torch.rand(n, generator=g) + 0.1).to(kind.device)
+    before = (torch.randn(c, generator=g) * 0.2).to(kind.device)
+    for divisor in (1, n):
+        in_place, in_place_bits = before.clone(), torch.empty(c // 8, dtype=torch.uint8, device=kind.device)
+        expected = kind.codec.server_scan_(bits, scales, divisor, in_place, real, in_place_bits)
+        previous, y = before.clone(), torch.full((c,), float("nan"), device=kind.device)
+        out_bits = torch.empty_like(in_place_bits)
+        assert kind.codec.server_scan_(bits, scales, divisor, y, real, out_bits, previous) == expected
+        assert same_bits(y, in_place) and same_bits(out_bits, in_place_bits)
+        assert same_bits(previous, before)
+    whole, half = before.clone(), c // 2
+    with pytest.raises(ValueError, match="share no memory"):
+        kind.codec.server_scan_(bits[:, : half // 8], scales, 1, whole[:half], real // 2, out_bits, whole[1 : half + 1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("count", [1, 8, 13, 4096])
 def test_decode(kind, dtype, count):

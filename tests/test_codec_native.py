@@ -189,6 +189,9 @@ def test_server_scan_is_the_same_in_every_configuration(codecs, ranks, c, real, 
             y, out_bits = error.clone(), torch.empty(c // 8, dtype=torch.uint8)
             sums.add(coder.server_scan_(bits, scales, divisor, y, real, out_bits))
             assert same_bits(y, expected) and same_bits(out_bits, expected_bits), config
+            kept, y = error.clone(), torch.full((c,), float("nan"))  # the errors before, read where they lie
+            sums.add(coder.server_scan_(bits, scales, divisor, y, real, out_bits, kept))
+            assert same_bits(y, expected) and same_bits(out_bits, expected_bits) and same_bits(kept, error), config
         assert len(sums) == 1, f"sums of squares differ between configurations: {sums}"
         total = sums.pop()
         assert total == pytest.approx(torch_sum, rel=1e-12) and total == reference_sum(expected[:real], c)

@@ -757,26 +757,29 @@ struct server_args {
     int nranks;
     const float *scales;
     float divisor;
+    const float *previous;
     float *e;
     int64_t c, real;
     uint8_t *out_bits;
     int features;
 };
 
-static inline void server_byte(const struct server_args *a, int64_t byte, float *y) {
+/* y = previous + a of one byte's eight elements, stored in e. */
+static inline void server_byte(const struct server_args *a, int64_t byte) {
     float acc[8];
+    const float *previous = a->previous + 8 * byte;
+    float *y = a->e + 8 * byte;
     for (int k = 0; k < 8; k++) acc[k] = SIGNS[a->bits[byte]][k] * a->scales[0];
     for (int r = 1; r < a->nranks; r++)
         for (int k = 0; k < 8; k++) acc[k] += SIGNS[a->bits[r * a->stride + byte]][k] * a->scales[r];
-    for (int k = 0; k < 8; k++) y[k] += a->divisor != 1.0f ? acc[k] / a->divisor : acc[k];
+    for (int k = 0; k < 8; k++) y[k] = previous[k] + (a->divisor != 1.0f ? acc[k] / a->divisor : acc[k]);
 }
 
 /* The bytes of [i, hi) one at a time, into `lanes`; the block's sum. */
 static double server_tail(const struct server_args *a, int64_t i, int64_t hi, double *lanes) {
     for (; i < hi; i += 8) {
-        float *y = a->e + i;
-        server_byte(a, i / 8, y);
-        a->out_bits[i / 8] = pack8(y, lanes, live_lanes(a->real - i));
+        server_byte(a, i / 8);
+        a->out_bits[i / 8] = pack8(a->e + i, lanes, live_lanes(a->real - i));
     }
     return sum8(lanes);
 }
@@ -785,7 +788,7 @@ INLINE double server_block_portable(const struct server_args *a, int64_t lo, int
     double acc[32] = {0}, lanes[8];
     int64_t i = lo, end = min64(hi, a->real);
     for (; i + 32 <= end; i += 32) {
-        for (int j = 0; j < 4; j++) server_byte(a, i / 8 + j, a->e + i + 8 * j);
+        for (int j = 0; j < 4; j++) server_byte(a, i / 8 + j);
         for (int k = 0; k < 32; k++) acc[k] += (double)a->e[i + k] * (double)a->e[i + k];
         for (int j = 0; j < 4; j++) a->out_bits[i / 8 + j] = sign_byte(a->e + i + 8 * j);
     }
@@ -794,14 +797,14 @@ INLINE double server_block_portable(const struct server_args *a, int64_t lo, int
 }
 
 #ifdef __SSE2__
-/* y = e + a of one byte of the server pass, stored in e and returned. */
+/* y = previous + a of one byte of the server pass, stored in e and returned. */
 TARGET_AVX2 INLINE __m256 server8_avx2(const struct server_args *a, int64_t byte) {
     __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(SIGNS[a->bits[byte]]), _mm256_set1_ps(a->scales[0]));
     for (int r = 1; r < a->nranks; r++)
         sum = _mm256_fmadd_ps(_mm256_loadu_ps(SIGNS[a->bits[r * a->stride + byte]]), _mm256_set1_ps(a->scales[r]),
                               sum);
     if (a->divisor != 1.0f) sum = _mm256_div_ps(sum, _mm256_set1_ps(a->divisor));
-    __m256 y = _mm256_add_ps(_mm256_loadu_ps(a->e + 8 * byte), sum);
+    __m256 y = _mm256_add_ps(_mm256_loadu_ps(a->previous + 8 * byte), sum);
     _mm256_storeu_ps(a->e + 8 * byte, y);
     return y;
 }
@@ -817,7 +820,7 @@ TARGET_AVX2 INLINE double server_block_avx2(const struct server_args *a, int64_t
     return server_tail(a, i, hi, lanes);
 }
 
-/* y = e + a for elements [i, i + 16 groups), stored in e: rank r's sign of each element is the
+/* y = previous + a for elements [i, i + 16 groups), stored in e: rank r's sign of each element is the
  * blend of +s_r and -s_r under its bit, added in rank order (a +- s, as in server_byte). The
  * bits are used as they come, lane k of a byte's eight taking its bit k, which is element
  * 7 - k: the sums are formed in that order and put back in element order once, after the ranks
@@ -838,7 +841,7 @@ TARGET_AVX512 INLINE void server_values_avx512(const void *p, int64_t i, int gro
     for (int j = 0; j < groups; j++) {
         __m512 in_order = _mm512_permutexvar_ps(reverse8, sum[j]);
         if (a->divisor != 1.0f) in_order = _mm512_div_ps(in_order, _mm512_set1_ps(a->divisor));
-        y[j] = _mm512_add_ps(_mm512_loadu_ps(a->e + i + 16 * j), in_order);
+        y[j] = _mm512_add_ps(_mm512_loadu_ps(a->previous + i + 16 * j), in_order);
         _mm512_storeu_ps(a->e + i + 16 * j, y[j]);
     }
 }
@@ -862,9 +865,10 @@ SERVER_BLOCK(server_avx2, TARGET_AVX2, server_block_avx2)
 SERVER_BLOCK(server_avx512, TARGET_AVX512, server_block_avx512)
 #endif
 
-void cc_server_scan(const unsigned char *bits, cc_index stride, int nranks, const float *scales,
-                    float divisor, float *e, cc_index c, cc_index real, unsigned char *out_bits, double *partial) {
-    struct server_args a = {bits, stride, nranks, scales, divisor, e, c, real, out_bits, cc_features()};
+void cc_server_scan(const unsigned char *bits, cc_index stride, int nranks, const float *scales, float divisor,
+                    const float *previous, float *e, cc_index c, cc_index real, unsigned char *out_bits,
+                    double *partial) {
+    struct server_args a = {bits, stride, nranks, scales, divisor, previous, e, c, real, out_bits, cc_features()};
     block_sum_fn one = server_portable;
 #ifdef __SSE2__
     if (a.features & HAVE_AVX512) one = server_avx512;

@@ -92,8 +92,8 @@ extern "C" __global__ void cc_error_update(const void *x, int dtype, cc_index n,
 }
 
 extern "C" __global__ void cc_server_scan(const unsigned char *bits, cc_index stride, int nranks,
-                                          const float *scales, float divisor, float *e, cc_index c,
-                                          cc_index real, unsigned char *out_bits, double *partial) {
+                                          const float *scales, float divisor, const float *previous, float *e,
+                                          cc_index c, cc_index real, unsigned char *out_bits, double *partial) {
     double acc = 0.0;
     for (long long i = first_index(); i - (threadIdx.x & 31) < c; i += grid_step()) {
         float y = 0.0f;
@@ -103,7 +103,7 @@ extern "C" __global__ void cc_server_scan(const unsigned char *bits, cc_index st
             float a = (bits[byte] >> shift) & 1 ? scales[0] : -scales[0];
             for (int r = 1; r < nranks; r++) a += (bits[r * stride + byte] >> shift) & 1 ? scales[r] : -scales[r];
             if (divisor != 1.0f) a = a / divisor;
-            y = e[i] + a;
+            y = previous[i] + a;
             e[i] = y;
             if (i < real) acc += (double)y * (double)y;
         }

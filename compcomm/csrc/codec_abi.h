@@ -35,11 +35,13 @@ CC_KERNEL void cc_worker_scan(const void *x, int dtype, cc_index n, const float 
 CC_KERNEL void cc_error_update(const void *x, int dtype, cc_index n, const float *e, float *out, cc_index real,
                                cc_index m, float s);
 
-/* Server pass: y = e + (sum_r +-scales[r]) / divisor, summed in rank order, stored in e over
- * [0, c); out_bits = sign(y); partial sums of y[:real]^2. Row r of `bits` starts at r * stride. */
+/* Server pass: y = previous + (sum_r +-scales[r]) / divisor, summed in rank order, stored in e
+ * over [0, c); out_bits = sign(y); partial sums of y[:real]^2. Row r of `bits` starts at
+ * r * stride. previous is e itself (in place) or a buffer that does not overlap it (left
+ * unchanged: a call that keeps the old server error reads it there instead of copying it). */
 CC_KERNEL void cc_server_scan(const unsigned char *bits, cc_index stride, int nranks, const float *scales,
-                              float divisor, float *e, cc_index c, cc_index real, unsigned char *out_bits,
-                              double *partial);
+                              float divisor, const float *previous, float *e, cc_index c, cc_index real,
+                              unsigned char *out_bits, double *partial);
 
 /* Decode: out[:count] <- one of two bit patterns (+t, -t in the output dtype, elsize bytes) per bit. */
 CC_KERNEL void cc_decode(const unsigned char *bits, cc_index count, int elsize, unsigned int plus,

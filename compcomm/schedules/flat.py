@@ -335,18 +335,18 @@ class FlatCall:
         into, source = self.spec.into(self.index), self.spec.error_feedbacks[self.index]
         coder = codec.codec_for(device)
         if self.x_prime is not None:  # the scan wrote the worker error's new state
-            server = into.take_x_prime(source, self.x_prime, self.scale, numel, n)
+            server, previous = into.take_x_prime(source, self.x_prime, self.scale, numel, n)
             received = self._phase1(lambda: None)
         else:
             worker, maybe_server, worker_out = into.follow(source, numel, n, device)
             assert maybe_server is not None  # an allreduce's errors have a server side
-            server = maybe_server
+            server = previous = maybe_server
             received = self._phase1(lambda: coder.error_update_(worker, self.scale, numel, flat, worker_out))
         served = real_count(be.rank, numel, n)
         mine = torch.empty(SERVER_SCALE_BYTES + received.shape[1], dtype=torch.uint8, device=device)
         divisor = n if self.spec.op == "mean" else 1
         scales = torch.from_numpy(self.agreement.bounds(self.index)).to(device)
-        sum_sq = coder.server_scan_(received, scales, divisor, server, served, mine[SERVER_SCALE_BYTES:])
+        sum_sq = coder.server_scan_(received, scales, divisor, server, served, mine[SERVER_SCALE_BYTES:], previous)
         server_scale = codec.rms_scale(sum_sq, served)
         mine[:SERVER_SCALE_BYTES].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
 

@@ -109,9 +109,10 @@ void emulate_error_update(unsigned grid, unsigned block, const void *x, int dtyp
 }
 
 void emulate_server_scan(unsigned grid, unsigned block, const unsigned char *bits, long long stride, int nranks,
-                         const float *scales, float divisor, float *e, long long c, long long real,
-                         unsigned char *out_bits, double *partial) {
-    launch(grid, block, [=] { cc_server_scan(bits, stride, nranks, scales, divisor, e, c, real, out_bits, partial); });
+                         const float *scales, float divisor, const float *previous, float *e, long long c,
+                         long long real, unsigned char *out_bits, double *partial) {
+    launch(grid, block,
+           [=] { cc_server_scan(bits, stride, nranks, scales, divisor, previous, e, c, real, out_bits, partial); });
 }
 
 void emulate_decode(unsigned grid, unsigned block, const unsigned char *bits, long long count, int elsize,
