@@ -35,22 +35,28 @@ returns at once and the bucket is reduced while backward computes the next ones.
 collective: a non-finite gradient (or another bad input) on any rank makes `loss.backward()`
 raise on every rank alike, once the iteration's collectives are done, with the same
 `compcomm.NonFiniteError` (or ValueError/TypeError) and no rank hangs; `except
-compcomm.NonFiniteError` catches it, and its message names `nonfinite="propagate"`. The failed
-bucket's error feedback is unchanged. In the uncompressed iterations the hook checks the averaged
-bucket, which is identical on every rank, so the same holds there. The hook warns once if the
-optimizer that steps its parameters divides by a second moment (Adam-like): see above.
+compcomm.NonFiniteError` catches it, and its message names `nonfinite="propagate"`. A backward
+that raises leaves no trace: no bucket's error feedback changes, also the buckets reduced before
+the one that failed, and `iter` stays where it was, so a loop that catches the error and goes on
+trains as if that backward never ran. For that each bucket's new errors go into a second
+ErrorFeedback (`error_feedback_out`), which replaces the bucket's only once every bucket of the
+iteration succeeded. The two alternate, each holding one worker error: where an ErrorFeedback
+reduced in place keeps a second worker buffer for its next x' anyway (`double_buffer`), this
+costs only a second server error, 1/n of the bucket. In the uncompressed iterations the hook
+checks the averaged bucket, which is identical on every rank, so the same holds there. The hook
+warns once if the optimizer that steps its parameters divides by a second moment (Adam-like):
+see above.
 
 Mixed precision: `torch.amp.GradScaler` expects an overflowing iteration's gradients to come back
 non-finite, so that `scaler.step` skips it and lowers the scale. With `nonfinite="propagate"` a
 bucket that fails with `NonFiniteError` (a NaN/Inf on some rank, or an average that would
 overflow) is returned filled with NaN on every rank instead of raising; every rank then skips the
-step alike. Other errors still raise. A skipped step must leave no trace, also in the buckets that
-were reduced before another one overflowed (an overflow often appears only in the earlier layers):
-so in this mode each bucket's new errors go into a second ErrorFeedback (`error_feedback_out`),
-which replaces the bucket's only once every bucket of the iteration succeeded. That holds a second
-copy of the error state (the model's size in fp32, plus 1/n). The carried errors are in the units of
-the scaled gradients, so a change of scale (rare: a back-off, or growth every `growth_interval`
-steps) applies to the new gradients and not to what is carried.
+step alike. Other errors still raise. A skipped step leaves no trace in any error state, as a
+raising backward leaves none, also in the buckets that were reduced before another one overflowed
+(an overflow often appears only in the earlier layers); `iter` counts it, since the backward
+completed. The carried errors are in the units of the scaled gradients, so a change of scale
+(rare: a back-off, or growth every `growth_interval` steps) applies to the new gradients and not
+to what is carried.
 """
 
 import warnings
@@ -122,6 +128,7 @@ class OnebitHookState:
         self._owner: dict[int, Key] = {}  # number -> its bucket's key
         self._in_flight: list[torch.futures.Future] = []  # this iteration's collectives
         self._backward: int | None = None  # autograd's id of the backward being reduced
+        self._iter_before: int = 0  # `iter` when that backward began: where a failed one leaves it
         self._failure: Exception | None = None  # what that backward must raise when it ends
         self._optimizer_check: Any = None  # the handle of the one-time look at the optimizer
         self._optimizer_seen = False
@@ -184,9 +191,9 @@ class OnebitHookState:
 
     @property
     def error_feedback(self) -> dict[Key, ErrorFeedback]:
-        """The error feedback of every known bucket, keyed by its parameters' numbers (with
-        nonfinite="propagate" a bucket's ErrorFeedback object alternates between two, so look
-        it up again after each iteration)."""
+        """The error feedback of every known bucket, keyed by its parameters' numbers (a bucket's
+        ErrorFeedback object alternates between two, its state and its spare, so look it up
+        again after each iteration)."""
         return dict(self._buckets)
 
     # ----------------------------------------------------------------- checkpoints
@@ -294,7 +301,7 @@ class OnebitHookState:
                 ).get_future()
                 for flat, part, out in zip(flats, parts, outs)
             ]
-            self._pending.extend(part for part, out in zip(parts, outs) if out is not None)
+            self._pending.extend(parts)
         else:
             futures = [be.ordered(_uncompressed_mean, flat, be, async_op=True).get_future() for flat in flats]
         # Futures of each collective's error (or None): they never fail, so collect_all (which
@@ -332,14 +339,17 @@ class OnebitHookState:
         queues the end from inside the queue: it then runs after DDP's."""
         task = torch._C._current_graph_task_id()
         if task >= 0 and task != self._backward:
-            self._backward, self._failure = task, None
+            self._backward, self._failure, self._iter_before = task, None, self.iter
             engine = torch.autograd.Variable._execution_engine
             engine.queue_callback(lambda: engine.queue_callback(self._end_of_backward))
 
     def _end_of_backward(self) -> None:
-        """Raise the iteration's error, if it had one, from `backward()` on every rank."""
+        """Raise the iteration's error, if it had one, from `backward()` on every rank, with `iter`
+        where it was before (its spares were not kept: see `reduce`)."""
         self._backward = None
         failure, self._failure = self._failure, None
+        if failure is not None:
+            self.iter = self._iter_before
         if isinstance(failure, NonFiniteError):
             raise NonFiniteError(
                 f"{failure} [compcomm.ddp.onebit_hook: to skip such steps instead, as a GradScaler does, build "
@@ -378,11 +388,9 @@ class OnebitHookState:
             self._optimizer_check.remove()
             self._optimizer_check = None
 
-    def _spare(self, key: Key) -> ErrorFeedback | None:
-        """Where bucket `key`'s errors after this iteration go: a spare held until the iteration
-        succeeds (nonfinite="propagate"), or None (the bucket's own ErrorFeedback, in place)."""
-        if self.nonfinite != "propagate":
-            return None
+    def _spare(self, key: Key) -> ErrorFeedback:
+        """Where bucket `key`'s errors after this iteration go: a spare held until every bucket of
+        the iteration succeeded on every rank (`_keep`)."""
         if key not in self._spares:
             self._spares[key] = ErrorFeedback()
         return self._spares[key]

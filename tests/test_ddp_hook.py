@@ -296,6 +296,43 @@ def test_nan_gradient_on_one_rank_fails_every_rank_alike(pool, start_iter):
     assert len({tuple(r[2]) for r in results}) == 1, "ranks differ after recovering"
 
 
+def nan_in_the_last_bucket_reduced(start_iter: int, only_first_layer: bool) -> tuple:
+    """Rank 1's gradients turn NaN at step 3, in every bucket or (`only_first_layer`) only in
+    the bucket reduced last, after the others succeeded: backward raises on every rank, and the
+    loop catches it and goes on. That backward must leave no trace: every bucket's error state
+    and `iter` as before it, so that the run goes on as if it never ran."""
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=start_iter)
+    opt = sgd(ddp)
+    poisoned = [False]
+    for p in ddp.module.inp.parameters():
+        p.register_hook(lambda g: g * float("nan") if poisoned[0] else g)
+    train(ddp, opt, range(3), rank)
+    errors = {key: ef.state_dict() for key, ef in state.error_feedback.items()}
+    before = state.iter
+    opt.zero_grad(set_to_none=True)
+    poisoned[0] = only_first_layer and rank == 1
+    failure = caught(lambda: loss_of(ddp, rank, 3, poison=rank == 1 and not only_first_layer).backward())
+    poisoned[0] = False
+    kept = errors.keys() == state.error_feedback.keys() and all(
+        torch.equal(errors[key][k], v) if torch.is_tensor(v) else errors[key][k] == v
+        for key, ef in state.error_feedback.items()
+        for k, v in ef.state_dict().items()
+    )
+    unchanged = state.iter == before
+    return failure, kept, unchanged, train(ddp, opt, range(4, 6), rank)[-1]
+
+
+@pytest.mark.parametrize("start_iter", [1, 10])
+def test_a_backward_that_raises_leaves_no_trace(pool, start_iter):
+    late = pool.run(nan_in_the_last_bucket_reduced, start_iter, True)
+    assert all(r[0] is not None and r[0][0] == "NonFiniteError" for r in late), [r[0] for r in late]
+    assert all(r[1] for r in late), "the failed backward changed some bucket's error feedback"
+    assert all(r[2] for r in late), "the failed backward advanced iter"
+    everywhere = pool.run(nan_in_the_last_bucket_reduced, start_iter, False)
+    assert len({r[3] for r in late}) == 1 and late[0][3] == everywhere[0][3]
+
+
 def overflow_under_grad_scaler(start_iter: int, only_first_layer: bool = False) -> tuple:
     """Mixed-precision training's routine overflow: GradScaler's scaled loss gives NaN gradients
     on rank 1 at step 3, in every bucket or (`only_first_layer`) only in the bucket reduced last,
