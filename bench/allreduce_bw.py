@@ -44,7 +44,7 @@ from collective_model import flat_bytes, flat_parts
 from peak_memory import PeakMemory, mmap_threshold_env
 from peak_memory import supported as memory_measurable
 from ranks import add_nprocs_argument, gather_floats, launch_label, launched_world, mpirun_needed, set_threads
-from records import codec_line, rel_error, write_json
+from records import codec_line, output_path, rel_error, write_json
 from units import human, parse_rate, parse_size
 
 OPS = ("compressed", "allreduce", "exact")
@@ -107,8 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --hierarchical: the transport inside a node (default: shm under gloo, nccl under nccl)",
     )
-    p.add_argument("--json", metavar="PATH", help="write the result records (SPEC 7 keys) as a JSON list")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of busbw vs size, compressed vs allreduce")
+    p.add_argument(
+        "--json", metavar="PATH", type=output_path, help="write the result records (SPEC 7 keys) as a JSON list"
+    )
+    p.add_argument(
+        "--plot", metavar="PATH", type=output_path, help="write a PNG of busbw vs size, compressed vs allreduce"
+    )
     p.add_argument("--title", default=None, help="plot title suffix (e.g. the simulated link)")
     p.add_argument(
         "--link-rate",

@@ -35,7 +35,7 @@ from sharding import host_groups, shard_children
 from peak_memory import PeakMemory, mmap_threshold_env
 from peak_memory import supported as memory_measurable
 from ranks import add_nprocs_argument, run_ranks
-from records import write_json
+from records import output_path, write_json
 from tasks import CharMLP
 
 MODES = ("fsdp", "fsdp_propagate", "hsdp")
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     add_nprocs_argument(ap)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--json", metavar="PATH", type=output_path)
     args = ap.parse_args(argv)
     results, world = run_ranks(rank_main, args, args.nprocs)
     if results is None:

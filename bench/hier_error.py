@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ranks import set_threads
-from records import rel_error, write_json
+from records import output_path, rel_error, write_json
 from units import parse_size
 
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=parse_size, default=parse_size("1M"), help="fp32 bytes per call (default 1M)")
     p.add_argument("--calls", type=int, default=30, help="calls with error feedback (default 30)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_path, help="write the result as JSON")
     args = p.parse_args(argv)
     if "LOCAL_WORLD_SIZE" not in os.environ:
         raise SystemExit("run under torchrun or bench/netsim.py --ranks-per-host K")

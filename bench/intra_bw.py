@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ranks import add_nprocs_argument, gather_floats, run_ranks, set_threads
-from records import write_json
+from records import output_path, write_json
 from units import human, parse_size
 
 COLLECTIVES = ("all_gather", "all_to_all", "all_reduce")
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--iters", type=int, default=5, help="timed calls per row (default 5)")
     p.add_argument("-w", "--warmup", type=int, default=2, help="untimed calls first (default 2)")
     add_nprocs_argument(p)
-    p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    p.add_argument("--json", metavar="PATH", type=output_path, help="write the rows as a JSON list")
     return p
 
 

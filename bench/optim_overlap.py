@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ranks import add_nprocs_argument, run_ranks
-from records import codec_line, write_json
+from records import codec_line, output_path, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     ap.add_argument("--steps", type=int, default=8, help="timed steps per stage and variant")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--json", default=None, help="write the records here")
+    ap.add_argument("--json", default=None, type=output_path, help="write the records here")
     return ap.parse_args(argv)
 
 

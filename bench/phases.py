@@ -49,7 +49,7 @@ import torch.distributed as dist
 from codec_passes import codec_passes
 from emulation import emulated, record_fields
 from ranks import gather_floats, set_threads
-from records import codec_line, write_json
+from records import codec_line, output_path, write_json
 from units import parse_size
 
 PARTS = ("header", "scan", "a2a", "werr", "server", "gather", "serr", "decode", "call", "allreduce")
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1M,10M,100M", help="comma-separated fp32 sizes in bytes (default 1M,10M,100M)")
     p.add_argument("--iters", type=int, default=5, help="timed calls per part (default 5)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"parts to time (default {','.join(PARTS)})")
-    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.add_argument("--json", metavar="PATH", type=output_path, help="write the records as a JSON list")
     args = p.parse_args(argv)
     if "RANK" not in os.environ:
         raise SystemExit(

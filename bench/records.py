@@ -2,16 +2,34 @@
 codec their headers name.
 
 One writer, so that every `--json PATH` of bench/ behaves alike: the directory is made, the
-records are indented one space (diffable in bench/results/), and the file ends with a newline.
+records are indented one space (diffable in bench/results/), and the file ends with a newline;
+and one check of such a path (`output_path`), made when the arguments are parsed, so that a run
+never ends by failing to write what it measured.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Any
 
 import torch
+
+
+def output_path(path: str) -> str:
+    """argparse type of an output file (--json, --plot, --png): `path`, once its directory is
+    made and the file can be opened for writing (an existing file is left as it is)."""
+    existed = os.path.exists(path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {exc.strerror or exc}") from None
+    if not existed:
+        os.remove(path)
+    return path
 
 
 def write_json(records: Any, path: str) -> None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import compcomm
 
 from ranks import add_nprocs_argument, run_ranks
-from records import write_json
+from records import output_path, write_json
 
 
 def rss_mib() -> float:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=1000, help="record RSS and threads every this many calls")
     add_nprocs_argument(p)
     p.add_argument("--max-rss-growth-mib", type=float, default=20.0)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=output_path)
     args = p.parse_args(argv)
     if args.calls < args.every:
         p.error("--calls must be at least --every")

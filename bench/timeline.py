@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from emulation import dilation, record_fields
 from ranks import add_nprocs_argument, launch_label, launched_world, run_ranks, set_threads
-from records import codec_line, write_json
+from records import codec_line, output_path, write_json
 from units import parse_rate, parse_size
 
 STEPS = (
@@ -421,8 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         help="ranks per node of the hierarchical call (default: LOCAL_WORLD_SIZE when launched, 2 when self-spawned)",
     )
     add_nprocs_argument(p)
-    p.add_argument("--json", metavar="PATH", help="write the calls' records as JSON")
-    p.add_argument("--png", metavar="PATH", help="draw the median calls (needs matplotlib)")
+    p.add_argument("--json", metavar="PATH", type=output_path, help="write the calls' records as JSON")
+    p.add_argument("--png", metavar="PATH", type=output_path, help="draw the median calls (needs matplotlib)")
     args = p.parse_args(argv)
     if args.calls < 1 or args.warmup < 0:
         raise SystemExit("--calls must be at least 1 and --warmup at least 0")

@@ -82,7 +82,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import emulation
 from ranks import add_nprocs_argument, launch_label, mpirun_needed, run_ranks, set_threads
-from records import codec_line, write_json
+from records import codec_line, output_path, write_json
 from tasks import CharMLP, load_text, random_windows
 
 RECORD_KEYS = ("method", "world_size", "step_time_ms", "bytes_per_step", "final_loss", "steps")
@@ -679,8 +679,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-baseline", action="store_true", help="skip the no-communication step (timed with ddp_adamw or diloco)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write one record per method")
-    p.add_argument("--plot", metavar="PATH", help="PNG of the loss against steps and against bytes sent")
+    p.add_argument("--json", metavar="PATH", type=output_path, help="write one record per method")
+    p.add_argument(
+        "--plot", metavar="PATH", type=output_path, help="PNG of the loss against steps and against bytes sent"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
     unknown = set(args.methods.split(",")) - set(METHODS) - {""}

@@ -201,6 +201,8 @@ def test_the_mpirun_command_the_main_job_prints_runs():
         (["--ops", ","], "--ops names no op"),
         (["--iters", "0"], "--iters must be >= 1"),
         (["--factor", "nan"], "--factor must be a finite number > 1"),
+        (["--json", "/proc/no/such/dir/r.json"], "argument --json: cannot write /proc/no/such/dir/r.json"),
+        (["--plot", "/proc/r.png"], "argument --plot: cannot write /proc/r.png"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_rank_starts(args, says):
@@ -215,6 +217,39 @@ def test_bad_arguments_are_refused_before_any_rank_starts(args, says):
     )
     assert proc.returncode != 0 and says in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "rank 0" not in proc.stderr
+
+
+def test_an_output_path_is_checked_and_left_as_it_was_found(tmp_path):
+    records = bench_scripts.load("records")
+    kept = tmp_path / "kept.json"
+    kept.write_text("[]\n")
+    assert records.output_path(str(kept)) == str(kept) and kept.read_text() == "[]\n"
+    fresh = tmp_path / "new" / "r.json"
+    assert records.output_path(str(fresh)) == str(fresh) and not fresh.exists()
+
+
+@pytest.mark.parametrize(
+    "program, option",
+    [
+        ("train_step", "--json"),
+        ("train_step", "--plot"),
+        ("timeline", "--png"),
+        ("phases", "--json"),
+        ("soak", "--json"),
+    ],
+)
+def test_other_programs_refuse_an_unwritable_output_before_running(program, option):
+    """--json / --plot / --png of the bench programs: an unwritable path is a usage error when
+    the arguments are parsed (it failed after the run, losing what it measured)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{program}.py"), option, "/proc/no/r.out"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_unlaunched_environment(),
+    )
+    assert proc.returncode == 2 and f"argument {option}: cannot write /proc/no/r.out" in proc.stderr, proc.stderr
 
 
 @pytest.mark.mpi
