@@ -18,11 +18,11 @@ class PinnedPool:
         self.allocated = 0  # how many buffers were ever made (reuse shows as a small number)
 
     def take(self, nbytes: int) -> torch.Tensor:
-        fits = [b for b in self.free if b.numel() >= nbytes]
+        """The smallest free buffer of at least `nbytes`, or a new one. Found by index: a list's
+        `remove` compares tensors with ==, elementwise."""
+        fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
         if fits:
-            best = min(fits, key=torch.Tensor.numel)
-            self.free.remove(best)
-            return best
+            return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
         size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())
         self.allocated += 1
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)

@@ -468,10 +468,13 @@ def _folded(
     record: np.ndarray, rows: torch.Tensor | None, room: int, be: Backend
 ) -> tuple[np.ndarray, torch.Tensor | None]:
     """Phase 0's all-to-all: slot j carries `record` and the first bytes of rows[j], in the
-    `room` every rank agreed on (see FOLD_BYTES), so no argument can make sizes differ."""
+    `room` every rank agreed on (see FOLD_BYTES), so no argument can make sizes differ. On the
+    rows' device: the early rows it returns meet the tensor's other rows (a backend may serve
+    tensors off its own device, as mpi serves CPU tensors on a GPU machine)."""
     n, head = be.world_size, HEADER.itemsize
-    send = torch.zeros(n, head + room, dtype=torch.uint8, device=be.device)
-    send[:, :head] = torch.from_numpy(record.view(np.uint8).copy()).to(be.device)
+    device = be.device if rows is None else rows.device
+    send = torch.zeros(n, head + room, dtype=torch.uint8, device=device)
+    send[:, :head] = torch.from_numpy(record.view(np.uint8).copy()).to(device)
     carried = 0 if rows is None else min(room, rows.shape[1])
     if carried:
         assert rows is not None

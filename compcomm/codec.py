@@ -108,14 +108,19 @@ def _bf16_bits(f32: int) -> int:
 
 
 def divide_(t: torch.Tensor, divisor: float) -> torch.Tensor:
-    """t /= divisor, a true division on every device, as the fused kernels and the CPU compute
-    it: torch on CUDA multiplies by 1/divisor when the divisor is a Python number (or a CPU
-    scalar), one ulp off in about a third of the elements for a divisor of 3, so it divides by
-    a 0-dim tensor on t's device, held in at least fp32 (a half-precision divisor would round
-    257 to 256). Returns t."""
-    if divisor != 1:
-        t.div_(torch.tensor(float(divisor), dtype=torch.promote_types(t.dtype, torch.float32), device=t.device))
-    return t
+    """t /= divisor, a true division in at least fp32 on every device, as the fused kernels and
+    the CPU compute it: torch on CUDA multiplies by 1/divisor when the divisor is a Python
+    number (or a CPU scalar), one ulp off in about a third of the elements for a divisor of 3,
+    so it divides by a 0-dim tensor on t's device; and a 0-dim CUDA divisor takes t's dtype, so
+    a half-precision t is divided in fp32 and rounded once (in fp16, 2049 would become 2048).
+    Returns t."""
+    if divisor == 1:
+        return t
+    wide = torch.promote_types(t.dtype, torch.float32)
+    by = torch.tensor(float(divisor), dtype=wide, device=t.device)
+    if t.dtype == wide:
+        return t.div_(by)
+    return t.copy_(t.to(wide).div_(by))
 
 
 def storages(*tensors: torch.Tensor | None) -> set[int]:
