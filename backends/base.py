@@ -46,8 +46,6 @@ class Backend(ABC):
     """
 
     name = "backend"
-    timeout: float | None = None
-    """Seconds that bound every wait of a call, its wait for its turn included (None: unbounded)."""
 
     def __init__(self) -> None:
         self.bytes_sent = 0
@@ -84,8 +82,8 @@ class Backend(ABC):
     def ordered(self, fn: Callable, *args, async_op: bool = False) -> Any:
         """fn(*args) in its turn on this backend's channels; async_op returns a handle at once."""
         if async_op:
-            return ordering.submit(self.channels, fn, *args, timeout=self.timeout)
-        return ordering.run(self.channels, fn, *args, timeout=self.timeout)
+            return ordering.submit(self.channels, fn, *args)
+        return ordering.run(self.channels, fn, *args)
 
     def _break_channel(self, reason: str) -> RuntimeError:
         """Mark this group's channel unusable after a failure that leaves the peers out of step (a

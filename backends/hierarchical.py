@@ -85,12 +85,6 @@ class HierarchicalBackend(Backend):
         return self.intra.serves(device) and self.inter.serves(device)
 
     @property
-    def timeout(self) -> float | None:  # type: ignore[override]
-        """The shorter of the two levels' bounds."""
-        bounds = [t for t in (self.intra.timeout, self.inter.timeout) if t is not None]
-        return min(bounds, default=None)
-
-    @property
     def channel(self) -> ordering.Channel:
         """The intra-node group's channel."""
         return self.intra.channel

@@ -104,7 +104,7 @@ class MPIBackend(Backend):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.timeout: float = timeout_seconds(timeout)
+        self.timeout = timeout_seconds(timeout)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)

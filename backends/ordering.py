@@ -19,18 +19,16 @@ A broken channel. A backend whose collective timed out marks its channel broken
 of step, so every call waiting for its turn on the channel, every later call, and every backend
 object opened over the same group later raise RuntimeError at once, naming the first failure
 (an async call queued on the channel's worker thread behind a call that is still running is
-refused as soon as that call returns, which its own timeout bounds).
-A call's wait for its turn is bounded too (`timeout`, the backend's): when the calls ahead of
-it make no progress for that long, it gives up its turn and breaks the channel. Without that
-bound, a call queued behind another backend object's hung call would wait out that call's own,
-perhaps longer, timeout first.
+refused as soon as that call returns). A call queued behind a hung one therefore raises when
+the hung call's own timeout expires, not after a timeout of its own on top of it. A call's wait
+for its turn has no bound of its own: the call ahead may be healthy and merely long (a large
+tensor on a slow link, a peer that arrives late), and only its own waits can tell.
 """
 
 from __future__ import annotations
 
 import atexit
 import threading
-import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -180,8 +178,8 @@ def _take(channels: Sequence[Channel]) -> list[int]:
     return tickets
 
 
-def _execute(channels: Sequence[Channel], tickets: list[int], fn: Callable, args: tuple, timeout: float | None) -> Any:
-    _await_turn(channels, tickets, timeout)
+def _execute(channels: Sequence[Channel], tickets: list[int], fn: Callable, args: tuple) -> Any:
+    _await_turn(channels, tickets)
     held = _holding()
     mine = {id(ch) for ch in channels} - held
     held |= mine
@@ -195,13 +193,10 @@ def _execute(channels: Sequence[Channel], tickets: list[int], fn: Callable, args
             _cond.notify_all()
 
 
-def _await_turn(channels: Sequence[Channel], tickets: list[int], timeout: float | None) -> None:
-    """Until every ticket is being served. Raises RuntimeError, giving the tickets up, when a
-    channel is broken or when the calls ahead make no progress for `timeout` seconds (the
-    channel is then broken: this rank skips a call its peers may make)."""
+def _await_turn(channels: Sequence[Channel], tickets: list[int]) -> None:
+    """Until every ticket is being served; RuntimeError, giving the tickets up, once a channel
+    is broken."""
     with _cond:
-        progress = [ch._serving for ch in channels]
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
                 _raise_if_broken([ch.key for ch in channels])
@@ -210,23 +205,7 @@ def _await_turn(channels: Sequence[Channel], tickets: list[int], timeout: float 
                 raise
             if all(ch._serving == t for ch, t in zip(channels, tickets)):
                 return
-            now = [ch._serving for ch in channels]
-            if now != progress:
-                progress, deadline = now, None if timeout is None else time.monotonic() + timeout
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                reason = (
-                    f"a call waited {timeout:g}s for its turn behind an earlier compcomm call over the same "
-                    "group that made no progress (a peer stopped answering, or another backend object's call "
-                    "hung); this rank skipped a collective its peers may make, so the group's collectives are "
-                    "out of step: end the job and restart from a checkpoint"
-                )
-                for ch in channels:
-                    _broken.setdefault(ch.key, reason)
-                _give_up(channels, tickets)
-                _cond.notify_all()
-                raise RuntimeError(reason)
-            _cond.wait(left)
+            _cond.wait()
 
 
 def _give_up(channels: Sequence[Channel], tickets: list[int]) -> None:
@@ -240,19 +219,17 @@ def _give_up(channels: Sequence[Channel], tickets: list[int]) -> None:
     _cond.notify_all()
 
 
-def run(channels: Sequence[Channel], fn: Callable, *args, timeout: float | None = None) -> Any:
+def run(channels: Sequence[Channel], fn: Callable, *args) -> Any:
     """fn(*args) in this thread, in its turn on every channel (at once if this thread already
-    holds them all, i.e. fn is part of a call that is running). `timeout` bounds the wait for
-    the turn while the calls ahead make no progress (see `_await_turn`)."""
+    holds them all, i.e. fn is part of a call that is running)."""
     if all(holds(ch) for ch in channels):
         return fn(*args)
-    return _execute(channels, _take(channels), fn, args, timeout)
+    return _execute(channels, _take(channels), fn, args)
 
 
-def submit(channels: Sequence[Channel], fn: Callable, *args, timeout: float | None = None) -> Pending:
+def submit(channels: Sequence[Channel], fn: Callable, *args) -> Pending:
     """fn(*args) on the first channel's worker thread, in its turn on every channel; inside a call
-    that holds them all, at once (a later turn would wait for the very call that waits on it).
-    `timeout` as in `run`."""
+    that holds them all, at once (a later turn would wait for the very call that waits on it)."""
     if all(holds(ch) for ch in channels):
         done: Future = Future()
         try:
@@ -261,7 +238,7 @@ def submit(channels: Sequence[Channel], fn: Callable, *args, timeout: float | No
             done.set_exception(exc)
         return Pending(done)
     tickets = _take(channels)
-    return Pending(channels[0].worker().submit(_execute, channels, tickets, fn, args, timeout))
+    return Pending(channels[0].worker().submit(_execute, channels, tickets, fn, args))
 
 
 def sequence_number(channel_: Channel) -> int:

@@ -153,7 +153,7 @@ class ShmBackend(Backend):
         self.group = group
         if timeout is None:
             timeout = group_timeout(group, torch.device("cpu"))
-        self.timeout: float = timeout_seconds(timeout)
+        self.timeout = timeout_seconds(timeout)
         self.directory = directory
         self._rank, self._size = dist.get_rank(group), dist.get_world_size(group)
         self._mapping = _Mapping()

@@ -43,7 +43,6 @@ class TorchDistBackend(Backend):
                 f"{used!r}: create one with torch.distributed.new_group(backend='{self.pg_backend}')"
             )
         self.group = group
-        self.timeout = group_timeout(group, torch.device(self.device_type)).total_seconds()
 
     def _channel_key(self) -> Hashable:
         """One private group per set of member ranks (and per initialization of torch.distributed)."""

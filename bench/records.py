@@ -12,23 +12,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from typing import Any
 
 import torch
 
 
 def output_path(path: str) -> str:
-    """argparse type of an output file (--json, --plot, --png): `path`, once its directory is
-    made and the file can be opened for writing (an existing file is left as it is)."""
-    existed = os.path.exists(path)
+    """argparse type of an output file (--json, --plot, --png): `path`, once it is known that it
+    can be written. An existing file is opened for appending (its contents left as they are);
+    otherwise a temporary file is made and removed in the directory where the file would go
+    (made if missing; for a dangling link, its target's), so that nothing is left behind and
+    ranks that all parse the same path do not race."""
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a"):
-            pass
+        if not path or os.path.isdir(path):
+            raise IsADirectoryError(21, "a directory, not a file")
+        if os.path.isfile(path):
+            with open(path, "a"):
+                pass
+        else:
+            directory = os.path.dirname(os.path.realpath(path))
+            os.makedirs(directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory):
+                pass
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot write {path}: {exc.strerror or exc}") from None
-    if not existed:
-        os.remove(path)
     return path
 
 

@@ -38,14 +38,15 @@ raise on every rank alike, once the iteration's collectives are done, with the s
 compcomm.NonFiniteError` catches it, and its message names `nonfinite="propagate"`. A backward
 that raises leaves no trace: no bucket's error feedback changes, also the buckets reduced before
 the one that failed, and `iter` stays where it was, so a loop that catches the error and goes on
-trains as if that backward never ran. For that each bucket's new errors go into a second
-ErrorFeedback (`error_feedback_out`), which replaces the bucket's only once every bucket of the
-iteration succeeded. The two alternate, each holding one worker error: where an ErrorFeedback
-reduced in place keeps a second worker buffer for its next x' anyway (`double_buffer`), this
-costs only a second server error, 1/n of the bucket. In the uncompressed iterations the hook
-checks the averaged bucket, which is identical on every rank, so the same holds there. The hook
-warns once if the optimizer that steps its parameters divides by a second moment (Adam-like):
-see above.
+trains as if that backward never ran (except where it was DDP's first, after which DDP rebuilds
+its buckets whatever happened: the next iteration then compresses with the rebuilt layout). For
+that each bucket's new errors go into a second ErrorFeedback (`error_feedback_out`), which
+replaces the bucket's only once every bucket of the iteration succeeded. The two alternate,
+each holding one worker error: where an ErrorFeedback reduced in place keeps a second worker
+buffer for its next x' anyway (`double_buffer`), this costs only a second server error, 1/n of
+the bucket. In the uncompressed iterations the hook checks the averaged bucket, which is
+identical on every rank, so the same holds there. The hook warns once if the optimizer that
+steps its parameters divides by a second moment (Adam-like): see above.
 
 Mixed precision: `torch.amp.GradScaler` expects an overflowing iteration's gradients to come back
 non-finite, so that `scaler.step` skips it and lowers the scale. With `nonfinite="propagate"` a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -220,12 +221,21 @@ def test_bad_arguments_are_refused_before_any_rank_starts(args, says):
 
 
 def test_an_output_path_is_checked_and_left_as_it_was_found(tmp_path):
+    """Nothing is created but missing directories (ranks parsing one new path used to race on
+    the file they made and removed), an existing file is left as it is, a dangling link too."""
     records = bench_scripts.load("records")
     kept = tmp_path / "kept.json"
     kept.write_text("[]\n")
     assert records.output_path(str(kept)) == str(kept) and kept.read_text() == "[]\n"
     fresh = tmp_path / "new" / "r.json"
     assert records.output_path(str(fresh)) == str(fresh) and not fresh.exists()
+    assert list((tmp_path / "new").iterdir()) == []
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")
+    assert records.output_path(str(link)) == str(link)
+    assert link.is_symlink() and not (tmp_path / "target.json").exists()
+    with pytest.raises(argparse.ArgumentTypeError, match="a directory"):
+        records.output_path(str(tmp_path))
 
 
 @pytest.mark.parametrize(

@@ -95,9 +95,9 @@ def test_async_collectives_and_uncompressed_all_reduce(ranks):
 def test_frozen_peer_makes_every_live_rank_raise_within_the_timeout(tmp_path):
     """Rank 2 of 3 stops answering: ranks 0 and 1 raise RuntimeError after their 2 s timeout
     (compressed allreduce, all_reduce, barrier) instead of hanging, and refuse the next call. A
-    call queued behind another backend object's call over the same communicator raises after its
-    own timeout, not the other call's (which waited 2 s + 4 s before), and the communicator is
-    then refused to every backend object over it."""
+    call queued behind another backend object's call over the same communicator raises when that
+    call times out (4 s; it waited 4 s + 2 s before), and the communicator is then refused to
+    every backend object over it."""
     program = PROGRAMS / "mpi_timeout.py"
     ranks = launch(mpirun_python(3) + [str(program), str(tmp_path)], tmp_path, "", 3, 90)
     assert ranks[2] == {"rank": 2, "frozen": True}
@@ -109,8 +109,8 @@ def test_frozen_peer_makes_every_live_rank_raise_within_the_timeout(tmp_path):
         assert r["after"]["raised"] == "RuntimeError" and "unusable" in r["after"]["message"]
         assert r["after"]["seconds"] < 0.5
         queued, in_flight, fresh = r["queued"], r["in_flight"], r["fresh"]
-        assert queued["raised"] == "RuntimeError" and "waited 2s for its turn" in queued["message"], queued
-        assert 2.0 <= queued["seconds"] < 3.5
+        assert queued["raised"] == "RuntimeError" and "unusable" in queued["message"], queued
+        assert "within 4s" in queued["message"] and 4.0 <= queued["seconds"] < 5.5
         assert in_flight["raised"] == "RuntimeError" and "within 4s" in in_flight["message"], in_flight
         assert 4.0 <= in_flight["seconds"] < 6.0
         assert fresh["raised"] == "RuntimeError" and "unusable" in fresh["message"] and fresh["seconds"] < 0.5

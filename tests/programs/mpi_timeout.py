@@ -7,10 +7,10 @@ RuntimeError once the timeout has passed, not hang, and a backend that timed out
 next call at once.
 
 Then two backends over one more communicator, timeouts 4 s and 2 s: an async call of the first
-is in flight when the second's call is made, which queues behind it. The second call must raise
-after its own 2 s (its wait for its turn is bounded), not after the first call's 4 s and then
-its own; the first call raises after its 4 s; a third backend made over the same communicator
-afterwards refuses at once. Each rank writes OUT_DIR/rank<r>.json.
+is in flight when the second's call is made, which queues behind it. The first call raises after
+its 4 s and breaks the communicator's channel, so the queued call raises then too, not after its
+own 2 s on top; a third backend made over the same communicator afterwards refuses at once. Each
+rank writes OUT_DIR/rank<r>.json.
 """
 
 from __future__ import annotations
