@@ -190,6 +190,22 @@ def test_ranks_making_different_calls_raise_valueerror_everywhere(pool):
     assert pool.run(still_works, ranks=[0, 1]) == [[2.0] * 4] * 2  # still in step
 
 
+def behind_a_long_call() -> tuple:
+    """A call queued behind a healthy call that takes longer than the backend's timeout (here a
+    1.2 s task in the group's ordered lane, timeout 0.5 s): the queue has no bound of its own."""
+    shm = backends.get("shm", group=group((1, 3)), timeout=0.5)
+    shm.all_reduce(torch.ones(8))
+    ahead = shm.ordered(time.sleep, 1.2, async_op=True)
+    queued = caught(shm.all_reduce, torch.ones(8))
+    ahead.wait()
+    return queued, shm.all_reduce(torch.ones(8)).tolist()
+
+
+def test_a_call_queued_behind_a_long_healthy_call_is_not_timed_out(pool):
+    for queued, after in pool.run(behind_a_long_call, ranks=[1, 3]):
+        assert queued is None and after == [2.0] * 8, queued
+
+
 def never_arrives(members: tuple[int, ...], case: str) -> dict:
     """The group's last member skips a call: the first call of a fresh backend ("rendezvous"), or
     one on a backend that has worked ("mid-run"). The others time out; then that backend, and a
