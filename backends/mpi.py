@@ -90,8 +90,9 @@ class MPIBackend(Backend):
     CUDA device it serves: by default the current CUDA device where CUDA is available, else
     cpu; CPU tensors are always served. `timeout` (seconds or a timedelta; default 30 minutes)
     bounds every wait: a collective that does not complete in time raises RuntimeError on each
-    waiting rank, and the backend refuses further collectives, since its communicator may still
-    hold the unfinished one.
+    waiting rank, and every backend over the communicator refuses further collectives (the
+    communicator's channel is broken: `ordering.break_channel`), since it may still hold the
+    unfinished one.
     """
 
     name = "mpi"
@@ -190,9 +191,7 @@ class MPIBackend(Backend):
     def _start(self, what: str, start: Callable[[], Any]) -> Any:
         """MPI request of collective `what`, started by `start` unless a timeout broke the communicator
         (a call that timed out may have left requests of its own to start)."""
-        reason = ordering.broken(self._channel_key())
-        if reason is not None:
-            raise RuntimeError(f"mpi backend unusable after an earlier timeout: {reason}")
+        ordering.refuse_if_broken([self._channel_key()])
         return start()
 
     # -- buffers -----------------------------------------------------------------------------

@@ -14,15 +14,17 @@ What stays the caller's job, as with any collective: every rank submits the same
 order per group. Calls submitted from several threads are ordered by submission time on each rank,
 which only matches across ranks when the threads are themselves ordered.
 
-A broken channel. A backend whose collective timed out marks its channel broken
-(`break_channel`): the transport may still hold the unfinished collective and its peers are out
-of step, so every call waiting for its turn on the channel, every later call, and every backend
-object opened over the same group later raise RuntimeError at once, naming the first failure
-(an async call queued on the channel's worker thread behind a call that is still running is
-refused as soon as that call returns). A call queued behind a hung one therefore raises when
-the hung call's own timeout expires, not after a timeout of its own on top of it. A call's wait
-for its turn has no bound of its own: the call ahead may be healthy and merely long (a large
-tensor on a slow link, a peer that arrives late), and only its own waits can tell.
+A broken channel. A backend whose collective timed out (mpi, shm: gloo and nccl time out inside
+torch, whose process group is then unusable too) marks its channel broken (`break_channel`): the
+transport may still hold the unfinished collective and its peers are out of step, so every call
+waiting for its turn on the channel, every later call, and every backend object opened over the
+same group later raise RuntimeError at once, naming the first failure (an async call queued on
+the channel's worker thread behind a call that is still running is refused as soon as that call
+returns). A call queued behind a hung one therefore raises when the hung call's own timeout
+expires, not after a timeout of its own on top of it. A call's wait for its turn has no bound of
+its own: the call ahead may be healthy and merely long (a large tensor on a slow link, a peer
+that arrives late), and only its own waits can tell. A call over several channels refused on one
+breaks the others (see `_await_turn`).
 """
 
 from __future__ import annotations
@@ -50,20 +52,7 @@ class Channel:
         self.transport = transport
         self._issued = 0
         self._serving = 0
-        self._abandoned: set[int] = set()  # tickets whose calls gave up before their turn
         self._worker: ThreadPoolExecutor | None = None
-
-    @property
-    def broken(self) -> str | None:
-        """Why this channel is unusable (see `break_channel`), or None."""
-        return _broken.get(self.key)
-
-    def _advance(self) -> None:
-        """Serve the next ticket, skipping those whose calls gave up (under `_cond`)."""
-        self._serving += 1
-        while self._serving in self._abandoned:
-            self._abandoned.discard(self._serving)
-            self._serving += 1
 
     def worker(self) -> ThreadPoolExecutor:
         """The thread that runs this channel's async calls (made on first use)."""
@@ -84,7 +73,7 @@ def channel(key: Hashable, open_transport: Callable[[], Any]) -> Channel:
     open it once.
     """
     with _cond:
-        _raise_if_broken([key])
+        refuse_if_broken([key])
         found = _registry.get(key)
         if found is not None:
             return found
@@ -112,7 +101,8 @@ def broken(key: Hashable) -> str | None:
     return _broken.get(key)
 
 
-def _raise_if_broken(keys: Sequence[Hashable]) -> None:
+def refuse_if_broken(keys: Sequence[Hashable]) -> None:
+    """RuntimeError, naming the first failure, if the channel of any of `keys` is broken."""
     reason = next((_broken[k] for k in keys if k in _broken), None)
     if reason is not None:
         raise RuntimeError(f"compcomm's collectives over this group are unusable after an earlier failure: {reason}")
@@ -189,34 +179,26 @@ def _execute(channels: Sequence[Channel], tickets: list[int], fn: Callable, args
         held -= mine
         with _cond:
             for ch in channels:
-                ch._advance()
+                ch._serving += 1
             _cond.notify_all()
 
 
 def _await_turn(channels: Sequence[Channel], tickets: list[int]) -> None:
-    """Until every ticket is being served; RuntimeError, giving the tickets up, once a channel
-    is broken."""
+    """Until every ticket is being served; RuntimeError once a channel is broken. A call over
+    several channels (a hierarchical one) that is refused on one breaks the others too: this
+    rank will not make its collectives there, which its peers on those groups may be making,
+    so none of its later calls there may run."""
     with _cond:
         while True:
-            try:
-                _raise_if_broken([ch.key for ch in channels])
-            except RuntimeError:
-                _give_up(channels, tickets)
-                raise
+            reason = next((_broken[ch.key] for ch in channels if ch.key in _broken), None)
+            if reason is not None:
+                for ch in channels:
+                    _broken.setdefault(ch.key, reason)
+                _cond.notify_all()
+                refuse_if_broken([channels[0].key])
             if all(ch._serving == t for ch, t in zip(channels, tickets)):
                 return
             _cond.wait()
-
-
-def _give_up(channels: Sequence[Channel], tickets: list[int]) -> None:
-    """Drop tickets that will never run, so that the calls behind them still get their turn
-    (under `_cond`)."""
-    for ch, t in zip(channels, tickets):
-        if ch._serving == t:
-            ch._advance()
-        elif ch._serving < t:
-            ch._abandoned.add(t)
-    _cond.notify_all()
 
 
 def run(channels: Sequence[Channel], fn: Callable, *args) -> Any:

@@ -32,8 +32,9 @@ Waits poll the counters, yielding the core for the first 100 us (ranks of one ho
 cores) and then sleeping for 1/50 of the time waited so far (at most 1 ms): the added latency
 stays near 2% and a waiting rank does not steal a core from the peer it waits for. Every wait is
 bounded by `timeout` (default: the group's own, 30 minutes unless set), and a peer whose process
-is gone is noticed within 0.2 s: either raises RuntimeError naming the ranks, and the backend
-refuses further calls (its peers' counters are out of step).
+is gone is noticed within 0.2 s: either raises RuntimeError naming the ranks, and every backend
+over the group refuses further calls (its peers' counters are out of step; the group's channel is
+broken: `ordering.break_channel`).
 
 Memory ordering. The signals are plain aligned int64 stores and loads through a numpy view of the
 mapping (one 8-byte move each, single-copy atomic on x86-64). Correctness rests on x86's total
@@ -65,6 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import ordering
 from .base import Backend, Handle
 from .rank_order import sum_in_rank_order
 from .shm_segment import SHM_DIRECTORY, RendezvousTimeout, Segment, alive, open_segment
@@ -179,10 +181,15 @@ class ShmBackend(Backend):
 
     def close(self) -> None:
         """Unmap this rank's segment once the calls in flight are done; the backend then refuses
-        calls. Local (no peer waits for it); the memory goes when every rank has closed or exited."""
+        calls. Local (no peer waits for it); the memory goes when every rank has closed or exited.
+        After a timeout broke the group's channel there is no turn to wait for: unmapped at once."""
         if self._failed is None:
             self._failed = "the shm backend was closed"
-        if self._mapping.segment is not None:
+        if self._mapping.segment is None:
+            return
+        if ordering.broken(self._channel_key()) is not None:
+            self._mapping.release()
+        else:
             self.ordered(self._mapping.release)
 
     # -- the segment and the counters ----------------------------------------------------------

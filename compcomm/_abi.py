@@ -14,6 +14,9 @@ import torch
 
 PTR, I32, I64, F32, U32 = "ptr", "int", "cc_index", "float", "unsigned int"
 
+ABI_VERSION = 2
+"""CC_ABI_VERSION of the C library this table describes (`cc_abi_version()`)."""
+
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 """enum cc_dtype: CC_F32, CC_F16, CC_BF16."""
 

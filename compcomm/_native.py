@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ._abi import F32, I32, I64, PTR, SIGNATURES, U32, Arg
+from ._abi import ABI_VERSION, F32, I32, I64, PTR, SIGNATURES, U32, Arg
 
 CTYPES = {PTR: ctypes.c_void_p, I32: ctypes.c_int, I64: ctypes.c_longlong, F32: ctypes.c_float, U32: ctypes.c_uint}
 LIBRARY = "_codec_native"
@@ -67,6 +67,10 @@ def _threads_from_env() -> int | None:
     return int(text)
 
 
+class StaleLibrary(RuntimeError):
+    """The built C library does not match this source's kernel interface (`ABI_VERSION`)."""
+
+
 class NativeKernels:
     """The C kernels, on contiguous CPU tensors; one partial sum per call (the library adds its
     blocks' sums itself, in block order).
@@ -80,6 +84,13 @@ class NativeKernels:
         self, path: str, isa: str | None = None, threads: int | None = None, split_min: int = SPLIT_MIN
     ) -> None:
         self.path, self.lib = path, ctypes.CDLL(path)
+        built = getattr(self.lib, "cc_abi_version", None)
+        version = None if built is None else built()
+        if version != ABI_VERSION:
+            raise StaleLibrary(
+                f"the C codec at {path} was built from other source (kernel interface {version}, this "
+                f"compcomm needs {ABI_VERSION}): rebuild it (pip install -e . in the checkout)"
+            )
         bind(self.lib)
         self.lib.cc_cpu_features.restype, self.lib.cc_cpu_features.argtypes = ctypes.c_int, []
         self.lib.cc_features.restype, self.lib.cc_features.argtypes = ctypes.c_int, []

@@ -111,14 +111,14 @@ def divide_(t: torch.Tensor, divisor: float) -> torch.Tensor:
     """t /= divisor, a true division in at least fp32 on every device, as the fused kernels and
     the CPU compute it: torch on CUDA multiplies by 1/divisor when the divisor is a Python
     number (or a CPU scalar), one ulp off in about a third of the elements for a divisor of 3,
-    so it divides by a 0-dim tensor on t's device; and a 0-dim CUDA divisor takes t's dtype, so
-    a half-precision t is divided in fp32 and rounded once (in fp16, 2049 would become 2048).
-    Returns t."""
+    so it divides by a 0-dim tensor on t's device; and a 0-dim divisor off the CPU takes t's
+    dtype, so a half-precision t there is divided in fp32 and rounded once (in fp16, 2049 would
+    become 2048; the CPU reads a CPU divisor in fp32 itself). Returns t."""
     if divisor == 1:
         return t
     wide = torch.promote_types(t.dtype, torch.float32)
     by = torch.tensor(float(divisor), dtype=wide, device=t.device)
-    if t.dtype == wide:
+    if t.dtype == wide or t.device.type == "cpu":
         return t.div_(by)
     return t.copy_(t.to(wide).div_(by))
 
@@ -414,7 +414,12 @@ def _choose_native() -> Codec:
         )
         warnings.warn(f"compcomm: {why}", RuntimeWarning, stacklevel=4)
         return Codec(None, why)
-    return Codec(_native.NativeKernels(path))
+    try:
+        return Codec(_native.NativeKernels(path))
+    except _native.StaleLibrary as exc:
+        why = f"torch kernels: {exc}; results are the same bits, {_FALLBACK_SLOWDOWN}"
+        warnings.warn(f"compcomm: {why}", RuntimeWarning, stacklevel=4)
+        return Codec(None, why)
 
 
 def _choose_cuda(device: torch.device) -> Codec:

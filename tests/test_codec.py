@@ -338,3 +338,22 @@ def test_python_abi_matches_the_shared_header():
     assert {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16} == {
         k: next(d for d, code in _abi.DTYPE_CODES.items() if code == int(v)) for k, v in enum.items()
     }
+    assert re.search(r"#define CC_ABI_VERSION (\d+)", header).group(1) == str(_abi.ABI_VERSION)
+
+
+def test_a_c_library_built_from_other_source_is_refused(monkeypatch):
+    """A library whose kernel interface is not this source's (an editable install not rebuilt
+    after a kernel's parameters changed) would read its arguments otherwise: it is refused, and
+    the torch kernels run instead, saying why."""
+    from compcomm import _native, codec
+
+    path = _native.library_path()
+    if path is None:
+        pytest.skip("the C codec was not built")
+    assert _native.NativeKernels(path).lib.cc_abi_version() == _abi.ABI_VERSION
+    monkeypatch.setattr(_native, "ABI_VERSION", _abi.ABI_VERSION + 1)
+    with pytest.raises(_native.StaleLibrary, match="rebuild it"):
+        _native.NativeKernels(path)
+    with pytest.warns(RuntimeWarning, match="built from other source"):
+        fallback = codec._choose_native()
+    assert fallback.kernels is None and "rebuild it" in fallback.why

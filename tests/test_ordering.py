@@ -28,7 +28,7 @@ def test_a_long_queue_is_never_cut_short():
     assert time.monotonic() - start >= 1.1
     for handle in queued:
         handle.wait()
-    assert ch.broken is None
+    assert ordering.broken(ch.key) is None
 
 
 def test_a_broken_channel_releases_calls_already_waiting_on_it():
@@ -73,4 +73,16 @@ def test_a_broken_channel_releases_calls_already_waiting_on_it():
 def test_a_broken_channel_leaves_other_groups_alone():
     broken, other = fresh_channel("broken"), fresh_channel("other")
     ordering.break_channel(broken.key, "a peer stopped answering")
-    assert ordering.run([other], lambda: "ran") == "ran" and other.broken is None
+    assert ordering.run([other], lambda: "ran") == "ran" and ordering.broken(other.key) is None
+
+
+def test_a_call_refused_on_one_of_its_channels_breaks_the_others():
+    """A call over two groups (a hierarchical one) refused because one is broken will not make
+    its collectives on the other, where its peers may be making them: later calls there must
+    not run out of step, so that channel is broken too."""
+    node, across = fresh_channel("node"), fresh_channel("across")
+    ordering.break_channel(across.key, "a peer across nodes stopped answering")
+    with pytest.raises(RuntimeError, match="across nodes stopped answering"):
+        ordering.run([node, across], lambda: "ran")
+    with pytest.raises(RuntimeError, match="across nodes stopped answering"):
+        ordering.run([node], lambda: "ran")

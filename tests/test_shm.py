@@ -209,7 +209,8 @@ def test_a_call_queued_behind_a_long_healthy_call_is_not_timed_out(pool):
 def never_arrives(members: tuple[int, ...], case: str) -> dict:
     """The group's last member skips a call: the first call of a fresh backend ("rendezvous"), or
     one on a backend that has worked ("mid-run"). The others time out; then that backend, and a
-    fresh one over the same group (its peers are out of step), refuse calls at once."""
+    fresh one over the same group (its peers are out of step), refuse calls at once; closing
+    the backend still unmaps its segment."""
     import torch.distributed as dist
 
     shm = backends.get("shm", group=group(members), timeout=1.0)
@@ -223,6 +224,8 @@ def never_arrives(members: tuple[int, ...], case: str) -> dict:
             call = backends.get("shm", group=group(members), timeout=60.0).all_reduce
         start = time.monotonic()
         out[what] = (caught(call, torch.ones(8)), time.monotonic() - start)
+    mapped = _mapped()
+    out["closed"] = (caught(shm.close), mapped - _mapped())
     return out
 
 
@@ -237,6 +240,8 @@ def test_a_peer_that_never_arrives_raises_runtimeerror_within_the_timeout(pool, 
     for what in ("after", "fresh"):  # the backend, and any other over the group, refuse at once
         (kind, message), seconds = waiting[what]
         assert kind == "RuntimeError" and "unusable" in message and seconds < 0.5, (what, message)
+    refused, unmapped = waiting["closed"]  # close() works on a broken group (it raised before)
+    assert refused is None and (unmapped >= 1 or case == "rendezvous"), waiting["closed"]
     assert leftovers(pool) == []
 
 

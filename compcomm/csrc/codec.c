@@ -144,6 +144,10 @@ static int detect_features(void) {
 }
 #endif
 
+int cc_abi_version(void) {
+    return CC_ABI_VERSION;
+}
+
 int cc_cpu_features(void) {
     return cpu_features;
 }

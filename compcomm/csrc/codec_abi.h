@@ -48,6 +48,12 @@ CC_KERNEL void cc_decode(const unsigned char *bits, cc_index count, int elsize, 
                          unsigned int minus, void *out);
 
 #ifndef CC_CUDA
+/* The version of this interface, raised with any change of a kernel's parameters: a library built
+ * from older source (an editable install not rebuilt) must be refused, not called with parameters
+ * it reads otherwise. 2: cc_server_scan's `previous`. */
+#define CC_ABI_VERSION 2
+int cc_abi_version(void);
+
 /* CPU library only. cc_cpu_features: the kernel sets this CPU runs, bit 0 AVX2 + FMA + F16C,
  * bit 1 AVX-512 (F, BW, VL, DQ). cc_configure: the kernel sets to use (those bits, masked by
  * the CPU's), the threads per pass and the smallest pass (in elements) split over them; every
