@@ -1,3 +1,3 @@
-# The five phase runs re-made at f140790 (2026-11-28, 01:29-01:33), each with its own recorded command (phases_*_emul_c1.cmd) writing
-# into phases_*_emul_c1_repeat.{json,txt} instead; then the cost model's command on those files:
+# A second set of the five phase runs (2026-11-28, 02:36-02:41, right after the first set, 02:26-02:31; the machine otherwise idle), each with its own recorded command (phases_*_1gbit_emul_c1.cmd, --iters 9)
+# writing into phases_*_1gbit_emul_c1_repeat.{json,txt} instead; then the cost model's command on those files:
 python bench/cost_model.py --calibrate bench/results/phases_2h_1gbit_emul_c1_repeat.json --loopback bench/results/phases_2x2_1gbit_emul_c1_repeat.json --latency bench/results/phases_8h_1gbit_emul_c1_repeat.json bench/results/phases_4h_1gbit_emul_c1_repeat.json bench/results/phases_8h_1gbit_emul_c1_repeat.json bench/results/phases_2x2_1gbit_emul_c1_repeat.json bench/results/phases_4x2_1gbit_emul_c1_repeat.json

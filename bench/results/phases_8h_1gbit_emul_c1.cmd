@@ -1,1 +1,1 @@
-python bench/netsim.py --hosts 8 --rate 1gbit --cpus-per-host 1 --subnet 10.77.148.0/24 -- python bench/phases.py --sizes 1M,10M,100M --iters 3 --json bench/results/phases_8h_1gbit_emul_c1.json
+python bench/netsim.py --hosts 8 --rate 1gbit --cpus-per-host 1 --subnet 10.77.148.0/24 -- python bench/phases.py --sizes 1M,10M,100M --iters 9 --json bench/results/phases_8h_1gbit_emul_c1.json
