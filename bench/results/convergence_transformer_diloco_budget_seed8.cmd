@@ -1,0 +1,1 @@
+python bench/convergence.py --task transformer --hidden 64 --context 32 --batch 16 --lr-adam 6e-3 --lr-lamb 2e-2 --lr-diloco 8e-3 --seed 8 --runs diloco_h16 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 320 --diloco-rotate --tag diloco_budget_seed8
