@@ -196,10 +196,11 @@ class Backend(ABC):
         """Uncompressed in-place all-reduce (warm-up phases, baselines); returns `tensor`, or
         with async_op=True a handle whose `wait()` returns it.
 
-        The sum is the transport's own (gloo's or NCCL's ring, MPI's algorithm), so that the DDP
-        hook's warm-up equals what DDP computes over the same transport; backends without one
-        (shm, hierarchical) add in rank order. So over three or more ranks two transports' float
-        sums may differ in the last bits."""
+        The sum is the transport's own (gloo's ring, NCCL's or MPI's algorithm), so that the DDP
+        hook's warm-up equals what DDP computes over the same transport; shm adds in rank order,
+        hierarchical in rank order inside the node and with its inter-node backend's all_reduce
+        across nodes. So over three or more ranks two transports' float sums may differ in the
+        last bits."""
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
         if not tensor.is_contiguous():
