@@ -9,6 +9,7 @@ import io
 import math
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -829,14 +830,26 @@ def test_inner_must_be_a_local_optimizer_over_the_same_parameters():
         DiLoCo(double.parameters(), torch.optim.SGD(double.parameters(), lr=0.1), backend="local")
 
 
-def scheduled(target: str) -> tuple[list[float], bytes]:
+def scheduled(target: str, resume_at: int | None = None) -> tuple[list[float], bytes]:
+    """Six steps with a LambdaLR on `target`; with `resume_at`, the optimizer and the scheduler
+    are saved after that many steps and loaded into new ones, which take the rest."""
+
+    def build(model: torch.nn.Module, inner: torch.optim.Optimizer) -> tuple[DiLoCo, Any]:
+        opt = DiLoCo(model.parameters(), inner, sync_every=2, backend="local")
+        return opt, torch.optim.lr_scheduler.LambdaLR(inner if target == "inner" else opt, lambda s: 0.5**s)
+
     model, inner = local_model()
-    opt = DiLoCo(model.parameters(), inner, sync_every=2, backend="local")
-    sched = torch.optim.lr_scheduler.LambdaLR(inner if target == "inner" else opt, lambda s: 0.5**s)
+    opt, sched = build(model, inner)
     lrs = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
         for step in range(6):
+            if step == resume_at:
+                saved = copy.deepcopy((opt.state_dict(), sched.state_dict()))
+                inner = type(inner)(model.parameters(), lr=1e-2)
+                opt, sched = build(model, inner)
+                opt.load_state_dict(saved[0])
+                sched.load_state_dict(saved[1])
             backward(model, 0, step)
             opt.step()
             sched.step()
@@ -848,6 +861,13 @@ def test_lr_scheduler_on_the_inner_optimizer_or_on_diloco():
     on_inner, on_diloco = scheduled("inner"), scheduled("diloco")
     assert on_inner == on_diloco
     assert on_inner[0] == pytest.approx([1e-2 * 0.5**k for k in range(1, 7)])
+
+
+@pytest.mark.parametrize("target", ["inner", "diloco"])
+def test_lr_scheduler_resumes_after_load_state_dict(target):
+    """The inner optimizer's load_state_dict gives it new group dicts; a scheduler on the DiLoCo
+    object kept scheduling the old ones (fails before: the learning rate stayed at 1.25e-3)."""
+    assert scheduled(target, resume_at=3) == scheduled(target)
 
 
 def warmup_against_adamw() -> tuple[list[bytes], float]:

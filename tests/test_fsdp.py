@@ -433,6 +433,11 @@ def misuse(case: str) -> tuple[str, str] | None:
         model = shard(make_model(), (0, 1, 2, 3))
         compcomm.fsdp.compress(model)
         return caught(compcomm.fsdp.compress, model)
+    if case in ("nonfinite_differs", "start_iter_differs"):  # hung at the first such backward before
+        setting = {"nonfinite": "propagate" if rank == 3 else "raise"}
+        if case == "start_iter_differs":
+            setting = {"start_iter": 3 if rank == 3 else 1}
+        return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), **setting)
     if case == "intra_in_fsdp_mode":
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), intra="shm")
     if case == "intra_unknown":
@@ -458,6 +463,8 @@ def misuse(case: str) -> tuple[str, str] | None:
         ("bad_backend", "ValueError", "does not match"),
         ("intra_in_fsdp_mode", "ValueError", "applies to HSDP"),
         ("intra_unknown", "ValueError", "intra must be None or 'shm'"),
+        ("nonfinite_differs", "ValueError", "ranks passed different nonfinite"),
+        ("start_iter_differs", "ValueError", "ranks passed different start_iter"),
     ],
 )
 def test_misuse_is_a_clear_error_on_every_rank(pool, case, error, words):

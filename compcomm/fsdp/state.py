@@ -23,7 +23,7 @@ from ..backends import Backend, HierarchicalBackend
 from ..backends.registry import over_group
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
-from ..gather_objects import all_gather_object
+from ..gather_objects import agree_on_values, all_gather_object
 from ..optim.checkpoints import agree_on_position
 from ..optim.shards import register
 from .modules import ShardedModule, check_called_over
@@ -90,6 +90,13 @@ class CompressionState:
         first = next(iter(self._modules.values()))
         self.world: Backend = first.shard if replicas is None else HierarchicalBackend(first.shard, replicas)
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
+        agree_on_values(
+            {"start_iter": start_iter, "nonfinite": nonfinite, "mode": self.mode},
+            self.world,
+            "compcomm.fsdp.compress must be given the same settings on every rank (else the ranks "
+            "switch to 1 bit, or answer a non-finite gradient, at different backwards and wait on "
+            "each other)",
+        )
         self._backward: int | None = None  # autograd's id of the backward whose reductions are pending
         self._pending: list[_Module] = []
         self._failed = False

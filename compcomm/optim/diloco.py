@@ -114,7 +114,10 @@ class DiLoCo(torch.optim.Optimizer):
 
     Non-finite values: a rank whose gradients hold NaN/Inf skips its inner step (between syncs
     the ranks are independent, so no other rank needs to know; `skipped_steps` counts this
-    rank's). With torch.amp.GradScaler (`scaler.step(opt)`), the ranks agree at the end of every
+    rank's), except at the very first backward, which is agreed as below because whether a
+    GradScaler is in use is not known yet: a non-finite gradient on any rank there puts a NaN
+    into one gradient element of every other rank, and every rank skips its first inner step.
+    With torch.amp.GradScaler (`scaler.step(opt)`), the ranks agree at the end of every
     backward, every rank skips alike and the scales stay equal; that agreement is one 8-byte
     all-reduce per backward, which waits behind a fragment still in flight. A sync whose
     pseudo-gradient is non-finite on any rank, or whose mean would overflow fp32 or take the
@@ -193,9 +196,9 @@ class DiLoCo(torch.optim.Optimizer):
             "DiLoCo's schedule and outer step must be the same on every rank (else its syncs pair "
             "collectives of different steps and theta parts)",
         )
-        self.param_groups = inner.param_groups  # an LR scheduler on this object schedules inner's
         self.defaults = inner.defaults
         self.inner = inner
+        del self.__dict__["_own_groups"]  # from now on `param_groups` reads inner's
         self._params = mine
         self.sync_every, self.fragments, self.overlap_steps = int(sync_every), int(fragments), overlap
         self.start_iter, self.compress = int(start_iter), compress
@@ -400,6 +403,24 @@ class DiLoCo(torch.optim.Optimizer):
         one); `load_state_dict` on each rank picks its own part. It holds every rank's inner
         state and parameters, so it is about world_size times a per-rank file."""
         return checkpoints.gathered(self.state_dict(), self._backend)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups, read through on every access: an LR scheduler on this
+        object schedules the inner learning rate, also after `load_state_dict` (torch's
+        `Optimizer.load_state_dict` gives the inner optimizer new group dicts; a list taken once
+        would leave the scheduler editing the old ones)."""
+        inner = self.__dict__.get("inner")
+        return self.__dict__["_own_groups"] if inner is None else inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """torch.optim.Optimizer.__init__ sets the groups before the inner optimizer is known."""
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            self.__dict__["_own_groups"] = groups
+        else:
+            inner.param_groups = groups
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from `state_dict()` or `gathered_state_dict()`, bit for bit (collective). A state
