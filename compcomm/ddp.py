@@ -74,7 +74,7 @@ from .backends import Backend, check_backend_argument
 from .backends.registry import over_group
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError, all_finite
-from .gather_objects import all_gather_object
+from .gather_objects import agree_on_values, all_gather_object
 from .optim.checkpoints import agree_on_position
 
 __all__ = ["OnebitHookState", "onebit_hook"]
@@ -133,6 +133,7 @@ class OnebitHookState:
         self._failure: Exception | None = None  # what that backward must raise when it ends
         self._optimizer_check: Any = None  # the handle of the one-time look at the optimizer
         self._optimizer_seen = False
+        self._settings_agreed = False  # start_iter and nonfinite compared across ranks
 
     # ----------------------------------------------------------------- transport
 
@@ -285,13 +286,21 @@ class OnebitHookState:
         `compcomm.NonFiniteError`), once DDP has finished the backward.
         """
         buffer, params, last = bucket.buffer(), bucket.parameters(), bucket.is_last()
+        be = self.backend(buffer.device)
+        if not self._settings_agreed:  # before anything changes; raised out of the first backward
+            agree_on_values(
+                {"start_iter": self.start_iter, "nonfinite": self.nonfinite},
+                be,
+                "OnebitHookState must be given the same settings on every rank (else one rank reduces "
+                "a bucket exactly while another sends it with 1 bit, and both wait)",
+            )
+            self._settings_agreed = True
         self._watch_backward()
         self._watch_optimizer(params)
         key, parts = self._parts(params)
         compress = self.iter >= self.start_iter
         if last:
             self.iter += 1
-        be = self.backend(buffer.device)
         slices = _slices(params, parts, self._numbers)
         flats = [buffer if parts == [key] else torch.cat([buffer[a:b] for a, b in spans]) for spans in slices]
         if compress:

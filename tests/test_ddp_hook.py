@@ -414,6 +414,25 @@ def test_a_backend_over_other_ranks_than_ddps_group_is_refused(pool):
         assert everyone[0] == "ValueError" and "spans 4 ranks, DDP's process group 2" in everyone[1]
 
 
+def settings_differ(name: str) -> tuple:
+    """Rank 3's state differs in one setting; the first backward is where the hook can compare."""
+    rank = dist.get_rank()
+    setting = {"start_iter": 3 if rank == 3 else 1} if name == "start_iter" else {}
+    if name == "nonfinite":
+        setting = {"nonfinite": "propagate" if rank == 3 else "raise"}
+    ddp, state = hooked(**setting)
+    return caught(lambda: loss_of(ddp, rank, 0).backward()), state.iter
+
+
+@pytest.mark.parametrize("name", ["start_iter", "nonfinite"])
+def test_settings_that_differ_across_ranks_raise_on_every_rank(pool, name):
+    """Different start_iter hung every rank (one reduced exactly, another with 1 bit) until the
+    group's timeout; now the first backward raises the same ValueError everywhere, iter unmoved."""
+    for failure, iteration in pool.run(settings_differ, name):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert f"ranks passed different {name}" in failure[1] and iteration == 0, failure
+
+
 def test_without_a_process_group_the_hook_state_names_init_process_group(monkeypatch):
     """As every compcomm entry point under a launcher: a RuntimeError naming the fix, not
     torch's ValueError (which, from load_state_dict, would read as a refused checkpoint)."""
