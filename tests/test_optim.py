@@ -371,6 +371,32 @@ def test_one_collective_per_bucket(pool, name):
         assert per_step[3]["bytes"] < per_step[0]["bytes"] / 3
 
 
+def settings_differ(name: str, setting: str) -> tuple:
+    """Rank 3 passes another freeze_step (or lr) than the others; step 1 compares them."""
+    rank = rank_of(4)
+    model = make_model()
+    freeze_step, lr = (
+        (3 if setting == "freeze_step" and rank == 3 else 2),
+        (2e-2 if setting == "lr" and rank == 3 else 1e-2),
+    )
+    opt = make_optimizer(name, model, 4, freeze_step, lr=lr)
+    backward(model, rank, 0)
+    before = raw(model)
+    return caught(opt.step), opt.step_count, raw(model) == before
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("setting", ["freeze_step", "lr"])
+def test_settings_that_differ_across_ranks_raise_on_every_rank(pool, name, setting):
+    """A freeze_step that differs hung every rank from the first compressed step on (one rank sent
+    its gradients exactly, another its momentum with 1 bit); an lr that differs let the
+    parameters drift apart. Now step 1 raises the same ValueError everywhere, nothing changed."""
+    for failure, steps, unchanged in pool.run(settings_differ, name, setting):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert "ranks passed different" in failure[1] and setting in failure[1], failure
+        assert steps == 0 and unchanged
+
+
 # ------------------------------------------------------------------ hyperparameters, dtypes, world 1
 
 

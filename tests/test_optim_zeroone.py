@@ -16,7 +16,7 @@ from test_optim_reliability import error_bytes, from_rank0
 import compcomm
 from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 
-from rankpool import group
+from rankpool import caught, group
 
 SCHEDULE = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
 STEPS = 30  # phase 1: refreshes at 1, 2, 4, 6, 10, 12 (1-bit gradients between); phase 2 to 30
@@ -63,6 +63,22 @@ def intervals() -> tuple[list[str], int, int]:
         backward(model, 0, step)
         opt.step()
     return kinds, opt.var_updates, opt.local_interval
+
+
+def local_scaler_differs() -> tuple:
+    """Rank 3 passes another local_step_scaler: step 1 compares the schedule's settings."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_zeroone(model, local_step_scaler=8 if rank == 3 else 4)
+    backward(model, rank, 0)
+    return caught(opt.step), opt.step_count
+
+
+def test_a_schedule_that_differs_across_ranks_raises_on_every_rank(pool):
+    """It paired a local step on one rank with a compressed one on another (every rank waited)."""
+    for failure, steps in pool.run(local_scaler_differs):
+        assert failure is not None and failure[0] == "ValueError" and "local_step_scaler" in failure[1], failure
+        assert steps == 0
 
 
 def test_schedule_follows_deepspeeds_parameters():

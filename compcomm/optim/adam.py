@@ -62,6 +62,9 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _switch_step(self) -> int | None:
         return self.freeze_step
 
+    def _schedule(self) -> dict[str, Any]:
+        return {"freeze_step": self.freeze_step}
+
     def _payload_shows_nonfinite(self, kind: str) -> bool:
         return True  # the payload is g, or m_r = beta1 m + (1 - beta1) g (times s_l > 0)
 

@@ -215,8 +215,16 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if t == 1 and not self._replicas_checked and self._sharded is None:
             # Ranks that started from different parameters (a forgotten seed) would stay apart
             # for good: make them rank 0's before the first update, as DDP does at construction
-            # (and warn). A resumed run starts from its checkpoint instead.
-            equalize_from_rank0(self._params(), self.backend)
+            # (and warn). A resumed run starts from its checkpoint instead. Settings that differ
+            # across ranks are refused there on every rank: a schedule that differs pairs
+            # different collectives from the first compressed step on (every rank would wait).
+            equalize_from_rank0(
+                self._params(),
+                self.backend,
+                {**self._schedule(), "param_groups": [_hyperparameters(g) for g in self.param_groups]},
+                f"{type(self).__name__} must be given the same settings on every rank (else its steps pair "
+                "different collectives, or its parameters drift apart)",
+            )
             self._replicas_checked = True
         if self._sharded is not None:
             if self._sharded.agree(t, found_inf):
@@ -284,6 +292,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def _switch_step(self) -> int | None:
         """The last exact step, which sharded training's compression must match (None: none)."""
         return None
+
+    def _schedule(self) -> dict[str, Any]:
+        """The settings, beside the groups' hyperparameters, that decide which collective each
+        step makes (subclasses); step 1 checks that every rank passed the same."""
+        return {}
 
     def _norms(self, p: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[float]:
         """The norms of whole tensors shaped like parameter p, from their parts on this rank
@@ -393,3 +406,16 @@ class OnebitOptimizer(torch.optim.Optimizer):
     """`OnebitOptimizer.drop_error_feedback(sd)`: a copy of the state dict `sd` without per-rank
     state, loadable on any rank and world size (a documented reset: the compression errors
     carried so far are forgotten)."""
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's plain settings (numbers, strings, None, and tuples or lists of them),
+    as compared across ranks; its parameters, tensors such as an `exp_avg_mask`, and objects
+    that other code may have added are left out."""
+
+    def plain(v: Any) -> bool:
+        if isinstance(v, (tuple, list)):
+            return all(plain(x) for x in v)
+        return v is None or isinstance(v, (bool, int, float, str))
+
+    return {k: v for k, v in group.items() if k != "params" and plain(v)}

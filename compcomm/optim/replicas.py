@@ -15,11 +15,13 @@ import gc
 import warnings
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..backends import Backend
+from ..gather_objects import agree_on_values
 from .shards import is_dtensor
 
 COPY_BYTES = 4 * 1024 * 1024
@@ -64,26 +66,33 @@ def _wrapped_by_ddp(params: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def equalize_from_rank0(params: Sequence[torch.Tensor], backend: Backend) -> bool:
+def equalize_from_rank0(
+    params: Sequence[torch.Tensor], backend: Backend, settings: dict[str, Any] | None = None, why: str = ""
+) -> bool:
     """Make `params` bitwise equal to rank 0's on every rank of `backend` (a collective).
 
     Returns whether they differed, in which case every rank also warns once, as DDP makes its
     replicas equal at construction. Ranks whose parameters have different shapes or dtypes
-    raise the same ValueError everywhere. Cost: an all-gather of a 24-byte fingerprint per rank
-    when the ranks already agree; otherwise rank 0's values travel through all-gathers of
-    `COPY_BYTES` per rank (every rank sends its own values too, which are dropped).
+    raise the same ValueError everywhere, and so do ranks whose `settings` differ (naming the
+    first that does, and `why` it must not: `gather_objects.agree_on_values`). Cost: an
+    all-gather of a 32-byte fingerprint per rank when the ranks already agree; otherwise rank
+    0's values travel through all-gathers of `COPY_BYTES` per rank (every rank sends its own
+    values too, which are dropped).
     """
     n = backend.world_size
     if n == 1:
         return False
-    mine = _fingerprint(params).to(backend.device)
+    digest = torch.tensor([zlib.crc32(repr(settings).encode())], dtype=torch.int64).view(torch.uint8)
+    mine = torch.cat([_fingerprint(params), digest]).to(backend.device)
     rows = torch.empty(n, mine.numel(), dtype=torch.uint8, device=backend.device)
     backend.all_gather(mine, rows)
     rows = rows.cpu()
+    if len({bytes(rows[r, _FINGERPRINT_BYTES:].numpy()) for r in range(n)}) > 1:
+        agree_on_values(settings or {}, backend, why)  # raises on every rank, naming the setting
     layouts = {bytes(rows[r, :8].numpy()) for r in range(n)}
     if len(layouts) > 1:
         raise ValueError("the ranks' parameters differ in number, shape or dtype: every rank must build the same model")
-    if len({bytes(rows[r].numpy()) for r in range(n)}) == 1:
+    if len({bytes(rows[r, :_FINGERPRINT_BYTES].numpy()) for r in range(n)}) == 1:
         return False
     with torch.no_grad():
         for p in params:
@@ -97,8 +106,11 @@ def equalize_from_rank0(params: Sequence[torch.Tensor], backend: Backend) -> boo
     return True
 
 
+_FINGERPRINT_BYTES = 24
+
+
 def _fingerprint(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """24 bytes: a digest of the shapes and dtypes (the first 8), then two position-weighted sums
+    """_FINGERPRINT_BYTES bytes: a digest of the shapes and dtypes (the first 8), then two position-weighted sums
     of the parameters' raw bytes as int64 (wrapping, so exact and independent of the order in
     which a device adds them)."""
     layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())

@@ -95,6 +95,14 @@ class ZeroOneAdam(OnebitOptimizer):
         self.local_interval, self.local_counter = 1, 0
         self._denominators = Denominators()  # d changes only when v is refreshed
 
+    def _schedule(self) -> dict[str, Any]:
+        return {
+            "var_freeze_step": self.var_freeze_step,
+            "var_update_scaler": self.var_update_scaler,
+            "local_step_scaler": self.local_step_scaler,
+            "local_step_clipper": self.local_step_clipper,
+        }
+
     def _check_sharded(self) -> None:
         raise ValueError(
             "ZeroOneAdam does not run on FSDP2-sharded parameters: its local steps need whole parameters on "
