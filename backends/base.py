@@ -196,7 +196,8 @@ class Backend(ABC):
         """Uncompressed in-place all-reduce (warm-up phases, baselines); returns `tensor`, or
         with async_op=True a handle whose `wait()` returns it.
 
-        The sum is the transport's own (gloo's ring, NCCL's or MPI's algorithm), so that the DDP
+        The sum is the transport's own (gloo's ring, NCCL's or MPI's algorithm; MPI's in fp32
+        for dtypes it has no type for, such as bf16), so that the DDP
         hook's warm-up equals what DDP computes over the same transport; shm adds in rank order,
         hierarchical in rank order inside the node and with its inter-node backend's all_reduce
         across nodes. So over three or more ranks two transports' float sums may differ in the

@@ -287,15 +287,23 @@ class OnebitHookState:
         """
         buffer, params, last = bucket.buffer(), bucket.parameters(), bucket.is_last()
         be = self.backend(buffer.device)
-        if not self._settings_agreed:  # before anything changes; raised out of the first backward
-            agree_on_values(
-                {"start_iter": self.start_iter, "nonfinite": self.nonfinite},
-                be,
-                "OnebitHookState must be given the same settings on every rank (else one rank reduces "
-                "a bucket exactly while another sends it with 1 bit, and both wait)",
-            )
-            self._settings_agreed = True
         self._watch_backward()
+        if not self._settings_agreed:
+            if self._failure is None:  # compared once per backward until they agree
+                try:
+                    agree_on_values(
+                        {"start_iter": self.start_iter, "nonfinite": self.nonfinite},
+                        be,
+                        "OnebitHookState must be given the same settings on every rank (else one rank "
+                        "reduces a bucket exactly while another sends it with 1 bit, and both wait)",
+                    )
+                    self._settings_agreed = True
+                except ValueError as exc:
+                    self._failure = exc  # raised from backward() once DDP has finished it
+            if not self._settings_agreed:  # refused: the buckets come back as they are, nothing sent
+                untouched: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+                untouched.set_result(buffer)
+                return untouched
         self._watch_optimizer(params)
         key, parts = self._parts(params)
         compress = self.iter >= self.start_iter

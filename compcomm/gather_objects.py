@@ -40,7 +40,8 @@ def agree_on_values(values: dict[str, Any], be: Backend, why: str) -> None:
     same gathered list, so all raise alike, naming the first value that differs and `why` it
     must not."""
     everyone = all_gather_object(values, be)
-    for name in values:
-        column = [v[name] for v in everyone]
+    missing = "(not passed)"
+    for name in dict.fromkeys(k for v in everyone for k in v):  # every rank's names, in order
+        column = [v.get(name, missing) for v in everyone]
         if any(c != column[0] for c in column):
             raise ValueError(f"ranks passed different {name} (per rank: {column}): {why}")

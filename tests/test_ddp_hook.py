@@ -421,16 +421,22 @@ def settings_differ(name: str) -> tuple:
     if name == "nonfinite":
         setting = {"nonfinite": "propagate" if rank == 3 else "raise"}
     ddp, state = hooked(**setting)
-    return caught(lambda: loss_of(ddp, rank, 0).backward()), state.iter
+    failure, iteration = caught(lambda: loss_of(ddp, rank, 0).backward()), state.iter
+    state.start_iter, state.nonfinite = 1, "raise"  # mended: DDP and the hook go on
+    for step in range(2):
+        loss_of(ddp, rank, step).backward()
+    return failure, iteration, state.iter
 
 
 @pytest.mark.parametrize("name", ["start_iter", "nonfinite"])
 def test_settings_that_differ_across_ranks_raise_on_every_rank(pool, name):
     """Different start_iter hung every rank (one reduced exactly, another with 1 bit) until the
-    group's timeout; now the first backward raises the same ValueError everywhere, iter unmoved."""
-    for failure, iteration in pool.run(settings_differ, name):
+    group's timeout; now the first backward raises the same ValueError everywhere, iter unmoved,
+    from the end of the backward (raised inside DDP's reducer, it would leave DDP unusable)."""
+    for failure, iteration, after in pool.run(settings_differ, name):
         assert failure is not None and failure[0] == "ValueError", failure
         assert f"ranks passed different {name}" in failure[1] and iteration == 0, failure
+        assert after == 2  # the refusal left DDP's reducer usable
 
 
 def test_without_a_process_group_the_hook_state_names_init_process_group(monkeypatch):

@@ -91,7 +91,7 @@ class CompressionState:
         self.world: Backend = first.shard if replicas is None else HierarchicalBackend(first.shard, replicas)
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
         agree_on_values(
-            {"start_iter": start_iter, "nonfinite": nonfinite, "mode": self.mode},
+            {"start_iter": start_iter, "nonfinite": nonfinite},
             self.world,
             "compcomm.fsdp.compress must be given the same settings on every rank (else the ranks "
             "switch to 1 bit, or answer a non-finite gradient, at different backwards and wait on "

@@ -221,7 +221,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
             equalize_from_rank0(
                 self._params(),
                 self.backend,
-                {**self._schedule(), "param_groups": [_hyperparameters(g) for g in self.param_groups]},
+                {**self._schedule(), **_hyperparameters(self.param_groups)},
                 f"{type(self).__name__} must be given the same settings on every rank (else its steps pair "
                 "different collectives, or its parameters drift apart)",
             )
@@ -408,14 +408,19 @@ class OnebitOptimizer(torch.optim.Optimizer):
     carried so far are forgotten)."""
 
 
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    """A parameter group's plain settings (numbers, strings, None, and tuples or lists of them),
-    as compared across ranks; its parameters, tensors such as an `exp_avg_mask`, and objects
-    that other code may have added are left out."""
+def _hyperparameters(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The groups' plain settings (numbers, strings, None, and sequences of them, as tuples), as
+    compared across ranks, named `param_groups[i].key`; the parameters and their names, tensors
+    such as an `exp_avg_mask`, and objects that other code may have added are left out."""
 
     def plain(v: Any) -> bool:
         if isinstance(v, (tuple, list)):
             return all(plain(x) for x in v)
         return v is None or isinstance(v, (bool, int, float, str))
 
-    return {k: v for k, v in group.items() if k != "params" and plain(v)}
+    return {
+        f"param_groups[{i}].{k}": tuple(v) if isinstance(v, list) else v
+        for i, group in enumerate(groups)
+        for k, v in group.items()
+        if k not in ("params", "param_names") and plain(v)
+    }

@@ -411,7 +411,10 @@ class DiLoCo(torch.optim.Optimizer):
         `Optimizer.load_state_dict` gives the inner optimizer new group dicts; a list taken once
         would leave the scheduler editing the old ones)."""
         inner = self.__dict__.get("inner")
-        return self.__dict__["_own_groups"] if inner is None else inner.param_groups
+        if inner is not None:
+            return inner.param_groups
+        own = self.__dict__.get("_own_groups")  # during __init__; after a bare unpickle, torch's
+        return own if own is not None else self.__dict__.get("param_groups", [])
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:

@@ -5,7 +5,7 @@ An optimizer that owns its communication (it averages gradients, momenta or pseu
 itself) needs plain replicated tensors: DDP would average the gradients a second time, and
 sharded (DTensor) parameters hold a different piece on every rank. It also needs every rank to
 start from the same values, as DDP makes them at construction; `equalize_from_rank0` does that
-with a 24-byte all-gather when they already agree, and a bitwise copy of rank 0's values when
+with a 32-byte all-gather when they already agree, and a bitwise copy of rank 0's values when
 they do not.
 """
 
