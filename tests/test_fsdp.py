@@ -438,6 +438,18 @@ def misuse(case: str) -> tuple[str, str] | None:
         if case == "start_iter_differs":
             setting = {"start_iter": 3 if rank == 3 else 1}
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), **setting)
+    if case == "start_iter_bad_on_one_rank":  # the other ranks hung in the settings' agreement before
+        return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), start_iter=-1 if rank == 3 else 1)
+    if case == "backend_bad_on_one_rank":
+        return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), backend=3 if rank == 1 else None)
+    if case == "intra_bad_on_one_rank":
+        model = shard(make_model(), SHARDS["2x2"][rank // 2])
+        return caught(
+            compcomm.fsdp.compress,
+            model,
+            replicate_group=group(REPLICAS["2x2"][rank % 2]),
+            intra="gloo" if rank == 2 else "shm",
+        )
     if case == "intra_in_fsdp_mode":
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), intra="shm")
     if case == "intra_unknown":
@@ -465,6 +477,9 @@ def misuse(case: str) -> tuple[str, str] | None:
         ("intra_unknown", "ValueError", "intra must be None or 'shm'"),
         ("nonfinite_differs", "ValueError", "ranks passed different nonfinite"),
         ("start_iter_differs", "ValueError", "ranks passed different start_iter"),
+        ("start_iter_bad_on_one_rank", "ValueError", "rank 3: start_iter must be an integer >= 0, got -1"),
+        ("backend_bad_on_one_rank", "TypeError", "rank 1: backend must be a name"),
+        ("intra_bad_on_one_rank", "ValueError", "rank 2: intra must be None or 'shm'"),
     ],
 )
 def test_misuse_is_a_clear_error_on_every_rank(pool, case, error, words):

@@ -67,7 +67,7 @@ import torch.distributed as dist
 from ..backends import Backend, check_backend_argument, get
 from ..optim.shards import compression_of as state_of
 from .comms import CompressedReduceScatter, IntraAllGather, IntraReduceScatter, all_reduce_hook
-from .modules import group_ranks, sharded_modules
+from .modules import ShardedModule, group_ranks, sharded_modules
 from .state import NONFINITE, CompressionState
 
 __all__ = ["CompressionState", "compress", "state_of"]
@@ -92,33 +92,22 @@ def compress(
     compcomm's shared-memory backend (CPU parameters, each replica's ranks on one host). Returns
     the state to checkpoint.
     """
-    if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-        raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
-    if nonfinite not in NONFINITE:
-        raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
-    check_backend_argument(backend)
+    modules = sharded_modules(model)
     if replicate_group is not None and not isinstance(replicate_group, dist.ProcessGroup):
         raise TypeError(
             f"replicate_group must be a torch.distributed ProcessGroup, got {type(replicate_group).__name__}"
         )
-    if intra not in (None, "shm"):
-        raise ValueError(f"intra must be None or 'shm', got {intra!r}")
-    if intra is not None and replicate_group is None:
-        raise ValueError(
-            "intra= applies to HSDP (replicate_group=...): in FSDP mode the shard group spans the hosts, "
-            "and compcomm's 1-bit reduce-scatter already replaces FSDP's"
-        )
-    modules = sharded_modules(model)
-    if intra is not None and any(p.device.type != "cpu" for m in modules for p in m.params):
-        raise ValueError("intra='shm' moves CPU tensors between a host's ranks; these parameters are not on the CPU")
-    if any(state_of(p) is not None for m in modules for p in m.params):
-        raise ValueError("compcomm.fsdp.compress was already called on this model")
+    if replicate_group is not None:
+        _check_replicas(replicate_group, [group_ranks(m.shard_group) for m in modules])
     sizes = {dist.get_world_size(m.shard_group) for m in modules}
     if len(sizes) != 1:
         raise ValueError(f"the FSDP modules shard over groups of different sizes {sorted(sizes)}")
-    if replicate_group is not None:
-        _check_replicas(replicate_group, [group_ranks(m.shard_group) for m in modules])
-    state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite)
+    refused: Exception | None = None
+    try:
+        _check_arguments(modules, start_iter, replicate_group, backend, nonfinite, intra)
+    except (TypeError, ValueError) as exc:  # agreed by the state first thing, so no other rank waits on this one
+        refused, backend = exc, None
+    state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite, refused=refused)
     intra_backends: dict[int, Any] = {}
     for m in modules:
         if replicate_group is None:
@@ -134,6 +123,34 @@ def compress(
     if replicate_group is not None:
         _equalize_replicas(state.params, replicate_group)
     return state
+
+
+def _check_arguments(
+    modules: list[ShardedModule],
+    start_iter: object,
+    replicate_group: dist.ProcessGroup | None,
+    backend: object,
+    nonfinite: object,
+    intra: object,
+) -> None:
+    """This rank's arguments, checked alone: TypeError or ValueError naming the first bad one.
+    (The groups the ranks agree over, the model's and `replicate_group`, are checked before.)"""
+    if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+        raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
+    check_backend_argument(backend)
+    if intra not in (None, "shm"):
+        raise ValueError(f"intra must be None or 'shm', got {intra!r}")
+    if intra is not None and replicate_group is None:
+        raise ValueError(
+            "intra= applies to HSDP (replicate_group=...): in FSDP mode the shard group spans the hosts, "
+            "and compcomm's 1-bit reduce-scatter already replaces FSDP's"
+        )
+    if intra is not None and any(p.device.type != "cpu" for m in modules for p in m.params):
+        raise ValueError("intra='shm' moves CPU tensors between a host's ranks; these parameters are not on the CPU")
+    if any(state_of(p) is not None for m in modules for p in m.params):
+        raise ValueError("compcomm.fsdp.compress was already called on this model")
 
 
 def _check_replicas(replicas: dist.ProcessGroup, shard_groups: list[list[int]]) -> None:

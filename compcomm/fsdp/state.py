@@ -65,7 +65,10 @@ class CompressionState:
         replicate_group: dist.ProcessGroup | None,
         backend: Backend | str | None,
         nonfinite: str,
+        refused: Exception | None = None,
     ) -> None:
+        """`refused`: what was wrong with this rank's arguments (`compress` checks them), raised
+        on every rank once the groups are built, so that no rank waits on one that gave up."""
         self.start_iter, self.nonfinite = start_iter, nonfinite
         self.mode = "fsdp" if replicate_group is None else "hsdp"
         self.iteration = 0
@@ -90,6 +93,7 @@ class CompressionState:
         first = next(iter(self._modules.values()))
         self.world: Backend = first.shard if replicas is None else HierarchicalBackend(first.shard, replicas)
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
+        raise_agreed(refused, self.world, context="compcomm.fsdp.compress: ")
         agree_on_values(
             {"start_iter": start_iter, "nonfinite": nonfinite},
             self.world,
