@@ -205,6 +205,13 @@ def misuse(case: str) -> tuple[str, str] | None:
         opt = OnebitAdam(model.parameters(), freeze_step=FREEZE)
         loss_of(model, batch(rank, 0)).backward()
         return caught(opt.step)
+    if case in ("freeze_differs_on_one_rank", "lr_differs_on_one_rank"):  # rank 3 alone raised before
+        compcomm.fsdp.compress(model, start_iter=FREEZE)
+        setting = "freeze_step" if case == "freeze_differs_on_one_rank" else "lr"
+        value = {"freeze_step": FREEZE, "lr": 0.01}[setting] * (2 if rank == 3 else 1)
+        opt = OnebitAdam(model.parameters(), **{"freeze_step": FREEZE, "lr": 0.01, setting: value})
+        loss_of(model, batch(rank, 0)).backward()
+        return caught(opt.step)
     if case == "two_backwards_per_step":
         compcomm.fsdp.compress(model, start_iter=FREEZE)
         opt = OnebitAdam(model.parameters(), freeze_step=FREEZE)
@@ -229,6 +236,8 @@ def misuse(case: str) -> tuple[str, str] | None:
         ("zeroone", "ValueError", "ZeroOneAdam does not run on FSDP2-sharded"),
         ("no_compress", "ValueError", "compcomm.fsdp.compress"),
         ("freeze_mismatch", "ValueError", "must equal the start_iter"),
+        ("freeze_differs_on_one_rank", "ValueError", "ranks passed different freeze_step"),
+        ("lr_differs_on_one_rank", "ValueError", "ranks passed different param_groups[0].lr"),
         ("two_backwards_per_step", "ValueError", "set_requires_gradient_sync(False)"),
         ("no_sync", "RuntimeError", "set_requires_gradient_sync(False)"),
     ],

@@ -398,6 +398,28 @@ def test_settings_that_differ_across_ranks_raise_on_every_rank(pool, name, setti
         assert steps == 0 and unchanged
 
 
+def settings_differ_after_resume(name: str) -> tuple:
+    """Every rank saves after one step; rank 3 resumes into an optimizer with another freeze_step
+    (the schedule is the object's, not the checkpoint's)."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 2)
+    backward(model, rank, 0)
+    opt.step()
+    saved = opt.state_dict()
+    resumed = make_optimizer(name, model, 4, 3 if rank == 3 else 2)
+    return caught(resumed.load_state_dict, saved), resumed.step_count
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_freeze_step_that_differs_after_a_resume_raises_on_every_rank(pool, name):
+    """It passed the load and hung every rank at the first step where the schedules parted."""
+    for failure, steps in pool.run(settings_differ_after_resume, name):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert "ranks passed different freeze_step" in failure[1], failure
+        assert steps == 0
+
+
 # ------------------------------------------------------------------ hyperparameters, dtypes, world 1
 
 

@@ -23,6 +23,7 @@ from torch.profiler import record_function
 from ..agreement import all_max, raise_agreed
 from ..backends import Backend, check_backend_argument, resolve
 from ..error_feedback import ErrorFeedback
+from ..gather_objects import agree_on_values
 from ..layout import DEFAULT_BUCKET_BYTES
 from . import checkpoints
 from .replicas import equalize_from_rank0, refuse_ddp_wrapped
@@ -212,19 +213,16 @@ class OnebitOptimizer(torch.optim.Optimizer):
         scale = None if scale_tensor is None else float(scale_tensor)
         found_inf = bool(float(getattr(self, "found_inf", 0.0)))
         t = self._step_count + 1
-        if t == 1 and not self._replicas_checked and self._sharded is None:
+        if t == 1 and not self._replicas_checked:
             # Ranks that started from different parameters (a forgotten seed) would stay apart
             # for good: make them rank 0's before the first update, as DDP does at construction
             # (and warn). A resumed run starts from its checkpoint instead. Settings that differ
             # across ranks are refused there on every rank: a schedule that differs pairs
             # different collectives from the first compressed step on (every rank would wait).
-            equalize_from_rank0(
-                self._params(),
-                self.backend,
-                {**self._schedule(), **_hyperparameters(self.param_groups)},
-                f"{type(self).__name__} must be given the same settings on every rank (else its steps pair "
-                "different collectives, or its parameters drift apart)",
-            )
+            if self._sharded is None:
+                equalize_from_rank0(self._params(), self.backend, self._settings(), self._settings_differ)
+            else:  # FSDP made the shards; the settings alone are compared, over the model's ranks
+                agree_on_values(self._settings(), self._sharded.state.world, self._settings_differ)
             self._replicas_checked = True
         if self._sharded is not None:
             if self._sharded.agree(t, found_inf):
@@ -295,8 +293,19 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     def _schedule(self) -> dict[str, Any]:
         """The settings, beside the groups' hyperparameters, that decide which collective each
-        step makes (subclasses); step 1 checks that every rank passed the same."""
+        step makes (subclasses); step 1 and `load_state_dict` check that every rank has the same."""
         return {}
+
+    def _settings(self) -> dict[str, Any]:
+        """What every rank must hold alike: the schedule and the groups' plain hyperparameters."""
+        return {**self._schedule(), **_hyperparameters(self.param_groups)}
+
+    @property
+    def _settings_differ(self) -> str:
+        return (
+            f"{type(self).__name__} must be given the same settings on every rank (else its steps pair "
+            "different collectives, or its parameters drift apart)"
+        )
 
     def _norms(self, p: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[float]:
         """The norms of whole tensors shaped like parameter p, from their parts on this rank
@@ -384,6 +393,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
         assert extra is not None  # else raised on every rank
         checkpoints.agree_on_position({"step": int(extra["step"])}, be)
         plain = {k: v for k, v in state_dict.items() if k != checkpoints.EXTRA_KEY}
+        # The schedule is this object's, not the checkpoint's: a rank resumed with another
+        # freeze_step would pair other collectives from its next compressed step on.
+        settings = {**self._schedule(), **_hyperparameters(plain.get("param_groups", []))}
+        agree_on_values(settings, be, self._settings_differ)
         super().load_state_dict(plain)
         # torch casts floating state to the parameter dtype; keep ours exactly as saved (fp32).
         index = [i for g in plain["param_groups"] for i in g["params"]]
