@@ -442,6 +442,13 @@ def misuse(case: str) -> tuple[str, str] | None:
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), start_iter=-1 if rank == 3 else 1)
     if case == "backend_bad_on_one_rank":
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), backend=3 if rank == 1 else None)
+    if case == "start_iter_bad_on_one_rank_over_shm":  # the refused rank built another transport: hung
+        model = shard(make_model(), (0, 1, 2, 3))
+        return caught(compcomm.fsdp.compress, model, backend="shm", start_iter=-1 if rank == 3 else 1)
+    if case == "backend_unknown_on_one_rank":
+        return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), backend="nope" if rank == 1 else None)
+    if case == "backend_differs":
+        return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), backend="shm" if rank == 1 else None)
     if case == "intra_bad_on_one_rank":
         model = shard(make_model(), SHARDS["2x2"][rank // 2])
         return caught(
@@ -449,6 +456,14 @@ def misuse(case: str) -> tuple[str, str] | None:
             model,
             replicate_group=group(REPLICAS["2x2"][rank % 2]),
             intra="gloo" if rank == 2 else "shm",
+        )
+    if case == "intra_differs":
+        model = shard(make_model(), SHARDS["2x2"][rank // 2])
+        return caught(
+            compcomm.fsdp.compress,
+            model,
+            replicate_group=group(REPLICAS["2x2"][rank % 2]),
+            intra="shm" if rank == 2 else None,
         )
     if case == "intra_in_fsdp_mode":
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), intra="shm")
@@ -479,6 +494,10 @@ def misuse(case: str) -> tuple[str, str] | None:
         ("start_iter_differs", "ValueError", "ranks passed different start_iter"),
         ("start_iter_bad_on_one_rank", "ValueError", "rank 3: start_iter must be an integer >= 0, got -1"),
         ("backend_bad_on_one_rank", "TypeError", "rank 1: backend must be a name"),
+        ("start_iter_bad_on_one_rank_over_shm", "ValueError", "rank 3: start_iter must be an integer >= 0"),
+        ("backend_unknown_on_one_rank", "ValueError", "rank 1: unknown backend 'nope'"),
+        ("backend_differs", "ValueError", "ranks passed different backend"),
+        ("intra_differs", "ValueError", "ranks passed different intra"),
         ("intra_bad_on_one_rank", "ValueError", "rank 2: intra must be None or 'shm'"),
     ],
 )

@@ -107,7 +107,7 @@ def compress(
         _check_arguments(modules, start_iter, replicate_group, backend, nonfinite, intra)
     except (TypeError, ValueError) as exc:  # agreed by the state first thing, so no other rank waits on this one
         refused, backend = exc, None
-    state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite, refused=refused)
+    state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite, refused, intra)
     intra_backends: dict[int, Any] = {}
     for m in modules:
         if replicate_group is None:

@@ -47,6 +47,39 @@ class _Module:
         self.errors, self.spare = self.spare, self.errors
 
 
+@dataclass
+class _Transports:
+    """The backends a compression reduces over: one per shard group, the replicas' (HSDP), and
+    the world of every rank of the model that they make up."""
+
+    shards: dict[int, Backend]  # by id() of the torch group
+    replicas: Backend | None
+    world: Backend
+
+    @property
+    def names(self) -> str:
+        """Which transports these are, as the ranks compare them."""
+        return self.world.name if self.replicas is None else f"{self.replicas.name} across replicas"
+
+
+def _transports(
+    modules: list[ShardedModule],
+    replicate_group: dist.ProcessGroup | None,
+    backend: Backend | str | None,
+    device: torch.device,
+) -> _Transports:
+    """`backend` over the groups of `modules` (FSDP) or over `replicate_group` (HSDP, where the
+    shard groups keep FSDP's own transport, gloo or nccl); None: gloo or nccl everywhere."""
+    replicas = None if replicate_group is None else over_group(replicate_group, backend, device, "the replicate group")
+    shards: dict[int, Backend] = {}
+    for m in modules:
+        if id(m.shard_group) not in shards:
+            chosen = backend if replicate_group is None else None  # HSDP: FSDP's own group is the node's
+            shards[id(m.shard_group)] = over_group(m.shard_group, chosen, device, "the shard group")
+    first = shards[id(modules[0].shard_group)]
+    return _Transports(shards, replicas, first if replicas is None else HierarchicalBackend(first, replicas))
+
+
 class CompressionState:
     """compcomm's part of a compressed FSDP2 / HSDP model (see `compcomm.fsdp.compress`).
 
@@ -66,41 +99,44 @@ class CompressionState:
         backend: Backend | str | None,
         nonfinite: str,
         refused: Exception | None = None,
+        intra: str | None = None,
     ) -> None:
-        """`refused`: what was wrong with this rank's arguments (`compress` checks them), raised
-        on every rank once the groups are built, so that no rank waits on one that gave up."""
+        """`refused`: what was wrong with this rank's arguments (`compress` checks them), and
+        `intra`, compress's choice inside a replica: agreed on every rank before anything else,
+        over the default transport of the model's groups (which every rank can build, whatever
+        it was given), so that no rank waits on one that gave up or chose another transport."""
         self.start_iter, self.nonfinite = start_iter, nonfinite
         self.mode = "fsdp" if replicate_group is None else "hsdp"
         self.iteration = 0
         self.params = [p for m in modules for p in m.params]
         device = self.params[0].device
-        shards: dict[int, Backend] = {}
-        replicas = (
-            None if replicate_group is None else over_group(replicate_group, backend, device, "the replicate group")
+        default = _transports(modules, replicate_group, None, device)
+        chosen = default
+        if backend is not None and refused is None:
+            try:
+                chosen = _transports(modules, replicate_group, backend, device)
+            except (TypeError, ValueError) as exc:  # e.g. a backend that does not span the group
+                refused = exc
+        raise_agreed(refused, default.world, context="compcomm.fsdp.compress: ")
+        agree_on_values(
+            {"start_iter": start_iter, "nonfinite": nonfinite, "backend": chosen.names, "intra": intra},
+            default.world,
+            "compcomm.fsdp.compress must be given the same settings on every rank (else the ranks "
+            "switch to 1 bit, or answer a non-finite gradient, at different backwards, or reduce over "
+            "different transports, and wait on each other)",
         )
-        self._modules: dict[str, _Module] = {}
-        for m in modules:
-            if id(m.shard_group) not in shards:
-                chosen = backend if replicate_group is None else None  # HSDP: FSDP's own group is the node's
-                shards[id(m.shard_group)] = over_group(m.shard_group, chosen, device, "the shard group")
-            self._modules[m.name] = _Module(
+        self._modules: dict[str, _Module] = {
+            m.name: _Module(
                 m.name,
                 ErrorFeedback(tag=f"compcomm.fsdp:{m.name}"),
                 ErrorFeedback(tag=f"compcomm.fsdp:{m.name}"),
-                shards[id(m.shard_group)],
-                replicas,
+                chosen.shards[id(m.shard_group)],
+                chosen.replicas,
             )
-        first = next(iter(self._modules.values()))
-        self.world: Backend = first.shard if replicas is None else HierarchicalBackend(first.shard, replicas)
+            for m in modules
+        }
+        self.world: Backend = chosen.world
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
-        raise_agreed(refused, self.world, context="compcomm.fsdp.compress: ")
-        agree_on_values(
-            {"start_iter": start_iter, "nonfinite": nonfinite},
-            self.world,
-            "compcomm.fsdp.compress must be given the same settings on every rank (else the ranks "
-            "switch to 1 bit, or answer a non-finite gradient, at different backwards and wait on "
-            "each other)",
-        )
         self._backward: int | None = None  # autograd's id of the backward whose reductions are pending
         self._pending: list[_Module] = []
         self._failed = False
