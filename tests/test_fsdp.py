@@ -445,6 +445,13 @@ def misuse(case: str) -> tuple[str, str] | None:
     if case == "start_iter_bad_on_one_rank_over_shm":  # the refused rank built another transport: hung
         model = shard(make_model(), (0, 1, 2, 3))
         return caught(compcomm.fsdp.compress, model, backend="shm", start_iter=-1 if rank == 3 else 1)
+    if case == "start_iter_bad_on_one_rank_hsdp_backend":  # the others built their own replicas' world: hung
+        model = shard(make_model(), SHARDS["2x2"][rank // 2])
+        replicas = group(REPLICAS["2x2"][rank % 2])
+        backend = compcomm.backends.get("gloo", group=replicas)
+        return caught(
+            compcomm.fsdp.compress, model, replicate_group=replicas, backend=backend, start_iter=-1 if rank == 2 else 1
+        )
     if case == "backend_unknown_on_one_rank":
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), backend="nope" if rank == 1 else None)
     if case == "backend_differs":
@@ -495,6 +502,7 @@ def misuse(case: str) -> tuple[str, str] | None:
         ("start_iter_bad_on_one_rank", "ValueError", "rank 3: start_iter must be an integer >= 0, got -1"),
         ("backend_bad_on_one_rank", "TypeError", "rank 1: backend must be a name"),
         ("start_iter_bad_on_one_rank_over_shm", "ValueError", "rank 3: start_iter must be an integer >= 0"),
+        ("start_iter_bad_on_one_rank_hsdp_backend", "ValueError", "rank 2: start_iter must be an integer >= 0"),
         ("backend_unknown_on_one_rank", "ValueError", "rank 1: unknown backend 'nope'"),
         ("backend_differs", "ValueError", "ranks passed different backend"),
         ("intra_differs", "ValueError", "ranks passed different intra"),

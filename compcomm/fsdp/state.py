@@ -49,17 +49,21 @@ class _Module:
 
 @dataclass
 class _Transports:
-    """The backends a compression reduces over: one per shard group, the replicas' (HSDP), and
-    the world of every rank of the model that they make up."""
+    """The backends a compression reduces over: one per shard group and the replicas' (HSDP)."""
 
     shards: dict[int, Backend]  # by id() of the torch group
+    first: Backend  # the first module's shard group's
     replicas: Backend | None
-    world: Backend
 
     @property
     def names(self) -> str:
         """Which transports these are, as the ranks compare them."""
-        return self.world.name if self.replicas is None else f"{self.replicas.name} across replicas"
+        return self.first.name if self.replicas is None else f"{self.replicas.name} across replicas"
+
+    def world(self) -> Backend:
+        """Every rank of the model (a collective in HSDP mode: the hierarchical backend checks
+        its groups)."""
+        return self.first if self.replicas is None else HierarchicalBackend(self.first, self.replicas)
 
 
 def _transports(
@@ -69,15 +73,15 @@ def _transports(
     device: torch.device,
 ) -> _Transports:
     """`backend` over the groups of `modules` (FSDP) or over `replicate_group` (HSDP, where the
-    shard groups keep FSDP's own transport, gloo or nccl); None: gloo or nccl everywhere."""
+    shard groups keep FSDP's own transport, gloo or nccl); None: gloo or nccl everywhere. Builds
+    objects only: no rank waits on another here."""
     replicas = None if replicate_group is None else over_group(replicate_group, backend, device, "the replicate group")
     shards: dict[int, Backend] = {}
     for m in modules:
         if id(m.shard_group) not in shards:
             chosen = backend if replicate_group is None else None  # HSDP: FSDP's own group is the node's
             shards[id(m.shard_group)] = over_group(m.shard_group, chosen, device, "the shard group")
-    first = shards[id(modules[0].shard_group)]
-    return _Transports(shards, replicas, first if replicas is None else HierarchicalBackend(first, replicas))
+    return _Transports(shards, shards[id(modules[0].shard_group)], replicas)
 
 
 class CompressionState:
@@ -117,10 +121,11 @@ class CompressionState:
                 chosen = _transports(modules, replicate_group, backend, device)
             except (TypeError, ValueError) as exc:  # e.g. a backend that does not span the group
                 refused = exc
-        raise_agreed(refused, default.world, context="compcomm.fsdp.compress: ")
+        agreeing = default.world()
+        raise_agreed(refused, agreeing, context="compcomm.fsdp.compress: ")
         agree_on_values(
             {"start_iter": start_iter, "nonfinite": nonfinite, "backend": chosen.names, "intra": intra},
-            default.world,
+            agreeing,
             "compcomm.fsdp.compress must be given the same settings on every rank (else the ranks "
             "switch to 1 bit, or answer a non-finite gradient, at different backwards, or reduce over "
             "different transports, and wait on each other)",
@@ -135,7 +140,7 @@ class CompressionState:
             )
             for m in modules
         }
-        self.world: Backend = chosen.world
+        self.world: Backend = agreeing if chosen is default else chosen.world()
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
         self._backward: int | None = None  # autograd's id of the backward whose reductions are pending
         self._pending: list[_Module] = []
