@@ -456,22 +456,10 @@ def misuse(case: str) -> tuple[str, str] | None:
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), backend="nope" if rank == 1 else None)
     if case == "backend_differs":
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), backend="shm" if rank == 1 else None)
-    if case == "intra_bad_on_one_rank":
+    if case in ("intra_bad_on_one_rank", "intra_differs"):  # rank 2: an unknown intra, or another valid one
         model = shard(make_model(), SHARDS["2x2"][rank // 2])
-        return caught(
-            compcomm.fsdp.compress,
-            model,
-            replicate_group=group(REPLICAS["2x2"][rank % 2]),
-            intra="gloo" if rank == 2 else "shm",
-        )
-    if case == "intra_differs":
-        model = shard(make_model(), SHARDS["2x2"][rank // 2])
-        return caught(
-            compcomm.fsdp.compress,
-            model,
-            replicate_group=group(REPLICAS["2x2"][rank % 2]),
-            intra="shm" if rank == 2 else None,
-        )
+        mine = ("gloo" if case == "intra_bad_on_one_rank" else None) if rank == 2 else "shm"
+        return caught(compcomm.fsdp.compress, model, replicate_group=group(REPLICAS["2x2"][rank % 2]), intra=mine)
     if case == "intra_in_fsdp_mode":
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), intra="shm")
     if case == "intra_unknown":
