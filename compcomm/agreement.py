@@ -210,6 +210,14 @@ class CallSpec:
             )
         if len({id(ef) for ef in efs}) != len(efs):
             raise ValueError("the same ErrorFeedback was passed for two tensors of one call; use one per tensor")
+        spans = sorted(_span(t) for t in tensors if isinstance(t, torch.Tensor) and t.numel())
+        for (storage, _, end), (other, start, _) in zip(spans, spans[1:]):
+            if storage == other and start < end:
+                raise ValueError(
+                    "two tensors of one call share memory (views of one buffer that overlap, or one "
+                    "tensor passed twice): each result would overwrite the other's; pass tensors of "
+                    "their own (.clone())"
+                )
         if outs is None:
             return
         if len(outs) != len(efs):
@@ -253,6 +261,14 @@ def check_arguments(
     why = ef.mismatch(*serves(tensor.numel()))
     if why:
         raise ValueError(why)
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """(storage address, first byte, byte past the last) of the memory the tensor's elements lie in."""
+    size = tensor.element_size()
+    first = tensor.data_ptr() + size * sum(st * (n - 1) for n, st in zip(tensor.shape, tensor.stride()) if st < 0)
+    last = tensor.data_ptr() + size * sum(st * (n - 1) for n, st in zip(tensor.shape, tensor.stride()) if st > 0)
+    return tensor.untyped_storage().data_ptr(), first, last + size
 
 
 def _overlaps(tensor: torch.Tensor) -> bool:

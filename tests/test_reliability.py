@@ -222,6 +222,24 @@ def test_coalesced_is_all_or_nothing(pool):
     assert {r["error"][0] for r in bad} == {"NonFiniteError"} and all(r["kept"] for r in bad)
 
 
+def sharing_memory() -> dict:
+    """Rank 2's two tensors overlap (views of one buffer): ValueError everywhere, nothing changed.
+    It was accepted, one tensor's result overwriting the other's while both errors committed."""
+    rank = rank_of()
+    efs = [compcomm.ErrorFeedback(tag=f"bucket{i}") for i in range(2)]
+    buf = seeded(rank, 120)
+    tensors = [buf[:80], buf[40:]] if rank == 2 else [buf[:60], buf[60:]]
+    before, original = [snapshot(ef) for ef in efs], buf.clone()
+    error = caught(compcomm.compressed_allreduce_coalesced, tensors, efs, backend="gloo")
+    return {"error": error, "kept": all(unchanged(ef, b) for ef, b in zip(efs, before)) and torch.equal(buf, original)}
+
+
+def test_tensors_that_share_memory_are_refused_on_every_rank(pool):
+    for r in pool.run(sharing_memory):
+        assert r["error"] is not None and r["error"][0] == "ValueError" and "share memory" in r["error"][1], r
+        assert r["kept"], r
+
+
 # ----------------------------------------------------------------- half-done calls
 
 
