@@ -62,6 +62,28 @@ def resolve(backend: Backend | str | None, tensor: torch.Tensor | None = None) -
     return _defaults[name]
 
 
+def resolve_for_call(
+    backend: Backend | str | None, tensor: torch.Tensor | None = None
+) -> tuple[Backend, Exception | None]:
+    """`resolve(backend, tensor)` for a collective call, and the error that `backend` raised.
+
+    A call cannot raise such an error on its own rank: the other ranks, given a good backend,
+    would wait for it in the call's agreement. So a `backend` that cannot be resolved (an
+    unknown name, not a backend, one that cannot be built here) gives the backend the caller
+    would have had by naming none, with the error, which the call refuses in its agreement
+    over that transport: on every rank whose backend shares it (gloo or nccl over the same
+    ranks). Raises only when no default can be built either."""
+    try:
+        return resolve(backend, tensor), None
+    except Exception as exc:
+        if backend is None:
+            raise
+        try:
+            return resolve(None, tensor), exc
+        except Exception:
+            raise exc from None
+
+
 def _auto_name(tensor: torch.Tensor | None) -> str:
     on_cuda = isinstance(tensor, torch.Tensor) and tensor.is_cuda
     if torch.distributed.is_available() and torch.distributed.is_initialized():

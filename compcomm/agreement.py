@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import codec
 from .backends import Backend
 from .backends.ordering import Channel
 from .error_feedback import ErrorFeedback
@@ -91,7 +92,7 @@ padding than its predecessor's rows. Exact calls (fp32 rows, 32x wider) leave th
 so that a warm-up does not make the 1-bit calls after it carry padding. FOLD_BYTES is about one
 latency's worth of bytes on a 10 Gbit/s link."""
 
-ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, NonFiniteError, RuntimeError)
+ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, NonFiniteError, RuntimeError, ImportError)
 """Errors carried by index (`error_code`); any other type travels as RuntimeError."""
 
 _MESSAGE_BYTES = 1024
@@ -137,6 +138,8 @@ class CallSpec:
     hold: for a caller that applies the result in a further step which must stay finite
     (DiLoCo's outer step); a call whose bound reaches it is refused like an overflow. Every
     rank must pass the same limits (they are part of the call's digest).
+    `refused` is the error this rank's `backend=` argument raised (`resolve_for_call`): the call
+    runs on the default transport only to refuse it on every rank.
     """
 
     tensors: list[torch.Tensor]
@@ -149,6 +152,7 @@ class CallSpec:
     outputs: list[torch.Tensor] | None = None
     formed: list[tuple[torch.Tensor | None, float]] | None = None
     limits: list[float] | None = None
+    refused: Exception | None = None
 
     @classmethod
     def of(
@@ -198,7 +202,10 @@ class CallSpec:
         return self.tensors[i].dtype if self.result_dtypes is None else self.result_dtypes[i]
 
     def check_pairs(self) -> None:
-        """The call's structure: one ErrorFeedback (and output) per tensor, none shared."""
+        """The call's structure: one ErrorFeedback (and output) per tensor, none shared, and no
+        tensor in the memory of an error state (the result would overwrite the errors)."""
+        if self.refused is not None:
+            raise self.refused
         for given in (self.tensors, self.error_feedbacks, self.outs):
             if isinstance(given, _NotASequence):
                 raise given.error
@@ -218,6 +225,7 @@ class CallSpec:
                     "tensor passed twice): each result would overwrite the other's; pass tensors of "
                     "their own (.clone())"
                 )
+        _check_apart_from_errors(tensors, efs, outs)
         if outs is None:
             return
         if len(outs) != len(efs):
@@ -232,6 +240,22 @@ class CallSpec:
                 "an output ErrorFeedback is also another tensor's input or output in this call; "
                 "give each tensor its own (or its input itself)"
             )
+
+
+def _check_apart_from_errors(
+    tensors: list[torch.Tensor], efs: list[ErrorFeedback], outs: list[ErrorFeedback] | None
+) -> None:
+    """ValueError when a tensor lies in the memory of one of the call's error states (e.g. an
+    ErrorFeedback's `worker_error` read while it is held as e itself, passed as the input): the
+    result would be written over the errors that the call commits."""
+    states = [ef for ef in [*efs, *(outs or [])] if isinstance(ef, ErrorFeedback)]
+    errors = codec.storages(*(t for ef in states for t in ef.held_buffers()))
+    if any(isinstance(t, torch.Tensor) and codec.storages(t) & errors for t in tensors):
+        raise ValueError(
+            "a tensor of the call shares memory with an ErrorFeedback's error state (its "
+            "worker_error or server_error): the result would overwrite the errors; reduce a "
+            "copy of it (.clone())"
+        )
 
 
 def check_arguments(
@@ -462,7 +486,7 @@ def exchange_rows(
 
 def error_code(exc: BaseException) -> int:
     """The code of an error that travels: 1 + its index in ERRORS (RuntimeError for the rest)."""
-    return 1 + next((i for i, cls in enumerate(ERRORS) if type(exc) is cls), len(ERRORS) - 1)
+    return 1 + next((i for i, cls in enumerate(ERRORS) if type(exc) is cls), ERRORS.index(RuntimeError))
 
 
 def _exchange(

@@ -25,7 +25,7 @@ import torch
 
 from . import schedules
 from .agreement import CallSpec
-from .backends import Backend, resolve
+from .backends import Backend, resolve_for_call
 from .backends.ordering import Pending
 from .error_feedback import ErrorFeedback
 
@@ -85,10 +85,11 @@ def compressed_allreduce(
     writes the new worker state into its buffer before the ranks have agreed, so a call rejected
     after that leaves it holding no errors (as after `reset()`), and `error_feedback` as it was.
     """
-    be = resolve(backend, tensor)
+    be, refused = resolve_for_call(backend, tensor)
     spec = CallSpec.of(
         [tensor], [error_feedback], op, None if error_feedback_out is None else [error_feedback_out], min_compress_bytes
     )
+    spec.refused = refused
     return be.ordered(lambda: _run(spec, be)[0], async_op=async_op)
 
 
@@ -116,7 +117,7 @@ def allreduce_call(
 ) -> list[torch.Tensor] | Pending:
     """`compressed_allreduce_coalesced` of a call already put together, for callers inside the
     library that set what its keywords do not (`CallSpec.limits`)."""
-    be = resolve(backend, spec.tensors[0] if spec.tensors else None)  # a bad pairing is agreed in phase 0
+    be, spec.refused = resolve_for_call(backend, spec.tensors[0] if spec.tensors else None)  # agreed in phase 0
     return be.ordered(lambda: _run(spec, be), async_op=async_op)
 
 

@@ -130,12 +130,16 @@ class ErrorFeedback:
         worker, scale, _ = self._state
         return (None if worker is None else worker.to(device)), scale
 
-    @property
-    def nbytes(self) -> int:
-        """The memory this instance holds: its errors and the buffers it keeps for the next
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The tensors this instance holds: its errors and the buffers it keeps for the next
         call (the x' form's second buffer, a given-up server buffer)."""
         buffers = (self._worker, self.server_error, self._spare, self._spare_server)
-        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers if t is not None}
+        return [t for t in buffers if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """The memory `held_buffers` take."""
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.held_buffers()}
         return sum(held.values())
 
     @property
@@ -460,6 +464,8 @@ def _error_tensor(name: str, value: Any, length: int) -> torch.Tensor:
             f"ErrorFeedback state: {name} has shape {tuple(value.shape)}; shapes that do not fit "
             f"the saved numel and world_size (needs ({length},))"
         )
+    if value.layout != torch.strided:
+        raise ValueError(f"ErrorFeedback state: {name} must be a dense tensor, got layout {value.layout}")
     if value.device.type == "meta":
         raise ValueError(f"ErrorFeedback state: {name} is on the meta device and holds no values")
     copy = value.detach().to(torch.float32).clone()  # values beyond fp32's range become inf: rejected

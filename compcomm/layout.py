@@ -6,6 +6,7 @@ C = M / world_size elements that packs into whole bytes.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -16,8 +17,8 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 def padded_size(numel: int, world_size: int) -> int:
     """M = ceil(numel / (8 n)) * 8 n."""
-    if numel < 0 or world_size < 1:
-        raise ValueError(f"need numel >= 0 and world_size >= 1, got {numel}, {world_size}")
+    _check_count("numel", numel, 0)
+    _check_count("world_size", world_size, 1)
     unit = 8 * world_size
     return -(-numel // unit) * unit
 
@@ -29,6 +30,7 @@ def chunk_size(numel: int, world_size: int) -> int:
 
 def chunk_range(rank: int, numel: int, world_size: int) -> tuple[int, int]:
     """[start, stop) of the padded elements served by `rank`."""
+    _check_count("rank", rank, 0)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world of size {world_size}")
     c = chunk_size(numel, world_size)
@@ -39,6 +41,15 @@ def real_count(rank: int, numel: int, world_size: int) -> int:
     """k = clamp(N - jC, 0, C): how many elements of rank j's chunk are real, not padding."""
     start, stop = chunk_range(rank, numel, world_size)
     return max(0, min(numel, stop) - start)
+
+
+def _check_count(name: str, value: object, low: int) -> None:
+    """TypeError unless `value` is an integer (a float size would give float offsets and
+    lengths that index nothing), ValueError below `low`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 def flatten(tensors: Sequence[torch.Tensor], numel: int | None = None) -> torch.Tensor:
@@ -100,6 +111,7 @@ class Bucket:
 
     def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Copy this bucket's tensors (from the full list) into the buffer; return `flat`."""
+        self._check_shapes(tensors)
         for view, i in zip(self.views, self.indices):
             view.copy_(tensors[i].detach())
         return self.flat
@@ -107,8 +119,19 @@ class Bucket:
     def scatter(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the buffer back into this bucket's tensors (from the full list): their data, also
         for tensors that require grad (parameters)."""
+        self._check_shapes(tensors)
         for view, i in zip(self.views, self.indices):
             tensors[i].detach().copy_(view)
+
+    def _check_shapes(self, tensors: Sequence[torch.Tensor]) -> None:
+        """ValueError, before anything is copied, when a tensor is not shaped like its slot
+        (`copy_` would broadcast one into the other: a slot filled with repeated values)."""
+        for view, i in zip(self.views, self.indices):
+            if tensors[i].shape != view.shape:
+                raise ValueError(
+                    f"tensor {i} has shape {tuple(tensors[i].shape)}, but its slot in the bucket was laid "
+                    f"out for {tuple(view.shape)}: pass the tensors the bucket was built from"
+                )
 
 
 class Bucketer:

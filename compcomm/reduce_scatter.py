@@ -20,7 +20,7 @@ import torch
 
 from . import schedules
 from .agreement import CallSpec
-from .backends import Backend, resolve
+from .backends import Backend, resolve_for_call
 from .backends.ordering import Pending
 from .error_feedback import ErrorFeedback
 
@@ -44,11 +44,11 @@ def compressed_reduce_scatter(
     rank alike, with nothing modified, when any rank's call is bad (an input that does not split
     into n rows, an output that is not one row of it, NaN/Inf, ...).
     """
-    be = resolve(backend, tensor)
+    be, refused = resolve_for_call(backend, tensor)
     spec = CallSpec.of(
         [tensor], [error_feedback], op, None if error_feedback_out is None else [error_feedback_out], min_compress_bytes
     )
-    spec.outputs = [output]
+    spec.outputs, spec.refused = [output], refused
     return be.ordered(lambda: _run(spec, be)[0], async_op=async_op)
 
 

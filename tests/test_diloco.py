@@ -608,6 +608,19 @@ def test_settings_that_differ_across_ranks_raise_on_every_rank(pool, case, says)
     assert all(r is not None and r[0] == "ValueError" and says in r[1] for r in results), results
 
 
+def unknown_backend_on_one_rank():
+    """Rank 3 names a backend that does not exist: it raised there alone, and the other ranks
+    waited in the settings' agreement."""
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    return caught(DiLoCo, model.parameters(), inner, sync_every=4, backend="nope" if rank_of(WORLD) == 3 else gloo())
+
+
+def test_unknown_backend_on_one_rank_raises_on_every_rank(pool):
+    results = pool.run(unknown_backend_on_one_rank)
+    assert all(r is not None and r[0] == "ValueError" and "rank 3: unknown backend 'nope'" in r[1] for r in results)
+
+
 def save_on_four() -> bytes:
     _, opt = trained(3)
     buf = io.BytesIO()

@@ -76,3 +76,27 @@ def test_bucketer_casts_to_a_common_dtype_when_asked():
     bucketer = Bucketer(tensors, world_size=2, dtype=torch.float32)
     assert len(bucketer) == 1 and bucketer.buckets[0].buffer.dtype == torch.float32
     assert torch.equal(bucketer.buckets[0].gather(tensors)[:4], tensors[0].float())
+
+
+@pytest.mark.parametrize(
+    "call", [lambda: padded_size(10.5, 2), lambda: chunk_size(10, 2.0), lambda: chunk_range(0.0, 8, 1)]
+)
+def test_sizes_that_are_not_integers_are_refused(call):
+    """A float size gave float padded sizes and offsets (padded_size(10.5, 2) was 16.0)."""
+    with pytest.raises(TypeError, match="must be an integer"):
+        call()
+
+
+def test_bucket_refuses_a_tensor_shaped_unlike_its_slot():
+    """A (1,) tensor was broadcast into a 3-element slot by gather, and scatter broadcast the
+    other way; both now raise before copying anything, the buffer and the tensors as they were."""
+    tensors = [torch.arange(5.0), torch.arange(3.0)]
+    (bucket,) = Bucketer(tensors, world_size=2).buckets
+    bucket.gather(tensors)
+    before = bucket.buffer.clone()
+    with pytest.raises(ValueError, match="laid out for"):
+        bucket.gather([tensors[0], torch.ones(1)])
+    wide = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="laid out for"):
+        bucket.scatter([wide, tensors[1]])
+    assert torch.equal(bucket.buffer, before) and not wide.any()

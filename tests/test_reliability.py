@@ -240,6 +240,52 @@ def test_tensors_that_share_memory_are_refused_on_every_rank(pool):
         assert r["kept"], r
 
 
+def error_state_as_input() -> dict:
+    """Rank 1 reduces its ErrorFeedback's own worker error (live in the e form with
+    double_buffer=False): ValueError everywhere, nothing changed. It was accepted and the
+    result written over the errors the call committed."""
+    rank = rank_of()
+    ef = compcomm.ErrorFeedback(double_buffer=False)
+    compcomm.compressed_allreduce(seeded(rank), ef, backend="gloo")
+    tensor = ef.worker_error[:NUMEL] if rank == 1 else seeded(rank, step=1)
+    before, original = snapshot(ef), tensor.clone()
+    error = caught(compcomm.compressed_allreduce, tensor, ef, backend="gloo")
+    return {"error": error, "kept": unchanged(ef, before) and torch.equal(tensor, original)}
+
+
+def test_tensor_in_an_error_state_is_refused_on_every_rank(pool):
+    for r in pool.run(error_state_as_input):
+        assert r["error"] is not None and r["error"][0] == "ValueError" and "error state" in r["error"][1], r
+        assert r["kept"], r
+
+
+def bad_backend_on_one_rank(case: str) -> dict:
+    """One rank names a backend that does not exist, or passes something that is not one,
+    while the others name gloo: the error on every rank, nothing changed. It was raised on its
+    own rank only, and the others waited in phase 0."""
+    rank = rank_of()
+    bad = {"unknown": "glo", "not-a-backend": 5}[case]
+    ef, tensor = compcomm.ErrorFeedback(), seeded(rank)
+    original = tensor.clone()
+    allreduce = caught(compcomm.compressed_allreduce, tensor, ef, backend=bad if rank == 2 else "gloo")
+    shard = torch.zeros(NUMEL // 4)
+    rs_ef = compcomm.ErrorFeedback()
+    scatter = caught(compcomm.compressed_reduce_scatter, shard, tensor, rs_ef, backend=bad if rank == 0 else "gloo")
+    return {
+        "errors": [allreduce, scatter],
+        "kept": torch.equal(tensor, original) and not ef.initialized and not rs_ef.initialized,
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown", "not-a-backend"])
+def test_bad_backend_on_one_rank_is_refused_on_every_rank(pool, case):
+    expected = {"unknown": ("ValueError", "unknown backend"), "not-a-backend": ("TypeError", "backend must be")}
+    for r in pool.run(bad_backend_on_one_rank, case):
+        for error in r["errors"]:
+            assert error is not None and error[0] == expected[case][0] and expected[case][1] in error[1], r
+        assert r["kept"], r
+
+
 # ----------------------------------------------------------------- half-done calls
 
 
@@ -319,6 +365,7 @@ def test_tensors_that_require_grad(pool):
             "world_size": 1,
         },
         {"worker_error": torch.zeros(8, device="meta"), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
+        {"worker_error": torch.zeros(8).to_sparse(), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
     ],
     ids=[
         "empty",
@@ -335,6 +382,7 @@ def test_tensors_that_require_grad(pool):
         "padding",
         "beyond-fp32",
         "meta",
+        "sparse",  # raised aten's NotImplementedError
     ],
 )
 def test_load_state_dict_rejects_malformed_state(state):

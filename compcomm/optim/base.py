@@ -21,7 +21,7 @@ import torch
 from torch.profiler import record_function
 
 from ..agreement import all_max, raise_agreed
-from ..backends import Backend, check_backend_argument, resolve
+from ..backends import Backend, resolve_for_call
 from ..error_feedback import ErrorFeedback
 from ..gather_objects import agree_on_values
 from ..layout import DEFAULT_BUCKET_BYTES
@@ -68,11 +68,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
     _HELD_FROM_START: tuple[str, ...] = ()
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], backend: Backend | str | None) -> None:
-        check_backend_argument(backend)
         super().__init__(params, defaults)
         refuse_ddp_wrapped(self._params(), type(self).__name__)
         self._backend_arg = backend
         self._backend: Backend | None = None
+        self._backend_refused: Exception | None = None  # what `backend` raised on this rank
         self._scratch: dict[tuple[int, torch.device], torch.Tensor] = {}
         self.last_comm_timing: CommTiming | None = None
         self._step_count = 0
@@ -147,10 +147,12 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     @property
     def backend(self) -> Backend:
-        """The transport, resolved on first use like `compressed_allreduce`'s `backend`."""
+        """The transport, resolved on first use like `compressed_allreduce`'s `backend`: a
+        `backend` argument that cannot be resolved on this rank gives the default transport,
+        over which the first step (or `load_state_dict`) refuses it on every rank, every time."""
         if self._backend is None:
             params = self._params()
-            self._backend = resolve(self._backend_arg, params[0] if params else None)
+            self._backend, self._backend_refused = resolve_for_call(self._backend_arg, params[0] if params else None)
         return self._backend
 
     def _scratch_like(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
@@ -220,7 +222,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
             # across ranks are refused there on every rank: a schedule that differs pairs
             # different collectives from the first compressed step on (every rank would wait).
             if self._sharded is None:
-                equalize_from_rank0(self._params(), self.backend, self._settings(), self._settings_differ)
+                be = self.backend  # resolved first: it may be refused
+                equalize_from_rank0(self._params(), be, self._settings(), self._settings_differ, self._backend_refused)
             else:  # FSDP made the shards; the settings alone are compared, over the model's ranks
                 agree_on_values(self._settings(), self._sharded.state.world, self._settings_differ)
             self._replicas_checked = True
@@ -296,9 +299,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
         step makes (subclasses); step 1 and `load_state_dict` check that every rank has the same."""
         return {}
 
-    def _settings(self) -> dict[str, Any]:
-        """What every rank must hold alike: the schedule and the groups' plain hyperparameters."""
-        return {**self._schedule(), **_hyperparameters(self.param_groups)}
+    def _settings(self, groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """What every rank must hold alike: the schedule and the plain hyperparameters of
+        `groups` (default: this optimizer's; a checkpoint's, before it is loaded)."""
+        return {**self._schedule(), **_hyperparameters(self.param_groups if groups is None else groups)}
 
     @property
     def _settings_differ(self) -> str:
@@ -389,14 +393,14 @@ class OnebitOptimizer(torch.optim.Optimizer):
             mine, problem = checkpoints.own_part(extra, be, layout)
             if problem is None and self._gradient_rounds is not None:
                 problem = checkpoints.error_feedback_problem(mine["error_feedback"])
-        raise_agreed(None if problem is None else ValueError(problem), be)
+        failure = self._backend_refused if self._sharded is None else None
+        raise_agreed(failure or (None if problem is None else ValueError(problem)), be)
         assert extra is not None  # else raised on every rank
         checkpoints.agree_on_position({"step": int(extra["step"])}, be)
         plain = {k: v for k, v in state_dict.items() if k != checkpoints.EXTRA_KEY}
         # The schedule is this object's, not the checkpoint's: a rank resumed with another
         # freeze_step would pair other collectives from its next compressed step on.
-        settings = {**self._schedule(), **_hyperparameters(plain.get("param_groups", []))}
-        agree_on_values(settings, be, self._settings_differ)
+        agree_on_values(self._settings(plain.get("param_groups", [])), be, self._settings_differ)
         super().load_state_dict(plain)
         # torch casts floating state to the parameter dtype; keep ours exactly as saved (fp32).
         index = [i for g in plain["param_groups"] for i in g["params"]]

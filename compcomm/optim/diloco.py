@@ -63,7 +63,7 @@ import torch
 
 from ..agreement import all_sum, raise_agreed
 from ..allreduce import compressed_allreduce_coalesced
-from ..backends import Backend, check_backend_argument, resolve
+from ..backends import Backend, resolve_for_call
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values
@@ -155,11 +155,9 @@ class DiLoCo(torch.optim.Optimizer):
         passes_until: int | None = None,
         rotate: bool = False,
     ) -> None:
-        check_backend_argument(backend)
         super().__init__(params, {})
         mine = [p for group in self.param_groups for p in group["params"]]
-        be = resolve(backend, mine[0])
-        failure: Exception | None = None
+        be, failure = resolve_for_call(backend, mine[0])
         try:  # a bad argument on one rank is raised on every rank, not left to hang the others
             overlap = _checked_arguments(
                 inner, mine, sync_every, fragments, start_iter, bucket_bytes, passes, passes_until, overlap_steps
@@ -176,7 +174,7 @@ class DiLoCo(torch.optim.Optimizer):
             if nesterov and outer_momentum == 0:
                 raise ValueError("nesterov=True needs outer_momentum > 0")
         except (TypeError, ValueError) as exc:
-            failure = exc
+            failure = failure or exc
         raise_agreed(failure, be)
         outer = dict(lr=float(outer_lr), momentum=float(outer_momentum), nesterov=nesterov)
         agree_on_values(

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..agreement import raise_agreed
 from ..backends import Backend
 from ..gather_objects import agree_on_values
 from .shards import is_dtensor
@@ -67,27 +68,34 @@ def _wrapped_by_ddp(params: Sequence[torch.Tensor]) -> bool:
 
 
 def equalize_from_rank0(
-    params: Sequence[torch.Tensor], backend: Backend, settings: dict[str, Any] | None = None, why: str = ""
+    params: Sequence[torch.Tensor],
+    backend: Backend,
+    settings: dict[str, Any] | None = None,
+    why: str = "",
+    failure: Exception | None = None,
 ) -> bool:
     """Make `params` bitwise equal to rank 0's on every rank of `backend` (a collective).
 
     Returns whether they differed, in which case every rank also warns once, as DDP makes its
     replicas equal at construction. Ranks whose parameters have different shapes or dtypes
     raise the same ValueError everywhere, and so do ranks whose `settings` differ (naming the
-    first that does, and `why` it must not: `gather_objects.agree_on_values`). Cost: an
+    first that does, and `why` it must not: `gather_objects.agree_on_values`), and so does a
+    `failure` of this rank's (an error it met before, e.g. resolving its backend). Cost: an
     all-gather of a 32-byte fingerprint per rank when the ranks already agree; otherwise rank
     0's values travel through all-gathers of `COPY_BYTES` per rank (every rank sends its own
     values too, which are dropped).
     """
     n = backend.world_size
     if n == 1:
+        raise_agreed(failure, backend)
         return False
-    digest = torch.tensor([zlib.crc32(repr(settings).encode())], dtype=torch.int64).view(torch.uint8)
-    mine = torch.cat([_fingerprint(params), digest]).to(backend.device)
+    digest = torch.tensor([zlib.crc32(repr((settings, failure is None)).encode())], dtype=torch.int64)
+    mine = torch.cat([_fingerprint(params), digest.view(torch.uint8)]).to(backend.device)
     rows = torch.empty(n, mine.numel(), dtype=torch.uint8, device=backend.device)
     backend.all_gather(mine, rows)
     rows = rows.cpu()
     if len({bytes(rows[r, _FINGERPRINT_BYTES:].numpy()) for r in range(n)}) > 1:
+        raise_agreed(failure, backend)  # raises on every rank when a rank failed
         agree_on_values(settings or {}, backend, why)  # raises on every rank, naming the setting
     layouts = {bytes(rows[r, :8].numpy()) for r in range(n)}
     if len(layouts) > 1:
