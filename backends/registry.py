@@ -108,6 +108,7 @@ def over_group(
     tensors on `device`: gloo (CPU) or nccl (CUDA) over the group by default or by those names;
     another name or a Backend must span the group's ranks with this rank at its place there,
     else a ValueError naming `what` the group is (e.g. "DDP's process group")."""
+    check_backend_argument(backend)
     if backend is None or backend in ("gloo", "nccl"):
         return get(backend or ("nccl" if device.type == "cuda" else "gloo"), group=group)
     be = get(backend) if isinstance(backend, str) else backend

@@ -94,8 +94,8 @@ class OnebitHookState:
     group). `start_iter`: iterations averaged uncompressed before the 1-bit stage begins.
     `backend`: the compcomm transport (a name such as "gloo", "nccl", "mpi", or a Backend, e.g.
     one over a sub-group); None builds gloo (CPU gradients) or nccl (CUDA) over `process_group`,
-    and so does the name "gloo" or "nccl". A backend over other ranks than `process_group` is a
-    ValueError.
+    and so does the name "gloo" or "nccl". A backend over other ranks than `process_group`, or
+    a name that does not exist, is a ValueError on every rank from the first backward.
     `nonfinite`: "raise" (backward raises NonFiniteError on every rank) or "propagate" (the
     bucket comes back as NaN on every rank, for GradScaler; see the module docstring).
 
@@ -147,13 +147,27 @@ class OnebitHookState:
                 "compcomm.ddp.OnebitHookState reduces over DDP's process group, but torch.distributed is not "
                 "initialized: call torch.distributed.init_process_group() first"
             )
-        if device is None:
-            device = torch.device("cuda" if dist.get_backend(self.process_group) == "nccl" else "cpu")
+        device = device or self._device()
         if device.type not in self._backends:
             self._backends[device.type] = over_group(
                 self.process_group, self._backend_arg, device, "DDP's process group"
             )
         return self._backends[device.type]
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda" if dist.get_backend(self.process_group) == "nccl" else "cpu")
+
+    def _agreeing_backend(self, device: torch.device | None = None) -> tuple[Backend, Exception | None]:
+        """`backend(device)` for a collective of the hook's, and the error it raised on this
+        rank: then gloo or nccl over `process_group` (which every rank can build), over which
+        the collective refuses it on every rank; raised here alone, it would leave the ranks
+        whose backend is fine waiting for this one."""
+        try:
+            return self.backend(device), None
+        except (TypeError, ValueError, ImportError) as exc:
+            if self._backend_arg is None:
+                raise
+            return over_group(self.process_group, None, device or self._device(), "DDP's process group"), exc
 
     # ----------------------------------------------------------------- bucket layout
 
@@ -221,7 +235,8 @@ class OnebitHookState:
     def gathered_state_dict(self) -> dict[str, Any]:
         """Every rank's `state_dict()` in one dict, on every rank (a collective: call it on all
         ranks, save it from one). `load_state_dict` of it gives each rank its own part."""
-        be = self.backend()
+        be, refused = self._agreeing_backend()
+        raise_agreed(refused, be, context="cannot gather the hook state: ")
         return {"format": _FORMAT, "world_size": be.world_size, "ranks": all_gather_object(self.state_dict(), be)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -229,11 +244,10 @@ class OnebitHookState:
         ranks). Raises the same ValueError on every rank, changing nothing, if any rank's state
         cannot resume exactly: another world size, or another rank's errors (a per-rank state
         that holds no errors yet, saved during the first start_iter iterations, loads on any rank)."""
-        be = self.backend()
+        be, failure = self._agreeing_backend()
         mine: tuple[int, int, list, dict[Key, ErrorFeedback]] | None = None
-        failure: Exception | None = None
         try:
-            mine = self._check(state, be)
+            mine = self._check(state, be) if failure is None else None
         except Exception as exc:  # reported to every rank, then raised everywhere
             failure = ValueError(f"{type(exc).__name__}: {exc}")
         raise_agreed(failure, be, context="cannot load the hook state: ")
@@ -286,19 +300,26 @@ class OnebitHookState:
         `compcomm.NonFiniteError`), once DDP has finished the backward.
         """
         buffer, params, last = bucket.buffer(), bucket.parameters(), bucket.is_last()
-        be = self.backend(buffer.device)
+        be, refused = self._agreeing_backend(buffer.device)
         self._watch_backward()
         if not self._settings_agreed:
             if self._failure is None:  # compared once per backward until they agree
                 try:
                     agree_on_values(
-                        {"start_iter": self.start_iter, "nonfinite": self.nonfinite},
+                        {
+                            "start_iter": self.start_iter,
+                            "nonfinite": self.nonfinite,
+                            "backend": None if refused is None else f"{type(refused).__name__}: {refused}",
+                        },
                         be,
                         "OnebitHookState must be given the same settings on every rank (else one rank "
-                        "reduces a bucket exactly while another sends it with 1 bit, and both wait)",
+                        "reduces a bucket exactly while another sends it with 1 bit, and both wait) "
+                        "and a backend that each rank can build over DDP's process group",
                     )
+                    if refused is not None:
+                        raise refused  # every rank holds the same refusal
                     self._settings_agreed = True
-                except ValueError as exc:
+                except (TypeError, ValueError, ImportError) as exc:
                     self._failure = exc  # raised from backward() once DDP has finished it
             if not self._settings_agreed:  # refused: the buckets come back as they are, nothing sent
                 untouched: torch.futures.Future[torch.Tensor] = torch.futures.Future()
