@@ -39,13 +39,13 @@ import math
 import numbers
 import weakref
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import codec
 from .backends import Backend
 from .backends.ordering import Channel
 from .error_feedback import ErrorFeedback
@@ -249,8 +249,11 @@ def _check_apart_from_errors(
     ErrorFeedback's `worker_error` read while it is held as e itself, passed as the input): the
     result would be written over the errors that the call commits."""
     states = [ef for ef in [*efs, *(outs or [])] if isinstance(ef, ErrorFeedback)]
-    errors = codec.storages(*(t for ef in states for t in ef.held_buffers()))
-    if any(isinstance(t, torch.Tensor) and codec.storages(t) & errors for t in tensors):
+    errors: dict[int, list[tuple[int, int]]] = {}
+    for storage, first, stop in (_span(t) for ef in states for t in ef.held_buffers() if t.numel()):
+        errors.setdefault(storage, []).append((first, stop))
+    spans = [_span(t) for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
+    if any(first < end and start < stop for s, start, end in spans for first, stop in errors.get(s, ())):
         raise ValueError(
             "a tensor of the call shares memory with an ErrorFeedback's error state (its "
             "worker_error or server_error): the result would overwrite the errors; reduce a "
@@ -369,7 +372,8 @@ def agree_on_call(
     if failure is None:
         failure, first_rows = _measure(spec, headers, measure)
     memory = _group_memory(be.channel)
-    everyone, early = _exchange(headers, be, first_rows, memory.fold_room if fold else None)
+    with _refusal_noted(spec):
+        everyone, early = _exchange(headers, be, first_rows, memory.fold_room if fold else None)
     _raise_if_rejected(everyone, calls, failure, be)
     if fold:
         _remember_rows(memory, calls, first_rows, be.world_size)
@@ -384,7 +388,8 @@ def agree_on_arguments(
     in one exchange, so that the ranks agree on the sizes before any row travels. Returns the
     call's records, for `agree_on_measures`, or raises the agreed error on every rank."""
     calls, headers, failure = _check_call(spec, be, schedule, sequence, serves)
-    everyone, _ = _exchange(headers, be, None, None)
+    with _refusal_noted(spec):
+        everyone, _ = _exchange(headers, be, None, None)
     _raise_if_rejected(everyone, calls, failure, be)
     return calls
 
@@ -399,6 +404,24 @@ def agree_on_measures(spec: CallSpec, be: Backend, calls: np.ndarray, measure: C
     _raise_if_rejected(everyone, calls, failure, be)
     _remember_rows(_group_memory(be.channel), calls, first_rows, be.world_size)
     return Agreement(everyone, None)
+
+
+@contextmanager
+def _refusal_noted(spec: CallSpec) -> Iterator[None]:
+    """An exchange of a call whose backend this rank refused (`CallSpec.refused`), run over the
+    default transport to tell the other ranks: when they are not there (their backend runs over
+    other ranks or another transport) it fails at the transport's timeout, as a RuntimeError that
+    says why this rank was there."""
+    try:
+        yield
+    except Exception as exc:
+        if spec.refused is None:
+            raise
+        raise RuntimeError(
+            f"this rank's backend= was refused ({type(spec.refused).__name__}: {spec.refused}); it ran the call "
+            "over the default transport to refuse it on every rank, and the other ranks were not there (they "
+            f"named a backend over other ranks or another transport): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def previous_row_width(be: Backend) -> int:

@@ -164,10 +164,13 @@ class OnebitHookState:
         whose backend is fine waiting for this one."""
         try:
             return self.backend(device), None
-        except (TypeError, ValueError, ImportError) as exc:
+        except Exception as exc:
             if self._backend_arg is None:
                 raise
-            return over_group(self.process_group, None, device or self._device(), "DDP's process group"), exc
+            try:
+                return over_group(self.process_group, None, device or self._device(), "DDP's process group"), exc
+            except Exception:
+                raise exc from None
 
     # ----------------------------------------------------------------- bucket layout
 
@@ -319,7 +322,9 @@ class OnebitHookState:
                     if refused is not None:
                         raise refused  # every rank holds the same refusal
                     self._settings_agreed = True
-                except (TypeError, ValueError, ImportError) as exc:
+                except Exception as exc:
+                    if exc is not refused and not isinstance(exc, ValueError):
+                        raise  # the transport's own failure: not a refusal
                     self._failure = exc  # raised from backward() once DDP has finished it
             if not self._settings_agreed:  # refused: the buckets come back as they are, nothing sent
                 untouched: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -46,7 +46,7 @@ def real_count(rank: int, numel: int, world_size: int) -> int:
 def _check_count(name: str, value: object, low: int) -> None:
     """TypeError unless `value` is an integer (a float size would give float offsets and
     lengths that index nothing), ValueError below `low`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")

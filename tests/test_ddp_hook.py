@@ -439,12 +439,12 @@ def test_settings_that_differ_across_ranks_raise_on_every_rank(pool, name):
         assert after == 2  # the refusal left DDP's reducer usable
 
 
-def unknown_backend_on_one_rank() -> dict:
-    """Rank 3's hook state names a backend that does not exist. It raised inside rank 3's hook
-    alone while the other ranks waited in the settings' agreement, and so in load_state_dict
-    and gathered_state_dict."""
+def unbuildable_backend_on_one_rank(bad: str) -> dict:
+    """Rank 3's hook state names a backend that does not exist, or nccl on CPU (a RuntimeError,
+    missed by a first version of the fix). It raised inside rank 3's hook alone while the other
+    ranks waited in the settings' agreement, and so in load_state_dict and gathered_state_dict."""
     rank = dist.get_rank()
-    ddp, state = hooked(backend="nope" if rank == 3 else "gloo")
+    ddp, state = hooked(backend=bad if rank == 3 else "gloo")
     before = raw(ddp.module)
     saved = {} if rank == 3 else state.state_dict()  # rank 3 has no backend to describe its place
     backwards = [caught(lambda: loss_of(ddp, rank, step).backward()) for step in range(2)]
@@ -457,14 +457,17 @@ def unknown_backend_on_one_rank() -> dict:
     }
 
 
-def test_unknown_backend_on_one_rank_raises_on_every_rank(pool):
-    for r in pool.run(unknown_backend_on_one_rank):
+@pytest.mark.parametrize(
+    "bad, kind, says", [("nope", "ValueError", "unknown backend"), ("nccl", "RuntimeError", "nccl")]
+)
+def test_unbuildable_backend_on_one_rank_raises_on_every_rank(pool, bad, kind, says):
+    for r in pool.run(unbuildable_backend_on_one_rank, bad):
         for failure in r["backwards"]:
             assert failure is not None and failure[0] == "ValueError", r
-            assert "ranks passed different backend" in failure[1] and "unknown backend 'nope'" in failure[1], r
+            assert "ranks passed different backend" in failure[1] and f"{kind}: " in failure[1], r
         assert r["iter"] == 0 and r["kept"], r
         for failure in (r["gather"], r["load"]):
-            assert failure is not None and failure[0] == "ValueError" and "rank 3: unknown backend" in failure[1], r
+            assert failure is not None and failure[0] == kind and "rank 3: " in failure[1] and says in failure[1], r
 
 
 def test_without_a_process_group_the_hook_state_names_init_process_group(monkeypatch):

@@ -162,25 +162,29 @@ def test_refused_loads_raise_on_every_rank_with_nothing_loaded(pool, name):
         assert res["kept"]
 
 
-def unknown_backend_on_one_rank(name: str) -> dict:
-    """Rank 1 names a backend that does not exist: every rank's first step raises, and again on
-    the next try, nothing changed. It raised on rank 1 alone; the others waited at step 1."""
+def unknown_backend(name: str, everywhere: bool) -> dict:
+    """Rank 1 (or every rank) names a backend that does not exist: every rank's first step
+    raises, and again on the next try, nothing changed, and so does gathered_state_dict. On rank
+    1 alone it raised there and the others waited at step 1; on every rank, a first version of
+    the fix trained on the default transport."""
     import compcomm
 
     rank = rank_of(4)
     model = make_model()
-    backend = "nope" if rank == 1 else compcomm.backends.get("gloo", group=group(4))
+    backend = "nope" if rank == 1 or everywhere else compcomm.backends.get("gloo", group=group(4))
     opt = OPTIMIZERS[name](model.parameters(), freeze_step=2, lr=1e-2, backend=backend)
     before = raw(model)
     backward(model, rank, 0)
-    tries = [caught(opt.step), caught(opt.step)]
+    tries = [caught(opt.step), caught(opt.step), caught(opt.gathered_state_dict)]
     return {"tries": tries, "kept": raw(model) == before and opt.step_count == 0}
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_unknown_backend_on_one_rank_raises_on_every_rank(pool, name):
-    for res in pool.run(unknown_backend_on_one_rank, name):
-        assert all(t is not None and t[0] == "ValueError" and "rank 1: unknown backend" in t[1] for t in res["tries"])
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_unknown_backend_raises_on_every_rank(pool, name, everywhere):
+    says = "rank(s) [0, 1, 2, 3] failed; rank 0: unknown backend" if everywhere else "rank 1: unknown backend"
+    for res in pool.run(unknown_backend, name, everywhere):
+        assert all(t is not None and t[0] == "ValueError" and says in t[1] for t in res["tries"]), res
         assert res["kept"], res
 
 

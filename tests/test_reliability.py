@@ -394,6 +394,20 @@ def test_load_state_dict_rejects_malformed_state(state):
     assert unchanged(ef, before)
 
 
+def test_only_the_error_states_own_bytes_are_refused():
+    """A tensor in the same allocation as the worker error but past its end is reduced; one
+    inside it is refused. A first version compared whole allocations and refused both."""
+    ef = compcomm.ErrorFeedback(double_buffer=False)
+    compcomm.compressed_allreduce(seeded(0), ef, backend="local")
+    errors = ef.worker_error
+    arena = torch.cat([errors, seeded(1)])
+    ef.worker_error = arena[: errors.numel()]
+    beside = arena[errors.numel() :]
+    compcomm.compressed_allreduce(beside, ef, backend="local")
+    with pytest.raises(ValueError, match="error state"):
+        compcomm.compressed_allreduce(arena[:NUMEL], ef, backend="local")
+
+
 def test_fresh_state_loads_as_a_reset():
     ef = compcomm.ErrorFeedback()
     compcomm.compressed_allreduce(torch.randn(8), ef)

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import record_function
 
 from ..agreement import all_max, raise_agreed
-from ..backends import Backend, resolve_for_call
+from ..backends import Backend, check_backend_argument, resolve_for_call
 from ..error_feedback import ErrorFeedback
 from ..gather_objects import agree_on_values
 from ..layout import DEFAULT_BUCKET_BYTES
@@ -68,6 +68,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
     _HELD_FROM_START: tuple[str, ...] = ()
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], backend: Backend | str | None) -> None:
+        check_backend_argument(backend)
         super().__init__(params, defaults)
         refuse_ddp_wrapped(self._params(), type(self).__name__)
         self._backend_arg = backend
@@ -352,8 +353,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if self._sharded is not None:
             entry = checkpoints.sharded_entry(self._step_count, self._sharded.state.world, scalars, self._rank_local())
         else:
+            be = self.backend
+            if self._backend_refused is not None:  # its rank and world size would be the default's
+                raise self._backend_refused
             layout = self._rounds.lay_out()
-            entry = checkpoints.compcomm_entry(self._step_count, self.backend, layout, scalars, self._rank_local())
+            entry = checkpoints.compcomm_entry(self._step_count, be, layout, scalars, self._rank_local())
         sd[checkpoints.EXTRA_KEY] = entry
         return sd
 
@@ -365,7 +369,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         each rank picks its own, so the file resumes every rank exactly."""
         if self._sharded is not None:
             return checkpoints.gathered_sharded(self.state_dict(), self._sharded.state.world)
-        return checkpoints.gathered(self.state_dict(), self.backend)
+        be = self.backend  # resolved first: it may be refused
+        raise_agreed(self._backend_refused, be)
+        return checkpoints.gathered(self.state_dict(), be)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from `state_dict()` or `gathered_state_dict()`: bit for bit on the same ranks.

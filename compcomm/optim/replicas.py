@@ -81,7 +81,7 @@ def equalize_from_rank0(
     raise the same ValueError everywhere, and so do ranks whose `settings` differ (naming the
     first that does, and `why` it must not: `gather_objects.agree_on_values`), and so does a
     `failure` of this rank's (an error it met before, e.g. resolving its backend). Cost: an
-    all-gather of a 32-byte fingerprint per rank when the ranks already agree; otherwise rank
+    all-gather of a 33-byte fingerprint per rank when the ranks already agree; otherwise rank
     0's values travel through all-gathers of `COPY_BYTES` per rank (every rank sends its own
     values too, which are dropped).
     """
@@ -89,13 +89,15 @@ def equalize_from_rank0(
     if n == 1:
         raise_agreed(failure, backend)
         return False
-    digest = torch.tensor([zlib.crc32(repr((settings, failure is None)).encode())], dtype=torch.int64)
-    mine = torch.cat([_fingerprint(params), digest.view(torch.uint8)]).to(backend.device)
+    digest = torch.tensor([zlib.crc32(repr(settings).encode())], dtype=torch.int64).view(torch.uint8)
+    failed = torch.tensor([failure is not None], dtype=torch.uint8)
+    mine = torch.cat([_fingerprint(params), digest, failed]).to(backend.device)
     rows = torch.empty(n, mine.numel(), dtype=torch.uint8, device=backend.device)
     backend.all_gather(mine, rows)
     rows = rows.cpu()
+    if rows[:, -1].any():  # a rank failed (every rank may have): raised on every rank
+        raise_agreed(failure, backend)
     if len({bytes(rows[r, _FINGERPRINT_BYTES:].numpy()) for r in range(n)}) > 1:
-        raise_agreed(failure, backend)  # raises on every rank when a rank failed
         agree_on_values(settings or {}, backend, why)  # raises on every rank, naming the setting
     layouts = {bytes(rows[r, :8].numpy()) for r in range(n)}
     if len(layouts) > 1:
