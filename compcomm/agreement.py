@@ -225,7 +225,7 @@ class CallSpec:
                     "tensor passed twice): each result would overwrite the other's; pass tensors of "
                     "their own (.clone())"
                 )
-        _check_apart_from_errors(tensors, efs, outs)
+        _check_apart_from_errors(spans, efs, outs)
         if outs is None:
             return
         if len(outs) != len(efs):
@@ -243,17 +243,18 @@ class CallSpec:
 
 
 def _check_apart_from_errors(
-    tensors: list[torch.Tensor], efs: list[ErrorFeedback], outs: list[ErrorFeedback] | None
+    spans: list[tuple[int, int, int]], efs: list[ErrorFeedback], outs: list[ErrorFeedback] | None
 ) -> None:
-    """ValueError when a tensor lies in the memory of one of the call's error states (e.g. an
-    ErrorFeedback's `worker_error` read while it is held as e itself, passed as the input): the
-    result would be written over the errors that the call commits."""
+    """ValueError when a tensor (of `spans`, `_span` each) lies in the memory of one of the
+    call's error states (e.g. an ErrorFeedback's `worker_error` read while it is held as e
+    itself, passed as the input): the result would be written over the errors that the call
+    commits. Only buffers in a tensor's allocation are measured (a call holds a few per tensor)."""
+    storages = {storage for storage, _, _ in spans}
     states = [ef for ef in [*efs, *(outs or [])] if isinstance(ef, ErrorFeedback)]
-    errors: dict[int, list[tuple[int, int]]] = {}
-    for storage, first, stop in (_span(t) for ef in states for t in ef.held_buffers() if t.numel()):
-        errors.setdefault(storage, []).append((first, stop))
-    spans = [_span(t) for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
-    if any(first < end and start < stop for s, start, end in spans for first, stop in errors.get(s, ())):
+    errors = [
+        _span(t) for ef in states for t in ef.held_buffers() if t.numel() and t.untyped_storage().data_ptr() in storages
+    ]
+    if any(s == e and first < end and start < stop for s, start, end in spans for e, first, stop in errors):
         raise ValueError(
             "a tensor of the call shares memory with an ErrorFeedback's error state (its "
             "worker_error or server_error): the result would overwrite the errors; reduce a "
