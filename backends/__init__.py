@@ -10,7 +10,7 @@ dependencies (mpi4py, cupy) are imported only when a backend that needs them is 
 from .base import Backend
 from .hierarchical import HierarchicalBackend, hierarchical
 from .mpi_runtime import launched_by_mpi
-from .registry import check_backend_argument, get, resolve, resolve_for_call
+from .registry import check_backend_argument, get, resolve
 
 __all__ = [
     "Backend",
@@ -20,5 +20,4 @@ __all__ = [
     "hierarchical",
     "launched_by_mpi",
     "resolve",
-    "resolve_for_call",
 ]

@@ -202,8 +202,9 @@ class CallSpec:
         return self.tensors[i].dtype if self.result_dtypes is None else self.result_dtypes[i]
 
     def check_pairs(self) -> None:
-        """The call's structure: one ErrorFeedback (and output) per tensor, none shared, and no
-        tensor in the memory of an error state (the result would overwrite the errors)."""
+        """The call's structure (first, this rank's refused backend, if any): one ErrorFeedback
+        (and output) per tensor, none shared, and no tensor or output in the memory of an error
+        state (the result would overwrite the errors)."""
         if self.refused is not None:
             raise self.refused
         for given in (self.tensors, self.error_feedbacks, self.outs):
@@ -225,7 +226,8 @@ class CallSpec:
                     "tensor passed twice): each result would overwrite the other's; pass tensors of "
                     "their own (.clone())"
                 )
-        _check_apart_from_errors(spans, efs, outs)
+        written = [_span(t) for t in self.outputs or () if isinstance(t, torch.Tensor) and t.numel()]
+        _check_apart_from_errors(spans + written, efs, outs)
         if outs is None:
             return
         if len(outs) != len(efs):

@@ -25,8 +25,9 @@ import torch
 
 from . import schedules
 from .agreement import CallSpec
-from .backends import Backend, resolve_for_call
+from .backends import Backend
 from .backends.ordering import Pending
+from .backends.registry import resolve_for_call
 from .error_feedback import ErrorFeedback
 
 
@@ -67,7 +68,8 @@ def compressed_allreduce(
     compression and error feedback carried in `error_feedback`; returns `tensor`.
 
     The result is bitwise identical on every rank. Raises TypeError, ValueError or
-    NonFiniteError on every rank alike, with nothing modified, when any rank's call is bad.
+    NonFiniteError on every rank alike, with nothing modified, when any rank's call is bad (a
+    `backend` that cannot be built keeps its own type, e.g. ImportError).
     With async_op=True it returns at once a handle (`wait()`, `is_completed()`, `get_future()`)
     whose `wait()` returns the tensor or raises; leave the tensor alone until then. compcomm's
     calls on a group run in the order they were submitted, on a private duplicate of the group,

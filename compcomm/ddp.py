@@ -94,8 +94,9 @@ class OnebitHookState:
     group). `start_iter`: iterations averaged uncompressed before the 1-bit stage begins.
     `backend`: the compcomm transport (a name such as "gloo", "nccl", "mpi", or a Backend, e.g.
     one over a sub-group); None builds gloo (CPU gradients) or nccl (CUDA) over `process_group`,
-    and so does the name "gloo" or "nccl". A backend over other ranks than `process_group`, or
-    a name that does not exist, is a ValueError on every rank from the first backward.
+    and so does the name "gloo" or "nccl". A backend that a rank cannot build over
+    `process_group` (over other ranks, a name that does not exist) is refused on every rank:
+    at each backward, and in `load_state_dict` and `gathered_state_dict`.
     `nonfinite`: "raise" (backward raises NonFiniteError on every rank) or "propagate" (the
     bucket comes back as NaN on every rank, for GradScaler; see the module docstring).
 

@@ -20,8 +20,9 @@ import torch
 
 from . import schedules
 from .agreement import CallSpec
-from .backends import Backend, resolve_for_call
+from .backends import Backend
 from .backends.ordering import Pending
+from .backends.registry import resolve_for_call
 from .error_feedback import ErrorFeedback
 
 

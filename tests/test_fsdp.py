@@ -454,6 +454,8 @@ def misuse(case: str) -> tuple[str, str] | None:
         )
     if case == "backend_unknown_on_one_rank":
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), backend="nope" if rank == 1 else None)
+    if case == "backend_nccl_on_one_rank":  # a RuntimeError on CPU: it was raised there alone
+        return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), backend="nccl" if rank == 1 else None)
     if case == "backend_differs":
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), backend="shm" if rank == 1 else None)
     if case in ("intra_bad_on_one_rank", "intra_differs"):  # rank 2: an unknown intra, or another valid one
@@ -492,6 +494,7 @@ def misuse(case: str) -> tuple[str, str] | None:
         ("start_iter_bad_on_one_rank_over_shm", "ValueError", "rank 3: start_iter must be an integer >= 0"),
         ("start_iter_bad_on_one_rank_hsdp_backend", "ValueError", "rank 2: start_iter must be an integer >= 0"),
         ("backend_unknown_on_one_rank", "ValueError", "rank 1: unknown backend 'nope'"),
+        ("backend_nccl_on_one_rank", "RuntimeError", "rank 1: the nccl backend"),
         ("backend_differs", "ValueError", "ranks passed different backend"),
         ("intra_differs", "ValueError", "ranks passed different intra"),
         ("intra_bad_on_one_rank", "ValueError", "rank 2: intra must be None or 'shm'"),

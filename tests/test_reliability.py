@@ -250,13 +250,26 @@ def error_state_as_input() -> dict:
     tensor = ef.worker_error[:NUMEL] if rank == 1 else seeded(rank, step=1)
     before, original = snapshot(ef), tensor.clone()
     error = caught(compcomm.compressed_allreduce, tensor, ef, backend="gloo")
-    return {"error": error, "kept": unchanged(ef, before) and torch.equal(tensor, original)}
+    # and a reduce-scatter whose output on rank 1 is its ErrorFeedback's worker error (a review
+    # found the first version of the check looking at inputs only)
+    rs = compcomm.ErrorFeedback(double_buffer=False)
+    compcomm.compressed_reduce_scatter(torch.zeros(NUMEL // 4), seeded(rank), rs, backend="gloo")
+    out = rs.worker_error[: NUMEL // 4] if rank == 1 else torch.zeros(NUMEL // 4)
+    rs_before, out_before = snapshot(rs), out.clone()
+    rs_error = caught(compcomm.compressed_reduce_scatter, out, seeded(rank, step=1), rs, backend="gloo")
+    return {
+        "errors": [error, rs_error],
+        "kept": unchanged(ef, before) and torch.equal(tensor, original),
+        "rs_kept": unchanged(rs, rs_before) and torch.equal(out, out_before),
+    }
 
 
 def test_tensor_in_an_error_state_is_refused_on_every_rank(pool):
     for r in pool.run(error_state_as_input):
-        assert r["error"] is not None and r["error"][0] == "ValueError" and "error state" in r["error"][1], r
-        assert r["kept"], r
+        for error in r["errors"]:
+            assert error is not None and error[0] == "ValueError" and "rank 1: " in error[1], r
+            assert "error state" in error[1], r
+        assert r["kept"] and r["rs_kept"], r
 
 
 def bad_backend_on_one_rank(case: str) -> dict:

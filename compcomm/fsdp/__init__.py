@@ -105,7 +105,7 @@ def compress(
     refused: Exception | None = None
     try:
         _check_arguments(modules, start_iter, replicate_group, backend, nonfinite, intra)
-    except (TypeError, ValueError) as exc:  # agreed by the state first thing, so no other rank waits on this one
+    except Exception as exc:  # agreed by the state first thing, so no other rank waits on this one
         refused, backend = exc, None
     state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite, refused, intra)
     intra_backends: dict[int, Any] = {}

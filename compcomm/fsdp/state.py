@@ -119,7 +119,7 @@ class CompressionState:
         if backend is not None and refused is None:
             try:
                 chosen = _transports(modules, replicate_group, backend, device)
-            except (TypeError, ValueError) as exc:  # e.g. a backend that does not span the group
+            except Exception as exc:  # e.g. one that does not span the group, or nccl on CPU
                 refused = exc
         agreeing = default.world()
         raise_agreed(refused, agreeing, context="compcomm.fsdp.compress: ")

@@ -21,7 +21,8 @@ import torch
 from torch.profiler import record_function
 
 from ..agreement import all_max, raise_agreed
-from ..backends import Backend, check_backend_argument, resolve_for_call
+from ..backends import Backend, check_backend_argument
+from ..backends.registry import resolve_for_call
 from ..error_feedback import ErrorFeedback
 from ..gather_objects import agree_on_values
 from ..layout import DEFAULT_BUCKET_BYTES

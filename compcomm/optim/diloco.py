@@ -63,7 +63,8 @@ import torch
 
 from ..agreement import all_sum, raise_agreed
 from ..allreduce import compressed_allreduce_coalesced
-from ..backends import Backend, resolve_for_call
+from ..backends import Backend
+from ..backends.registry import resolve_for_call
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values
