@@ -151,7 +151,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def backend(self) -> Backend:
         """The transport, resolved on first use like `compressed_allreduce`'s `backend`: a
         `backend` argument that cannot be resolved on this rank gives the default transport,
-        over which the first step (or `load_state_dict`) refuses it on every rank, every time."""
+        over which the first step, `load_state_dict` and `gathered_state_dict` refuse it on every
+        rank, every time (and `state_dict` on this rank)."""
         if self._backend is None:
             params = self._params()
             self._backend, self._backend_refused = resolve_for_call(self._backend_arg, params[0] if params else None)
