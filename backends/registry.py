@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -25,6 +26,7 @@ _REGISTRY: dict[str, Callable[..., Backend]] = {
     "hierarchical": from_torch,
 }
 _defaults: dict[str, Backend] = {}
+T = TypeVar("T")
 
 
 def get(name: str, **options) -> Backend:
@@ -73,13 +75,23 @@ def resolve_for_call(
     would have had by naming none, with the error, which the call refuses in its agreement
     over that transport: on every rank whose backend shares it (gloo or nccl over the same
     ranks). Raises only when no default can be built either."""
+    if backend is None:
+        return resolve(None, tensor), None
+    return falling_back(lambda: resolve(backend, tensor), lambda: resolve(None, tensor))
+
+
+def falling_back(chosen: Callable[[], T], default: Callable[[], T]) -> tuple[T, Exception | None]:
+    """`(chosen(), None)`, or `(default(), error)` where `chosen()` raised that error (raised
+    after all when `default()` fails too).
+
+    A rank that cannot build the transport its caller chose must not raise alone: its peers
+    would wait for it in their next collective. It takes the one every rank can build instead,
+    and its error travels to them in the agreement over that one."""
     try:
-        return resolve(backend, tensor), None
+        return chosen(), None
     except Exception as exc:
-        if backend is None:
-            raise
         try:
-            return resolve(None, tensor), exc
+            return default(), exc
         except Exception:
             raise exc from None
 

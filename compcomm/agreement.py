@@ -36,7 +36,6 @@ succeeded).
 from __future__ import annotations
 
 import math
-import numbers
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -50,6 +49,7 @@ from .backends import Backend
 from .backends.ordering import Channel
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
+from .layout import is_integer
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OPS = ("mean", "sum")
@@ -184,7 +184,7 @@ class CallSpec:
         limit = self.min_compress_bytes
         if limit is None:
             return False
-        if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 0:
+        if not is_integer(limit) or limit < 0:
             raise ValueError(f"min_compress_bytes must be None or a number of bytes >= 0, got {limit!r}")
         tensor = self.tensors[i]
         return tensor.numel() * tensor.element_size() < limit
@@ -660,16 +660,24 @@ def raise_agreed(failure: BaseException | None, be: Backend, context: str = "") 
     """Raise on every rank of `be` if any rank has a `failure`: one small all-gather when none
     has. Every rank raises the class of the lowest failed rank's error (as `ERRORS` carries it),
     with that rank's message, `context` before it and the list of failed ranks when several."""
+    agreed = agreed_failure(failure, be, context)
+    if agreed is not None:
+        raise agreed from failure
+
+
+def agreed_failure(failure: BaseException | None, be: Backend, context: str = "") -> Exception | None:
+    """What `raise_agreed` raises, returned instead (None when no rank has a failure): for a
+    caller that must tell the ranks' agreed verdict from a failure of the transport itself."""
     code = 0 if failure is None else error_code(failure)
     codes = torch.empty(be.world_size, 1, dtype=torch.uint8, device=be.device)
     be.all_gather(torch.tensor([code], dtype=torch.uint8, device=be.device), codes)
     failed = [r for r, c in enumerate(codes.view(-1).tolist()) if c]
     if not failed:
-        return
+        return None
     first = failed[0]
     message = gather_messages(str(failure or ""), be)[first]
     ranks = f"rank(s) {failed} failed; " if len(failed) > 1 else ""
-    raise ERRORS[int(codes[first, 0]) - 1](f"{context}{ranks}rank {first}: {message}") from failure
+    return ERRORS[int(codes[first, 0]) - 1](f"{context}{ranks}rank {first}: {message}")
 
 
 def all_sum(values: Sequence[float], be: Backend) -> list[float]:

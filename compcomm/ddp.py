@@ -68,13 +68,14 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .agreement import raise_agreed
+from .agreement import agreed_failure, raise_agreed
 from .allreduce import compressed_allreduce
 from .backends import Backend, check_backend_argument
-from .backends.registry import over_group
+from .backends.registry import falling_back, over_group
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError, all_finite
 from .gather_objects import agree_on_values, all_gather_object
+from .layout import is_integer
 from .optim.checkpoints import agree_on_position
 
 __all__ = ["OnebitHookState", "onebit_hook"]
@@ -111,7 +112,7 @@ class OnebitHookState:
         backend: Backend | str | None = None,
         nonfinite: str = "raise",
     ) -> None:
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+        if not is_integer(start_iter) or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
         if nonfinite not in _NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, _NONFINITE))}, got {nonfinite!r}")
@@ -163,15 +164,31 @@ class OnebitHookState:
         rank: then gloo or nccl over `process_group` (which every rank can build), over which
         the collective refuses it on every rank; raised here alone, it would leave the ranks
         whose backend is fine waiting for this one."""
-        try:
+        if self._backend_arg is None:
             return self.backend(device), None
-        except Exception as exc:
-            if self._backend_arg is None:
-                raise
-            try:
-                return over_group(self.process_group, None, device or self._device(), "DDP's process group"), exc
-            except Exception:
-                raise exc from None
+        return falling_back(
+            lambda: self.backend(device),
+            lambda: over_group(self.process_group, None, device or self._device(), "DDP's process group"),
+        )
+
+    def _agree_on_settings(self, be: Backend, refused: Exception | None) -> Exception | None:
+        """The error every rank refuses this backward with, or None: a backend that some rank
+        could not build (`_agreeing_backend`), else settings that differ across ranks (one rank
+        would reduce a bucket exactly while another sends it with 1 bit, and both wait). A
+        failure of the transport itself is raised."""
+        agreed = agreed_failure(refused, be, "OnebitHookState's backend: ")
+        if agreed is not None:
+            return agreed
+        try:
+            agree_on_values(
+                {"start_iter": self.start_iter, "nonfinite": self.nonfinite},
+                be,
+                "OnebitHookState must be given the same settings on every rank (else one rank "
+                "reduces a bucket exactly while another sends it with 1 bit, and both wait)",
+            )
+        except ValueError as exc:
+            return exc
+        return None
 
     # ----------------------------------------------------------------- bucket layout
 
@@ -288,9 +305,9 @@ class OnebitHookState:
         known = self._params[: len(params)]
         if known != params[: len(known)]:
             raise ValueError("the state's parameters do not match the ones this hook has seen: another model")
-        if not isinstance(state["iter"], int) or not isinstance(state["start_iter"], int):
+        if not is_integer(state["iter"]) or not is_integer(state["start_iter"]):
             raise ValueError("the state's iter and start_iter must be integers")
-        return state["iter"], state["start_iter"], params, buckets
+        return int(state["iter"]), int(state["start_iter"]), params, buckets
 
     # ----------------------------------------------------------------- the hook's work
 
@@ -308,25 +325,8 @@ class OnebitHookState:
         self._watch_backward()
         if not self._settings_agreed:
             if self._failure is None:  # compared once per backward until they agree
-                try:
-                    agree_on_values(
-                        {
-                            "start_iter": self.start_iter,
-                            "nonfinite": self.nonfinite,
-                            "backend": None if refused is None else f"{type(refused).__name__}: {refused}",
-                        },
-                        be,
-                        "OnebitHookState must be given the same settings on every rank (else one rank "
-                        "reduces a bucket exactly while another sends it with 1 bit, and both wait) "
-                        "and a backend that each rank can build over DDP's process group",
-                    )
-                    if refused is not None:
-                        raise refused  # every rank holds the same refusal
-                    self._settings_agreed = True
-                except Exception as exc:
-                    if exc is not refused and not isinstance(exc, ValueError):
-                        raise  # the transport's own failure: not a refusal
-                    self._failure = exc  # raised from backward() once DDP has finished it
+                self._failure = self._agree_on_settings(be, refused)  # raised once DDP has finished
+                self._settings_agreed = self._failure is None
             if not self._settings_agreed:  # refused: the buckets come back as they are, nothing sent
                 untouched: torch.futures.Future[torch.Tensor] = torch.futures.Future()
                 untouched.set_result(buffer)

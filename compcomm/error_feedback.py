@@ -12,7 +12,7 @@ import torch
 
 from . import codec
 from .errors import largest_magnitude
-from .layout import chunk_size, padded_size
+from .layout import chunk_size, is_integer, padded_size
 
 _KEYS = ("worker_error", "server_error", "numel", "world_size")
 ALLREDUCE, REDUCE_SCATTER = "allreduce", "reduce_scatter"
@@ -448,9 +448,9 @@ def _describe(value: Any) -> str:
 
 
 def _count(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_integer(value) or value < low:
         raise ValueError(f"ErrorFeedback state: {name} must be an integer >= {low}, got {value!r}")
-    return value
+    return int(value)
 
 
 def _error_tensor(name: str, value: Any, length: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import torch
 
@@ -43,10 +44,16 @@ def real_count(rank: int, numel: int, world_size: int) -> int:
     return max(0, min(numel, stop) - start)
 
 
+def is_integer(value: object) -> TypeGuard[int]:
+    """Whether `value` is an integer (Python's, numpy's, ...) and not a bool: what every count,
+    size and rank the library takes must be (a float gives float offsets that index nothing,
+    and True would pass for 1)."""
+    return type(value) is int or (not isinstance(value, bool) and isinstance(value, numbers.Integral))
+
+
 def _check_count(name: str, value: object, low: int) -> None:
-    """TypeError unless `value` is an integer (a float size would give float offsets and
-    lengths that index nothing), ValueError below `low`."""
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+    """TypeError unless `value` is an integer, ValueError below `low`."""
+    if not is_integer(value):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")

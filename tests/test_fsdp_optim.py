@@ -212,6 +212,14 @@ def misuse(case: str) -> tuple[str, str] | None:
         opt = OnebitAdam(model.parameters(), **{"freeze_step": FREEZE, "lr": 0.01, setting: value})
         loss_of(model, batch(rank, 0)).backward()
         return caught(opt.step)
+    if case == "backend_on_one_rank":  # unused on sharded parameters: it was accepted, unchecked
+        compcomm.fsdp.compress(model, start_iter=FREEZE)
+        opt = OnebitAdam(model.parameters(), freeze_step=FREEZE, backend="nope" if rank == 1 else None)
+        loss_of(model, batch(rank, 0)).backward()
+        before = full_params(model)
+        failure = caught(opt.step)
+        assert opt.step_count == 0 and all(torch.equal(a, b) for a, b in zip(before, full_params(model)))
+        return failure
     if case == "two_backwards_per_step":
         compcomm.fsdp.compress(model, start_iter=FREEZE)
         opt = OnebitAdam(model.parameters(), freeze_step=FREEZE)
@@ -238,6 +246,7 @@ def misuse(case: str) -> tuple[str, str] | None:
         ("freeze_mismatch", "ValueError", "must equal the start_iter"),
         ("freeze_differs_on_one_rank", "ValueError", "ranks passed different freeze_step"),
         ("lr_differs_on_one_rank", "ValueError", "ranks passed different param_groups[0].lr"),
+        ("backend_on_one_rank", "ValueError", "rank 1: OnebitAdam's backend= is not used on FSDP2-sharded"),
         ("two_backwards_per_step", "ValueError", "set_requires_gradient_sync(False)"),
         ("no_sync", "RuntimeError", "set_requires_gradient_sync(False)"),
     ],

@@ -162,21 +162,28 @@ def test_refused_loads_raise_on_every_rank_with_nothing_loaded(pool, name):
         assert res["kept"]
 
 
+CHOICES = "local, gloo, nccl, mpi, shm, hierarchical or pass a Backend"
+
+
 def unknown_backend(name: str, everywhere: bool) -> dict:
     """Rank 1 (or every rank) names a backend that does not exist: every rank's first step
     raises, and again on the next try, nothing changed, and so does gathered_state_dict. On rank
     1 alone it raised there and the others waited at step 1; on every rank, a first version of
-    the fix trained on the default transport."""
+    the fix trained on the default transport. `opt.backend` raises the name's own error on the
+    ranks given it (it returned the default transport)."""
     import compcomm
 
     rank = rank_of(4)
     model = make_model()
-    backend = "nope" if rank == 1 or everywhere else compcomm.backends.get("gloo", group=group(4))
+    refused = rank == 1 or everywhere
+    backend = "nope" if refused else compcomm.backends.get("gloo", group=group(4))
     opt = OPTIMIZERS[name](model.parameters(), freeze_step=2, lr=1e-2, backend=backend)
     before = raw(model)
     backward(model, rank, 0)
     tries = [caught(opt.step), caught(opt.step), caught(opt.gathered_state_dict)]
-    return {"tries": tries, "kept": raw(model) == before and opt.step_count == 0}
+    own = caught(lambda: opt.backend)
+    kept = raw(model) == before and opt.step_count == 0
+    return {"tries": tries, "kept": kept, "own": own, "refused": refused}
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -186,6 +193,10 @@ def test_unknown_backend_raises_on_every_rank(pool, name, everywhere):
     for res in pool.run(unknown_backend, name, everywhere):
         assert all(t is not None and t[0] == "ValueError" and says in t[1] for t in res["tries"]), res
         assert res["kept"], res
+        if res["refused"]:
+            assert res["own"] == ("ValueError", "unknown backend 'nope'; choose one of " + CHOICES), res
+        else:
+            assert res["own"] is None, res
 
 
 def one_file_resume(name: str) -> tuple[bytes, bytes, bytes, bytes]:

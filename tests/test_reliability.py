@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -273,26 +274,47 @@ def test_tensor_in_an_error_state_is_refused_on_every_rank(pool):
 
 
 def bad_backend_on_one_rank(case: str) -> dict:
-    """One rank names a backend that does not exist, or passes something that is not one,
-    while the others name gloo: the error on every rank, nothing changed. It was raised on its
-    own rank only, and the others waited in phase 0."""
+    """One rank names a backend that does not exist, passes something that is not one, or names
+    one whose library is missing there (mpi without mpi4py), while the others name gloo: the
+    error, of its own type, on every rank, nothing changed, in the allreduce, its coalesced form
+    and the reduce-scatter. It was raised on its own rank only, and the others waited in phase 0."""
+    import sys
+
     rank = rank_of()
-    bad = {"unknown": "glo", "not-a-backend": 5}[case]
-    ef, tensor = compcomm.ErrorFeedback(), seeded(rank)
-    original = tensor.clone()
-    allreduce = caught(compcomm.compressed_allreduce, tensor, ef, backend=bad if rank == 2 else "gloo")
-    shard = torch.zeros(NUMEL // 4)
-    rs_ef = compcomm.ErrorFeedback()
-    scatter = caught(compcomm.compressed_reduce_scatter, shard, tensor, rs_ef, backend=bad if rank == 0 else "gloo")
+    bad = {"unknown": "glo", "not-a-backend": 5, "missing-library": "mpi"}[case]
+    hidden = sys.modules.get("mpi4py")
+    if case == "missing-library":
+        sys.modules["mpi4py"] = None  # type: ignore[assignment]  # as if not installed: import raises
+    try:
+        ef, tensor = compcomm.ErrorFeedback(), seeded(rank)
+        original = tensor.clone()
+        allreduce = caught(compcomm.compressed_allreduce, tensor, ef, backend=bad if rank == 2 else "gloo")
+        efs = [compcomm.ErrorFeedback(), compcomm.ErrorFeedback()]
+        pair = [seeded(rank, step=1), seeded(rank, 24, step=2)]
+        pair_before = [t.clone() for t in pair]
+        coalesced = caught(compcomm.compressed_allreduce_coalesced, pair, efs, backend=bad if rank == 1 else "gloo")
+        shard = torch.zeros(NUMEL // 4)
+        rs_ef = compcomm.ErrorFeedback()
+        scatter = caught(compcomm.compressed_reduce_scatter, shard, tensor, rs_ef, backend=bad if rank == 0 else "gloo")
+    finally:
+        if hidden is None:
+            sys.modules.pop("mpi4py", None)
+        else:
+            sys.modules["mpi4py"] = hidden
+    kept = torch.equal(tensor, original) and all(torch.equal(a, b) for a, b in zip(pair, pair_before))
     return {
-        "errors": [allreduce, scatter],
-        "kept": torch.equal(tensor, original) and not ef.initialized and not rs_ef.initialized,
+        "errors": [allreduce, coalesced, scatter],
+        "kept": kept and not any(e.initialized for e in [ef, rs_ef, *efs]),
     }
 
 
-@pytest.mark.parametrize("case", ["unknown", "not-a-backend"])
+@pytest.mark.parametrize("case", ["unknown", "not-a-backend", "missing-library"])
 def test_bad_backend_on_one_rank_is_refused_on_every_rank(pool, case):
-    expected = {"unknown": ("ValueError", "unknown backend"), "not-a-backend": ("TypeError", "backend must be")}
+    expected = {
+        "unknown": ("ValueError", "unknown backend"),
+        "not-a-backend": ("TypeError", "backend must be"),
+        "missing-library": ("ImportError", "the mpi backend needs mpi4py, which is not installed"),
+    }
     for r in pool.run(bad_backend_on_one_rank, case):
         for error in r["errors"]:
             assert error is not None and error[0] == expected[case][0] and expected[case][1] in error[1], r
@@ -405,6 +427,19 @@ def test_load_state_dict_rejects_malformed_state(state):
     with pytest.raises(ValueError):
         ef.load_state_dict(state)
     assert unchanged(ef, before)
+
+
+def test_load_state_dict_takes_numpy_counts():
+    """A state whose counts went through numpy (np.int64) resumes like Python ints; a bool does
+    not pass for a count. np.int64 was refused as not an integer."""
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(torch.randn(20), ef, backend="local")
+    state = ef.state_dict()
+    fresh = compcomm.ErrorFeedback()
+    fresh.load_state_dict({**state, "numel": np.int64(state["numel"]), "world_size": np.int32(1)})
+    assert unchanged(fresh, snapshot(ef)) and type(fresh.numel) is int
+    with pytest.raises(ValueError, match="world_size must be an integer"):
+        compcomm.ErrorFeedback().load_state_dict({**state, "world_size": True})
 
 
 def test_only_the_error_states_own_bytes_are_refused():

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends import Backend, check_backend_argument, get
+from ..layout import is_integer
 from ..optim.shards import compression_of as state_of
 from .comms import CompressedReduceScatter, IntraAllGather, IntraReduceScatter, all_reduce_hook
 from .modules import ShardedModule, group_ranks, sharded_modules
@@ -135,7 +136,7 @@ def _check_arguments(
 ) -> None:
     """This rank's arguments, checked alone: TypeError or ValueError naming the first bad one.
     (The groups the ranks agree over, the model's and `replicate_group`, are checked before.)"""
-    if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+    if not is_integer(start_iter) or start_iter < 0:
         raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")

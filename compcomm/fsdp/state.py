@@ -20,10 +20,11 @@ import torch.distributed as dist
 from .. import schedules
 from ..agreement import CallSpec, raise_agreed
 from ..backends import Backend, HierarchicalBackend
-from ..backends.registry import over_group
+from ..backends.registry import falling_back, over_group
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values, all_gather_object
+from ..layout import is_integer
 from ..optim.checkpoints import agree_on_position
 from ..optim.shards import register
 from .modules import ShardedModule, check_called_over
@@ -116,11 +117,10 @@ class CompressionState:
         device = self.params[0].device
         default = _transports(modules, replicate_group, None, device)
         chosen = default
-        if backend is not None and refused is None:
-            try:
-                chosen = _transports(modules, replicate_group, backend, device)
-            except Exception as exc:  # e.g. one that does not span the group, or nccl on CPU
-                refused = exc
+        if backend is not None and refused is None:  # e.g. one that does not span the group, or nccl on CPU
+            chosen, refused = falling_back(
+                lambda: _transports(modules, replicate_group, backend, device), lambda: default
+            )
         agreeing = default.world()
         raise_agreed(refused, agreeing, context="compcomm.fsdp.compress: ")
         agree_on_values(
@@ -320,6 +320,6 @@ class CompressionState:
                 f"this is rank {state.get('rank')}'s state, loaded on rank {self.world.rank}: its error feedback is "
                 "that rank's own. Save one file per rank, or one file with gathered_state_dict()"
             )
-        if not isinstance(state.get("iteration"), int) or not isinstance(state.get("start_iter"), int):
+        if not is_integer(state.get("iteration")) or not is_integer(state.get("start_iter")):
             raise ValueError("the state's iteration and start_iter must be integers")
         return state

@@ -87,7 +87,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
             self._gradient_rounds: GradientRounds | None = None
         else:
             self._sharded = None
-            self._gradient_rounds = GradientRounds(self, lambda: self.backend, type(self).__name__)
+            self._gradient_rounds = GradientRounds(self, lambda: self._transport, type(self).__name__)
 
     # ----------------------------------------------------------------- parameters and layout
 
@@ -144,15 +144,35 @@ class OnebitOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} on FSDP2-sharded parameters sends no gradients itself")
         return self._gradient_rounds
 
+    def _backend_unused(self) -> ValueError | None:
+        """On sharded parameters, a `backend` argument: `compcomm.fsdp.compress` chose the
+        transports their gradients are reduced over, and this one would go unused."""
+        if self._backend_arg is None:
+            return None
+        return ValueError(
+            f"{type(self).__name__}'s backend= is not used on FSDP2-sharded parameters: their gradients are "
+            "reduced by compcomm.fsdp.compress, over the transports given to it (pass backend= there)"
+        )
+
     def _check_sharded(self) -> None:
         """ValueError where an optimizer cannot run on FSDP2-sharded parameters (subclasses)."""
 
     @property
     def backend(self) -> Backend:
-        """The transport, resolved on first use like `compressed_allreduce`'s `backend`: a
-        `backend` argument that cannot be resolved on this rank gives the default transport,
-        over which the first step, `load_state_dict` and `gathered_state_dict` refuse it on every
-        rank, every time (and `state_dict` on this rank)."""
+        """The transport, resolved on first use like `compressed_allreduce`'s `backend`; raises
+        what resolving the `backend` argument raised on this rank (an unknown name, one that
+        cannot be built here)."""
+        transport = self._transport
+        if self._backend_refused is not None:
+            raise self._backend_refused
+        return transport
+
+    @property
+    def _transport(self) -> Backend:
+        """`backend`, or where this rank cannot resolve it, the default transport: over that one
+        the first step, `load_state_dict` and `gathered_state_dict` refuse it on every rank,
+        every time (and `state_dict` on this rank), where raising on this rank alone would leave
+        the others waiting for it."""
         if self._backend is None:
             params = self._params()
             self._backend, self._backend_refused = resolve_for_call(self._backend_arg, params[0] if params else None)
@@ -225,10 +245,12 @@ class OnebitOptimizer(torch.optim.Optimizer):
             # across ranks are refused there on every rank: a schedule that differs pairs
             # different collectives from the first compressed step on (every rank would wait).
             if self._sharded is None:
-                be = self.backend  # resolved first: it may be refused
+                be = self._transport  # resolved first: it may be refused
                 equalize_from_rank0(self._params(), be, self._settings(), self._settings_differ, self._backend_refused)
             else:  # FSDP made the shards; the settings alone are compared, over the model's ranks
-                agree_on_values(self._settings(), self._sharded.state.world, self._settings_differ)
+                world = self._sharded.state.world
+                raise_agreed(self._backend_unused(), world)
+                agree_on_values(self._settings(), world, self._settings_differ)
             self._replicas_checked = True
         if self._sharded is not None:
             if self._sharded.agree(t, found_inf):
@@ -355,9 +377,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if self._sharded is not None:
             entry = checkpoints.sharded_entry(self._step_count, self._sharded.state.world, scalars, self._rank_local())
         else:
-            be = self.backend
-            if self._backend_refused is not None:  # its rank and world size would be the default's
-                raise self._backend_refused
+            be = self.backend  # raises a refusal: its rank and world size would be the default's
             layout = self._rounds.lay_out()
             entry = checkpoints.compcomm_entry(self._step_count, be, layout, scalars, self._rank_local())
         sd[checkpoints.EXTRA_KEY] = entry
@@ -371,7 +391,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         each rank picks its own, so the file resumes every rank exactly."""
         if self._sharded is not None:
             return checkpoints.gathered_sharded(self.state_dict(), self._sharded.state.world)
-        be = self.backend  # resolved first: it may be refused
+        be = self._transport  # resolved first: it may be refused
         raise_agreed(self._backend_refused, be)
         return checkpoints.gathered(self.state_dict(), be)
 
@@ -385,7 +405,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """
         if self._gradient_rounds is not None:
             self._gradient_rounds.cancel()
-        be = self.backend if self._sharded is None else self._sharded.state.world
+        be = self._transport if self._sharded is None else self._sharded.state.world
         extra = state_dict.get(checkpoints.EXTRA_KEY) if isinstance(state_dict, dict) else None
         problem = (
             None

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..layout import is_integer
 from .shards import local
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
@@ -32,7 +33,7 @@ def check_range(
 
 def check_count(name: str, value: Any, low: int) -> None:
     """ValueError unless `value` is an integer >= low."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+    if not is_integer(value) or value < low:
         raise ValueError(f"invalid {name}: {value!r} (must be an integer >= {low})")
 
 
