@@ -138,8 +138,10 @@ class CallSpec:
     hold: for a caller that applies the result in a further step which must stay finite
     (DiLoCo's outer step); a call whose bound reaches it is refused like an overflow. Every
     rank must pass the same limits (they are part of the call's digest).
-    `refused` is the error this rank's `backend=` argument raised (`resolve_for_call`): the call
-    runs on the default transport only to refuse it on every rank.
+    `refused` is an error this rank found before the call, refused in its agreement on every
+    rank: what its `backend=` argument raised (`resolve_for_call`; the call then runs on the
+    default transport only to refuse it), or a caller's own check (`compcomm.fsdp`: a module
+    whose gradients changed layout).
     """
 
     tensors: list[torch.Tensor]
@@ -202,7 +204,7 @@ class CallSpec:
         return self.tensors[i].dtype if self.result_dtypes is None else self.result_dtypes[i]
 
     def check_pairs(self) -> None:
-        """The call's structure (first, this rank's refused backend, if any): one ErrorFeedback
+        """The call's structure (first, what this rank refused, if anything): one ErrorFeedback
         (and output) per tensor, none shared, and no tensor or output in the memory of an error
         state (the result would overwrite the errors)."""
         if self.refused is not None:
@@ -411,19 +413,19 @@ def agree_on_measures(spec: CallSpec, be: Backend, calls: np.ndarray, measure: C
 
 @contextmanager
 def _refusal_noted(spec: CallSpec) -> Iterator[None]:
-    """An exchange of a call whose backend this rank refused (`CallSpec.refused`), run over the
-    default transport to tell the other ranks: when they are not there (their backend runs over
-    other ranks or another transport) it fails at the transport's timeout, as a RuntimeError that
-    says why this rank was there."""
+    """An exchange of a call this rank refused (`CallSpec.refused`), run to tell the other ranks:
+    when they are not there (for a refused backend: theirs runs over other ranks or another
+    transport than the default one this rank took) it fails at the transport's timeout, as a
+    RuntimeError that says why this rank was there."""
     try:
         yield
     except Exception as exc:
         if spec.refused is None:
             raise
         raise RuntimeError(
-            f"this rank's backend= was refused ({type(spec.refused).__name__}: {spec.refused}); it ran the call "
-            "over the default transport to refuse it on every rank, and the other ranks were not there (they "
-            f"named a backend over other ranks or another transport): {type(exc).__name__}: {exc}"
+            f"this rank refused the call ({type(spec.refused).__name__}: {spec.refused}) and ran its agreement to "
+            "refuse it on every rank, but the other ranks were not there (a refused backend= runs it over the "
+            f"default transport, which theirs may not be): {type(exc).__name__}: {exc}"
         ) from exc
 
 

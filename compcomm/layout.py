@@ -141,6 +141,28 @@ class Bucket:
                 )
 
 
+def bucket_groups(
+    tensors: Sequence[torch.Tensor], bucket_bytes: int, dtype: torch.dtype | None = None
+) -> list[list[int]]:
+    """The tensor indices of each bucket that `Bucketer` makes (see there), allocating nothing."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    groups: list[list[int]] = []
+    keys: list[tuple[torch.dtype, torch.device]] = []
+    sizes: list[int] = []
+    for i, t in enumerate(tensors):
+        key = (dtype or t.dtype, t.device)
+        nbytes = t.numel() * key[0].itemsize
+        if groups and keys[-1] == key and sizes[-1] + nbytes <= bucket_bytes:
+            groups[-1].append(i)
+            sizes[-1] += nbytes
+        else:
+            groups.append([i])
+            keys.append(key)
+            sizes.append(nbytes)
+    return groups
+
+
 class Bucketer:
     """Groups tensors, in order, into buckets of at most `bucket_bytes` each.
 
@@ -156,22 +178,8 @@ class Bucketer:
         world_size: int = 1,
         dtype: torch.dtype | None = None,
     ) -> None:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.world_size = world_size
-        groups: list[list[int]] = []
-        keys: list[tuple[torch.dtype, torch.device]] = []
-        sizes: list[int] = []
-        for i, t in enumerate(tensors):
-            key = (dtype or t.dtype, t.device)
-            nbytes = t.numel() * key[0].itemsize
-            if groups and keys[-1] == key and sizes[-1] + nbytes <= bucket_bytes:
-                groups[-1].append(i)
-                sizes[-1] += nbytes
-            else:
-                groups.append([i])
-                keys.append(key)
-                sizes.append(nbytes)
+        groups = bucket_groups(tensors, bucket_bytes, dtype)
         self.buckets: list[Bucket] = [self._make_bucket(tensors, idx, dtype) for idx in groups]
 
     def _make_bucket(self, tensors: Sequence[torch.Tensor], idx: list[int], dtype: torch.dtype | None) -> Bucket:

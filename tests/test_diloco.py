@@ -809,6 +809,7 @@ def local_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         (dict(sync_every=2.5), ValueError),
         (dict(fragments=0), ValueError),
         (dict(fragments=5, bucket_bytes=200), ValueError),  # 4 buckets
+        (dict(fragments=5, sync_every=8), ValueError),  # 4 parameters: at most 4 buckets
         (dict(fragments=3, sync_every=2, bucket_bytes=200), ValueError),
         (dict(overlap_steps=4, sync_every=4), ValueError),
         (dict(outer_lr=0.0), ValueError),
@@ -925,6 +926,24 @@ def test_warm_up_then_local_steps_on_one_process():
         if step == 2:  # the end of the warm-up: theta taken from the parameters
             assert all(torch.equal(p, g) for p, g in zip(model.parameters(), opt.global_parameters()))
     assert opt.step_count == 7 and opt.skipped_steps == 0
+
+
+@pytest.mark.parametrize("fragments", [1, 2, 4])
+def test_fragments_on_a_small_model_need_no_bucket_bytes(fragments):
+    """A model under `fragments` x 25 MiB (every test-sized one) made one bucket, and any
+    fragments > 1 was a ValueError unless bucket_bytes was passed too: now the buckets shrink
+    until there are enough, their sizes as even as whole parameters allow."""
+    model, inner = local_model()
+    opt = DiLoCo(model.parameters(), inner, sync_every=4, fragments=fragments, backend="local")
+    schedule = opt._sync.schedule
+    sizes = [sum(opt._sync.layout.sizes()[b] for b in buckets) for buckets in schedule.buckets]
+    assert len(schedule) == fragments and sum(sizes) == sum(p.numel() for p in model.parameters())
+    assert len(opt._sync.layout) == (1 if fragments == 1 else fragments)
+    for step in range(6):
+        backward(model, 0, step)
+        opt.step()
+    assert opt.step_count == 6 and opt.skipped_steps == 0
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def test_sync_now_sends_only_fragments_that_moved():

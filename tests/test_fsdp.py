@@ -120,6 +120,106 @@ def test_fsdp_mode_matches_reference(pool, world):
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
 
 
+class Experts(torch.nn.Module):
+    """One FSDP module with two experts of one shape, of which each iteration uses one (as a
+    mixture of experts routes): FSDP2 leaves a parameter without a gradient out of the
+    module's reduce-scatter unless told otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(6, 3))
+        self.b = torch.nn.Parameter(torch.randn(6, 3))
+        self.use = "a"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ (self.a if self.use == "a" else self.b).t()).pow(2).sum()
+
+
+def run_experts(steps: int) -> list[dict]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    model = Experts()
+    fully_shard(model, mesh=DeviceMesh.from_group(group((0, 1)), "cpu"))
+    compcomm.fsdp.compress(model, start_iter=0)
+    records = []
+    for step in range(steps):
+        model.use = "ab"[step % 2]
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(100 * step + rank))
+        plain = Experts()
+        plain.use = model.use
+        with torch.no_grad():
+            for p, value in zip(plain.parameters(), full_params(model)):
+                p.copy_(value)
+        plain(x).backward()
+        model(x).backward()
+        records.append(
+            {
+                "plain": [np.zeros(p.shape) if p.grad is None else p.grad.double().numpy() for p in plain.parameters()],
+                "sharded": [None if p.grad is None else p.grad.to_local().double().numpy() for p in model.parameters()],
+            }
+        )
+        for p in model.parameters():
+            p.grad = None
+    return records
+
+
+def test_a_parameter_without_a_gradient_keeps_its_own_error_feedback(pool):
+    """Each expert's error feedback stays its own when the other is used: the module's
+    reduce-scatter always holds both (the unused one with a zero gradient plus its error), as in
+    the float64 reference. FSDP2 left the unused one out, so that one expert's errors were added
+    to the other's gradient (the rows are laid out by position), silently."""
+    res = pool.run(run_experts, 4, ranks=(0, 1))
+    shapes = [g.shape for g in res[0][0]["plain"]]
+    worker = None
+    for step in range(4):
+        inputs = [module_rows(res[r][step]["plain"], [0, 1], 2) for r in range(2)]
+        length = inputs[0].size // 2
+        if worker is None:
+            worker = np.zeros((2, 2, math.ceil(length / 8) * 8))
+        expected, worker = reference_reduce_scatter(inputs, worker, "mean")
+        for r in range(2):
+            assert all(g is not None for g in res[r][step]["sharded"]), (step, r)
+            got = sharded_values(res[r][step]["sharded"], [0, 1])
+            want = row_of(expected[r], shapes, [0, 1], 2, r)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
+
+
+def unfrozen_midway() -> dict:
+    """The first Linear's weight stops requiring gradients after two backwards (as progressive
+    freezing would): FSDP then leaves it out of the module's reduce-scatter, so the module's
+    errors no longer fit the layout. Refused on every rank, every time, until its error feedback
+    is reset; then training goes on. A same-shaped swap would have passed silently."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    state = compcomm.fsdp.compress(model, start_iter=1)
+    for step in range(2):
+        loss_of(model, batch(rank, step)).backward()
+        model.zero_grad()
+    model[0].weight.requires_grad_(False)
+    refusals = []
+    for step in range(2, 4):
+        refusals.append(caught(lambda: loss_of(model, batch(rank, step)).backward()))
+        model.reset_iter_state()
+        model.zero_grad()
+    state.error_feedback["0"].reset()
+    loss_of(model, batch(rank, 4)).backward()
+    return {"refusals": refusals, "iteration": state.iteration, "weight_grad": model[0].weight.grad is None}
+
+
+def test_a_parameter_that_stops_requiring_gradients_is_refused_until_reset(pool):
+    for r in pool.run(unfrozen_midway):
+        for refusal in r["refusals"]:
+            assert refusal is not None and refusal[0] == "ValueError", r
+            assert "rank 0: the parameters of FSDP module '0' that require gradients changed" in refusal[1], r
+        assert r["iteration"] == 3 and r["weight_grad"], r
+
+
 def run_hsdp(steps: int, start_iter: int, seed_per_rank: bool, intra: str | None = None) -> list[dict]:
     import torch.distributed as dist
 
@@ -280,6 +380,52 @@ def poisoned(nonfinite: str, hsdp: bool, where: str = "input") -> dict:
     }
 
 
+def recovered_backward() -> dict:
+    """The root FSDP module holds the last Linear and reduces first; at the second backward rank
+    1's gradient of that Linear's weight is NaN. After the documented recovery the next
+    backward's gradients are those of a backward on fresh gradients. The first Linear, not
+    reduced when the backward raised, kept that backward's gradients on its unsharded
+    parameters, and the next backward added its own to them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    model = make_model()
+    mesh = DeviceMesh.from_group(group((0, 1, 2, 3)), "cpu")
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    compcomm.fsdp.compress(model, start_iter=100)
+    loss_of(model, batch(rank, 0)).backward()
+    model.zero_grad()
+    hooks: list = []
+
+    def nan_once(grad: torch.Tensor) -> torch.Tensor:
+        hooks.pop().remove()  # the unsharded parameter is the same object at every backward
+        return grad * float("nan")
+
+    armed = model[2].register_forward_pre_hook(lambda m, _: hooks.append(m.weight.register_hook(nan_once)))
+    loss = loss_of(model, batch(rank, 1))
+    armed.remove()
+    if rank != 1:
+        hooks.pop().remove()
+    failure = caught(loss.backward)
+    model.reset_iter_state()
+    model.zero_grad()
+    runs = []
+    for _ in range(2):
+        loss_of(model, batch(rank, 2)).backward()
+        runs.append([p.grad.to_local().clone() for p in model.parameters()])
+        model.zero_grad()
+    return {"failure": failure, "fresh": all(torch.equal(a, b) for a, b in zip(*runs))}
+
+
+def test_the_backward_after_a_nonfinite_one_starts_from_fresh_gradients(pool):
+    for r in pool.run(recovered_backward):
+        assert r["failure"] is not None and r["failure"][0] == "NonFiniteError", r
+        assert r["fresh"], r
+
+
 @pytest.mark.parametrize("where", ["input", "first"])
 @pytest.mark.parametrize("hsdp", [False, True])
 def test_nonfinite_raises_on_every_rank_and_training_goes_on(pool, hsdp, where):
@@ -297,7 +443,7 @@ def test_nonfinite_propagate_gives_nan_everywhere_and_leaves_no_trace(pool, hsdp
     res = pool.run(poisoned, "propagate", hsdp, where)
     for r in res:
         assert r["failure"] is None
-        assert r["nan"] and any(r["nan"]), "the failing module's gradients come back as NaN"
+        assert len(r["nan"]) == 4 and all(r["nan"]), "every gradient comes back NaN (only the failing module's did)"
         assert all(r["unchanged"].values()), "a skipped backward leaves every error state as it was"
         assert r["iteration"] == 2 and r["next"] == 3 and r["finite"]
 

@@ -25,18 +25,30 @@ def _optimizer(name: str, params, **extra):
     return OPTIMIZERS[name](params, lr=0.01, weight_decay=0.01, freeze_step=FREEZE, **extra)
 
 
-def sharded_run(name: str, steps: int) -> dict:
+def _groups(model: torch.nn.Module, masked: bool) -> list[dict]:
+    """All parameters in one group; or the first Linear's weight (7 rows over 4 ranks: 2, 2, 2, 1)
+    in a group of its own with an `exp_avg_mask` shaped like the whole weight."""
+    params = list(model.parameters())
+    if not masked:
+        return [{"params": params}]
+    mask = (torch.rand(7, 5, generator=torch.Generator().manual_seed(3)) > 0.3).float()
+    return [{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}]
+
+
+def sharded_run(name: str, steps: int, masked: bool = False) -> dict:
     """The sharded run, and on every rank the same rules on whole tensors fed FSDP's reduced
     gradients (gathered from the shards): warm-up steps through step(), and after the freeze
-    the momentum formed from the 1-bit gradient, then the optimizer's compressed update."""
+    the momentum formed from the 1-bit gradient, then the optimizer's compressed update.
+    `masked`: a whole-weight exp_avg_mask on one parameter, which the sharded optimizer applied
+    to its shard unsliced (a shape error at the first compressed step)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     model = shard(make_model(), (0, 1, 2, 3))
     compcomm.fsdp.compress(model, start_iter=FREEZE)
-    opt = _optimizer(name, model.parameters())
+    opt = _optimizer(name, _groups(model, masked))
     whole = make_model()
-    ref = _optimizer(name, whole.parameters(), backend="local")
+    ref = _optimizer(name, _groups(whole, masked), backend="local")
     gaps = []
     for step in range(steps):
         loss_of(model, batch(rank, step)).backward()
@@ -51,9 +63,10 @@ def sharded_run(name: str, steps: int) -> dict:
                 ref.step()
             else:
                 momenta = []
-                for p, g in zip(whole.parameters(), reduced):
+                groups = [group for group in ref.param_groups for _ in group["params"]]
+                for p, g, group in zip(whole.parameters(), reduced, groups):
                     m = torch.empty_like(p)
-                    ref._payload(t, COMPRESSED, p, ref.param_groups[0], g, m)
+                    ref._payload(t, COMPRESSED, p, group, g, m)
                     momenta.append(m)
                 ref._apply(t, COMPRESSED, momenta)
                 ref._step_count = t
@@ -62,9 +75,10 @@ def sharded_run(name: str, steps: int) -> dict:
     return {"gaps": gaps, "steps": opt.step_count}
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_sharded_steps_match_the_whole_tensor_rules(pool, name):
-    for r in pool.run(sharded_run, name, 5):
+def test_sharded_steps_match_the_whole_tensor_rules(pool, name, masked):
+    for r in pool.run(sharded_run, name, 5, masked):
         assert r["steps"] == 5
         assert max(r["gaps"]) < 1e-5, r["gaps"]
 
@@ -186,6 +200,35 @@ def foreign(name: str) -> tuple[str, str] | None:
 def test_rank0_optimizer_state_loaded_everywhere_raises_on_every_rank(pool):
     for failure in pool.run(foreign, "adam"):
         assert failure is not None and failure[0] == "ValueError" and "shards of rank 0" in failure[1], failure
+
+
+def scaled(name: str) -> dict:
+    """GradScaler with nonfinite="propagate": rank 1's loss is inf at the second iteration,
+    so every rank's gradients come back NaN, that backward is not counted, and the scaler skips
+    the step. The sharded optimizer raised there that the step followed too few backwards."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    compcomm.fsdp.compress(model, start_iter=FREEZE, nonfinite="propagate")
+    opt = _optimizer(name, model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for step in range(5):
+        loss = loss_of(model, batch(rank, step))
+        if step == 1 and rank == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    finite = all(bool(torch.isfinite(p).all()) for p in full_params(model))
+    return {"steps": opt.step_count, "skipped": opt.skipped_steps, "scale": scaler.get_scale(), "finite": finite}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_grad_scaler_skips_a_propagated_nonfinite_backward(pool, name):
+    for r in pool.run(scaled, name):
+        assert r == {"steps": 4, "skipped": 1, "scale": 2.0**7, "finite": True}, r
 
 
 def misuse(case: str) -> tuple[str, str] | None:

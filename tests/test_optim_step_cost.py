@@ -189,7 +189,7 @@ def test_sparse_mask_masks_like_the_dense_one(fraction, into, contiguous, dtype,
             expected.mul_(options["exp_avg_mask"])
         out = torch.empty(48, 64, dtype=dtype).t() if not contiguous else torch.empty(64, 48, dtype=dtype)
         source = values.clone()
-        result = mask_(source, options, form, out=out if into else None)
+        result = mask_(source, values, options, form, out=out if into else None)
         assert torch.equal(result.contiguous().view(bits), expected.view(bits))
         assert (result is out) if into else (result is source)
 
@@ -198,13 +198,13 @@ def test_mask_into_an_out_of_another_dtype_converts_first():
     values = torch.randn(32, 16, generator=torch.Generator().manual_seed(5))
     dense = torch.rand(32, 16, generator=torch.Generator().manual_seed(6)) < 0.5
     out = torch.empty(32, 16, dtype=torch.bfloat16)
-    mask_(values, {}, sparse_mask(dense), out=out)
+    mask_(values, values, {}, sparse_mask(dense), out=out)
     assert torch.equal(out.view(torch.int16), values.to(torch.bfloat16).masked_fill(dense, 0.0).view(torch.int16))
 
 
 def test_mask_refuses_a_bool_mask():
     with pytest.raises(TypeError, match="sparse_mask"):
-        mask_(torch.ones(4), {}, torch.tensor([True, False, True, False]))
+        mask_(torch.ones(4), torch.ones(4), {}, torch.tensor([True, False, True, False]))
 
 
 def zeroone_masked_nan(automatic: bool) -> tuple[bool, bool, bool]:

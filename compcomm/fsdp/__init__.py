@@ -40,11 +40,13 @@ Errors), so 2x the full gradient in fp32. The HSDP error is the shard's size, li
 
 Errors. Every rank raises the same error or none. NaN/Inf in any rank's gradients raises
 `NonFiniteError` on every rank from `backward()` (after catching it, call `reset_iter_state()`
-on the root FSDP module, as FSDP asks after any exception in backward), or, with
-`nonfinite="propagate"` (for a GradScaler), gives NaN gradients on every rank, so that the scaler
-skips the step. Either way such a backward leaves no trace in any error state, whichever module
-failed, and does not count as an iteration: each module's new errors go into its spare, which
-replaces its state only when every module of the backward succeeded.
+on the root FSDP module, as FSDP asks after any exception in backward, and zero the gradients;
+the gradients of modules the backward had not reduced are dropped), or, with
+`nonfinite="propagate"` (for a GradScaler), gives NaN gradients on every rank, every
+parameter's, so that the scaler skips the step. Either way such a backward leaves no trace in
+any error state, whichever module failed, and does not count as an iteration: each module's new
+errors go into its spare, which replaces its state only when every module of the backward
+succeeded.
 
 Gradient accumulation: `model.set_requires_gradient_sync(False)` on the micro-batches that only
 accumulate (FSDP then reduces nothing; the iteration counts the backward that reduces).
@@ -111,6 +113,10 @@ def compress(
     state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite, refused, intra)
     intra_backends: dict[int, Any] = {}
     for m in modules:
+        # A parameter without a gradient in a backward is left out of FSDP's reduce-scatter by
+        # default, so the rows would lay out another parameter's gradient where its errors are:
+        # with zeros in its place, each error state meets the gradient it came from.
+        m.module.set_reduce_scatter_unused_params(True)
         if replicate_group is None:
             m.module.set_custom_reduce_scatter(CompressedReduceScatter(state, m.name))
             continue

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .. import schedules
 from ..agreement import CallSpec, raise_agreed
@@ -38,14 +39,33 @@ class _Module:
     """One FSDP module's compression: its error state and the groups it reduces over."""
 
     name: str
+    params: list[torch.nn.Parameter]
     errors: ErrorFeedback
     spare: ErrorFeedback  # where a backward's new errors go until it succeeds
     shard: Backend  # the group FSDP reduce-scatters over
     replicas: Backend | None  # HSDP: the replicas of this rank's shard (None: FSDP mode)
+    layout: tuple[bool, ...] | None = None  # which parameters required gradients when `errors` was written
 
     def keep(self) -> None:
         """The backward succeeded: the spare's errors become the state."""
         self.errors, self.spare = self.spare, self.errors
+        self.layout = self._requiring()
+
+    def _requiring(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.params)
+
+    def layout_changed(self) -> ValueError | None:
+        """FSDP lays a module's gradients out by the parameters that require them (those without
+        a gradient take part as zeros): other ones than when its errors were written would meet
+        other parameters' gradients."""
+        if self.layout is None or not self.errors.initialized or self.layout == self._requiring():
+            return None
+        return ValueError(
+            f"the parameters of FSDP module {self.name!r} that require gradients changed since its error "
+            "feedback was written: FSDP lays their gradients out by them, so its errors would meet other "
+            "parameters' gradients. Set requires_grad before compcomm.fsdp.compress and keep it, or after "
+            f"changing it call state.error_feedback[{self.name!r}].reset() on every rank (its errors are dropped)"
+        )
 
 
 @dataclass
@@ -133,6 +153,7 @@ class CompressionState:
         self._modules: dict[str, _Module] = {
             m.name: _Module(
                 m.name,
+                m.params,
                 ErrorFeedback(tag=f"compcomm.fsdp:{m.name}"),
                 ErrorFeedback(tag=f"compcomm.fsdp:{m.name}"),
                 chosen.shards[id(m.shard_group)],
@@ -147,6 +168,7 @@ class CompressionState:
         self._failed = False
         self._shard_of = {id(p): self._modules[m.name].shard for m in modules for p in m.params}
         self._shapes = {m.name: [list(p.shape) for p in m.params] for m in modules}
+        self._fsdp_modules = [m.module for m in modules]
         for p in self.params:
             register(p, self)
 
@@ -183,7 +205,7 @@ class CompressionState:
         self._enter()
         be = module.shard
         check_called_over(group, be, f"module {name!r}'s reduce-scatter")
-        spec = CallSpec([tensor], [module.errors], op, self._outs(module), exact=[not self.compressing])
+        spec = self._spec(module, tensor, op)
         spec.outputs = [output]
         self._run(module, output, lambda: be.ordered(lambda: schedules.reduce_scatter(spec, be)))
 
@@ -194,7 +216,7 @@ class CompressionState:
         self._enter()
         replicas = module.replicas
         assert replicas is not None
-        spec = CallSpec([shard], [module.errors], "mean", self._outs(module), exact=[not self.compressing])
+        spec = self._spec(module, shard, "mean")
         failure: Exception | None = None
         try:
             replicas.ordered(lambda: schedules.allreduce(spec, replicas))
@@ -202,8 +224,11 @@ class CompressionState:
             failure = exc
         self._run(module, shard, lambda: raise_agreed(failure, module.shard, context="across replicas: "))
 
-    def _outs(self, module: _Module) -> list[ErrorFeedback]:
-        return [module.spare]
+    def _spec(self, module: _Module, tensor: torch.Tensor, op: str) -> CallSpec:
+        """Module `module`'s call on `tensor`: its new errors go into its spare; a changed layout
+        of its gradients is refused in the call's agreement, on every rank."""
+        exact = [not self.compressing]
+        return CallSpec([tensor], [module.errors], op, [module.spare], exact=exact, refused=module.layout_changed())
 
     def _run(self, module: _Module, output: torch.Tensor, reduce: Any) -> None:
         """`reduce()`, then note the module for the end of the backward; a non-finite verdict
@@ -214,14 +239,27 @@ class CompressionState:
         except NonFiniteError:
             self._failed = True
             if self.nonfinite != "propagate":
-                self._backward = None  # the backward ends here: the next one starts afresh
+                self._abort_backward()
                 raise
             output.fill_(float("nan"))
             return
         except Exception:
-            self._failed, self._backward = True, None
+            self._failed = True
+            self._abort_backward()
             raise
         self._pending.append(module)
+
+    def _abort_backward(self) -> None:
+        """The backward ends at this raise, before FSDP reduces the modules it has not reached:
+        their gradients stay on their unsharded parameters, which FSDP keeps (resharding them in
+        `reset_iter_state` keeps the gradients) and the next backward would accumulate into.
+        Dropped here, so that the next backward starts from none; the next one starts afresh."""
+        self._backward = None
+        for module in self._fsdp_modules:
+            assert isinstance(module, torch.nn.Module)
+            for p in module.parameters():
+                if not isinstance(p, DTensor):  # unsharded: this backward's, not yet reduced
+                    p.grad = None
 
     def _enter(self) -> None:
         """The first reduction of a backward queues the commit at its end."""
@@ -233,11 +271,17 @@ class CompressionState:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        """Every reduction of the backward succeeded on every rank (or the step is skipped)."""
+        """Every reduction of the backward succeeded on every rank (or the step is skipped: with
+        nonfinite="propagate" every gradient shard is then NaN, also those of the modules whose
+        reductions passed, so that the whole backward reads as the failed one it is)."""
         if not self._failed:
             for module in self._pending:
                 module.keep()
             self.iteration += 1
+        elif self.nonfinite == "propagate":
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.to_local().fill_(float("nan"))  # type: ignore[attr-defined]
         self._backward, self._pending, self._failed = None, [], False
 
     # ----------------------------------------------------------------- checkpoints

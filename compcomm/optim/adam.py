@@ -123,7 +123,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
                 denom = adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"], out=self._scratch_like(p))
             else:
                 denom, masked = self._frozen_denominator(p, group)
-                mask_(value, group, masked, out=state["exp_avg"])
+                mask_(value, p, group, masked, out=state["exp_avg"])
             w = master_weight(p, state)
             decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1**t))
             store_(p, w)

@@ -68,7 +68,7 @@ from ..backends.registry import resolve_for_call
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values
-from ..layout import DEFAULT_BUCKET_BYTES
+from ..layout import DEFAULT_BUCKET_BYTES, bucket_groups
 from . import checkpoints
 from .base import OnebitOptimizer
 from .buckets import BucketLayout
@@ -92,8 +92,9 @@ class DiLoCo(torch.optim.Optimizer):
     sharded). `outer_lr`, `outer_momentum` and `nesterov` configure the outer torch.optim.SGD
     (`opt.outer`); `compress` picks the 1-bit error-feedback mean (True) or the exact one;
     `fragments` > 1 is Streaming DiLoCo, overlapping each fragment's collective with
-    `overlap_steps` inner steps. `bucket_bytes` sizes the communication buckets (25 MiB, like
-    DDP); a fragment holds whole buckets, so there must be at least `fragments` of them.
+    `overlap_steps` inner steps. `bucket_bytes` sizes the communication buckets: by default
+    25 MiB, like DDP, or smaller where a model makes fewer than `fragments` such buckets (a
+    fragment holds whole buckets, a bucket whole parameters; see `_bucket_bytes`).
 
     `passes` > 1 (with compress=True) sends each sync's pseudo-gradient in that many 1-bit calls
     with the same error feedback, the later ones carrying the errors the earlier left (about
@@ -151,7 +152,7 @@ class DiLoCo(torch.optim.Optimizer):
         *,
         start_iter: int = 0,
         overlap_steps: int | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         passes: int = 1,
         passes_until: int | None = None,
         rotate: bool = False,
@@ -163,6 +164,7 @@ class DiLoCo(torch.optim.Optimizer):
             overlap = _checked_arguments(
                 inner, mine, sync_every, fragments, start_iter, bucket_bytes, passes, passes_until, overlap_steps
             )
+            bucket_bytes = _bucket_bytes(mine, fragments) if bucket_bytes is None else bucket_bytes
             check_range("outer_lr", outer_lr, 0.0, low_open=True)
             check_range("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
             for name, flag in (("nesterov", nesterov), ("compress", compress), ("rotate", rotate)):
@@ -205,6 +207,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.rotate = rotate
         self._backend = be
         equalize_from_rank0(mine, be)
+        assert bucket_bytes is not None  # else raised on every rank
         layout = BucketLayout(mine, range(len(mine)), bucket_bytes, be.world_size, "DiLoCo")
         schedule = FragmentSchedule(layout.sizes(), fragments, sync_every, overlap)
         self._sync = OuterSync(mine, layout, schedule, outer, compress, be, rotate)
@@ -489,7 +492,7 @@ def _checked_arguments(
     sync_every: int,
     fragments: int,
     start_iter: int,
-    bucket_bytes: int,
+    bucket_bytes: int | None,
     passes: int,
     passes_until: int | None,
     overlap_steps: int | None,
@@ -506,7 +509,8 @@ def _checked_arguments(
     check_count("sync_every", sync_every, 1)
     check_count("fragments", fragments, 1)
     check_count("start_iter", start_iter, 0)
-    check_count("bucket_bytes", bucket_bytes, 1)
+    if bucket_bytes is not None:
+        check_count("bucket_bytes", bucket_bytes, 1)
     check_count("passes", passes, 1)
     if passes_until is not None:
         check_count("passes_until", passes_until, 0)
@@ -530,3 +534,18 @@ def _checked_arguments(
             raise ValueError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")
     check_plain_replicas(params, "DiLoCo")
     return int(overlap)
+
+
+def _bucket_bytes(params: list[torch.Tensor], fragments: int) -> int:
+    """The buckets' size when none is given: 25 MiB, or for a model that makes fewer than
+    `fragments` buckets of that size (one under `fragments` x 25 MiB), an even share of it,
+    halved until the buckets are enough (at worst one per parameter, since a bucket holds whole
+    parameters; fewer parameters than fragments is refused when the fragments are cut)."""
+    size = DEFAULT_BUCKET_BYTES
+    if fragments == 1:
+        return size
+    share = -(-sum(p.numel() for p in params) * 4 // fragments)
+    size = max(1, min(size, share))
+    while size > 1 and len(bucket_groups(params, size, torch.float32)) < fragments:
+        size //= 2
+    return size

@@ -21,7 +21,7 @@ def partition(sizes: Sequence[int], parts: int) -> list[list[int]]:
     if not 1 <= parts <= len(sizes):
         raise ValueError(
             f"fragments={parts} needs at least as many communication buckets, but the parameters "
-            f"make {len(sizes)}: lower fragments or pass a smaller bucket_bytes"
+            f"make {len(sizes)} (a bucket holds whole parameters): lower fragments, or pass a smaller bucket_bytes"
         )
     prefix = [0]
     for size in sizes:

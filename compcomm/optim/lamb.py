@@ -197,7 +197,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
     ) -> None:
         beta1, beta2 = group["betas"]
         denom, masked = self._frozen_denominator(p, group)
-        m = mask_(m, group, masked)
+        m = mask_(m, p, group, masked)
         scratch = self._scratch_like(p, 0)
         # g_rec = (m - beta1 m_prev) / (1 - beta1): the division is folded into the addcmul's value
         delta = torch.add(m, state["exp_avg"], alpha=-beta1, out=scratch)

@@ -77,7 +77,7 @@ class ShardedSteps:
     def agree(self, t: int, found_inf: bool) -> bool:
         """Step t's verdict over every rank of the model: is some rank's gradient shard
         non-finite (or its GradScaler's inf check)? ValueError when the optimizer and the
-        compression are out of step."""
+        compression are out of step (the same on every rank: they count the same backwards)."""
         state = self.state
         switch = self.owner._switch_step()
         if switch is not None and switch != state.start_iter:
@@ -85,14 +85,18 @@ class ShardedSteps:
                 f"{type(self.owner).__name__}'s freeze_step ({switch}) must equal the start_iter of "
                 f"compcomm.fsdp.compress ({state.start_iter}): the variance freezes when the gradients turn 1-bit"
             )
-        if state.iteration != t and state.world.world_size > 1:  # alone, FSDP reduces nothing to count
+        local_bad = found_inf or any(g is not None and not all_finite(g) for g in self._grads())
+        skipped = bool(all_sum([float(local_bad)], state.world)[0])
+        # A backward whose gradients were non-finite is not counted (nonfinite="propagate"
+        # hands them on as NaN for a GradScaler, which still calls step() so that it skips).
+        counted = state.iteration == t or (skipped and state.iteration == t - 1)
+        if not counted and state.world.world_size > 1:  # alone, FSDP reduces nothing to count
             raise ValueError(
                 f"step {t} follows {state.iteration} reducing backward passes: one reducing backward per step keeps "
                 "the optimizer's stages in step with the compression's (accumulate micro-batches under "
                 "model.set_requires_gradient_sync(False), and call step() after each reducing backward)"
             )
-        local_bad = found_inf or any(g is not None and not all_finite(g) for g in self._grads())
-        return bool(all_sum([float(local_bad)], state.world)[0])
+        return skipped
 
     def _grads(self) -> list[torch.Tensor | None]:
         return [None if p.grad is None else local(p.grad) for p in self.params()]

@@ -33,6 +33,20 @@ def local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined]
 
 
+def local_part(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The part of `value` (broadcastable to `p`'s whole shape) that lies on `p`'s local shard:
+    `value` itself for a plain tensor, else the chunk FSDP2 gives this rank (`torch.chunk` of its
+    shard dimension; none for a rank past the last chunk) of the value broadcast to `p`."""
+    if not is_dtensor(p):
+        return value
+    (placement,) = p.placements  # type: ignore[attr-defined]  # FSDP2: one shard dimension, a 1-D mesh
+    dim = placement.dim
+    whole = value.expand(p.shape)
+    chunks = whole.chunk(p.device_mesh.size(), dim=dim)  # type: ignore[attr-defined]
+    rank = p.device_mesh.get_local_rank()  # type: ignore[attr-defined]
+    return chunks[rank] if rank < len(chunks) else whole.narrow(dim, 0, 0)
+
+
 def register(param: torch.Tensor, state: CompressionState) -> None:
     _compressions[param] = state
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..layout import is_integer
-from .shards import local
+from .shards import local, local_part
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -60,12 +60,17 @@ def negligible(denominator: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def mask_(
-    values: torch.Tensor, group: dict[str, Any], masked: torch.Tensor | None, out: torch.Tensor | None = None
+    values: torch.Tensor,
+    p: torch.Tensor,
+    group: dict[str, Any],
+    masked: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The elements of a communicated momentum that must not move the weights zeroed: those
-    `masked` (by the automatic rule, `negligible`, in the form `sparse_mask` gives: None when no
-    element is, the flat indices of the few masked elements, or keep bits for many) and by the
-    group's `exp_avg_mask` (1 keeps, 0 masks). In place, or written into `out`."""
+    """The elements of parameter p's communicated momentum that must not move its weights
+    zeroed: those `masked` (by the automatic rule, `negligible`, in the form `sparse_mask` gives:
+    None when no element is, the flat indices of the few masked elements, or keep bits for many)
+    and by the group's `exp_avg_mask` (1 keeps, 0 masks; shaped for the whole parameter, so its
+    part on p's shard where p is sharded). In place, or written into `out`."""
     if masked is not None and masked.dtype not in (torch.int8, torch.int64):
         raise TypeError(f"mask_ takes the form sparse_mask gives (int8 keep bits or int64 indices), not {masked.dtype}")
     target = values if out is None else out
@@ -86,7 +91,7 @@ def mask_(
             target.view(-1).index_fill_(0, masked, 0.0)  # costs only the few masked elements
     user = group.get("exp_avg_mask")
     if user is not None:
-        target.mul_(user.to(target.device))
+        target.mul_(local_part(p, user.to(target.device)))
     return target
 
 

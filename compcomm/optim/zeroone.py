@@ -156,7 +156,7 @@ class ZeroOneAdam(OnebitOptimizer):
         be m itself) and w_out (None: w is updated in place)."""
         beta1 = group["betas"][0]
         denom, masked = self._denominator(p, group, self.var_updates)
-        mask_(torch.lerp(m, g, 1 - beta1, out=m_out), group, masked)
+        mask_(torch.lerp(m, g, 1 - beta1, out=m_out), p, group, masked)
         decoupled_step_(w, group, m_out, denom, group["lr"] / (1 - beta1**t), out=w_out)
 
     def _payload(
@@ -168,7 +168,7 @@ class ZeroOneAdam(OnebitOptimizer):
         state = self._moments(p)
         if t <= self.var_freeze_step:  # a 1-bit gradient, in the update's units
             denom, masked = self._denominator(p, group, self.var_updates)
-            mask_(torch.div(g, denom, out=out), group, masked)
+            mask_(torch.div(g, denom, out=out), p, group, masked)
             return
         # a sync: w_r - w_s, this step's local update included
         self._local_step(t, master_weight(p, state), state["exp_avg"], g, group, p, self._scratch_like(p), out)
@@ -190,7 +190,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 denom = self._denominators.denominator(p, state["exp_avg_sq"], refreshes, group)
             else:
                 denom, masked = self._denominator(p, group, refreshes)
-                state["exp_avg"].lerp_(mask_(value.mul_(denom), group, masked), 1 - beta1)
+                state["exp_avg"].lerp_(mask_(value.mul_(denom), p, group, masked), 1 - beta1)
             w = master_weight(p, state)
             decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1**t))
             store_(p, w)
@@ -211,7 +211,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 state["lr_sum"] += group["lr"]
             else:
                 denom, masked = self._denominator(p, group, self.var_updates)
-                u = mask_(value, group, masked)
+                u = mask_(value, p, group, masked)
                 lr_sum = state["lr_sum"] + group["lr"]
                 torch.add(state["sync_weight"], u, out=w)
                 torch.mul(u, denom, out=state["exp_avg"]).mul_(-(1 - group["betas"][0] ** t) / lr_sum)
