@@ -118,7 +118,7 @@ class OnebitHookState:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, _NONFINITE))}, got {nonfinite!r}")
         check_backend_argument(backend)
         self.process_group = process_group
-        self.start_iter = start_iter
+        self.start_iter = int(start_iter)  # a numpy integer would make the state dict's file unloadable
         self.nonfinite = nonfinite
         self.iter = 0
         self._backend_arg = backend

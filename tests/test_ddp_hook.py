@@ -483,6 +483,13 @@ def test_without_a_process_group_the_hook_state_names_init_process_group(monkeyp
             method()
 
 
+def test_a_numpy_start_iter_is_kept_as_an_int():
+    """It is saved in the state dict: a numpy scalar there makes torch.load's defaults refuse the file."""
+    import numpy as np
+
+    assert type(OnebitHookState(start_iter=np.int64(3)).start_iter) is int
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="start_iter"):
         OnebitHookState(start_iter=-1)

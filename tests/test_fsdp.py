@@ -220,6 +220,46 @@ def test_a_parameter_that_stops_requiring_gradients_is_refused_until_reset(pool)
         assert r["iteration"] == 3 and r["weight_grad"], r
 
 
+def resumed_with_another_frozen(start_iter: object) -> dict:
+    """Errors saved while expert b was frozen, loaded into a model where a is (the same shape,
+    so the same layout size): the first backward is refused on every rank, as a change of
+    requires_grad in one run is. The checkpoint did not say which parameters its errors were
+    of, and they met the other expert's gradients. `start_iter` a numpy integer: the state's
+    file loads with torch.load's defaults (it held a numpy scalar, which they refuse)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+
+    def built(frozen: str) -> tuple[Experts, compcomm.fsdp.CompressionState]:
+        model = Experts()
+        getattr(model, frozen).requires_grad_(False)
+        model.use = "b" if frozen == "a" else "a"
+        fully_shard(model, mesh=DeviceMesh.from_group(group((0, 1)), "cpu"))
+        return model, compcomm.fsdp.compress(model, start_iter=start_iter)
+
+    model, state = built("b")
+    for step in range(2):
+        model(torch.randn(5, 3, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+    buffer = io.BytesIO()
+    torch.save(state.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    other, resumed = built("a")
+    resumed.load_state_dict(saved)
+    refusal = caught(lambda: other(torch.randn(5, 3)).backward())
+    return {"refusal": refusal}
+
+
+@pytest.mark.parametrize("start_iter", [0, np.int64(0)])
+def test_errors_resumed_under_another_requires_grad_layout_are_refused(pool, start_iter):
+    for r in pool.run(resumed_with_another_frozen, start_iter, ranks=(0, 1)):
+        refusal = r["refusal"]
+        assert refusal is not None and refusal[0] == "ValueError", r
+        assert "rank 0: the parameters of FSDP module '' that require gradients changed" in refusal[1], r
+
+
 def run_hsdp(steps: int, start_iter: int, seed_per_rank: bool, intra: str | None = None) -> list[dict]:
     import torch.distributed as dist
 
@@ -380,21 +420,26 @@ def poisoned(nonfinite: str, hsdp: bool, where: str = "input") -> dict:
     }
 
 
-def recovered_backward() -> dict:
-    """The root FSDP module holds the last Linear and reduces first; at the second backward rank
-    1's gradient of that Linear's weight is NaN. After the documented recovery the next
-    backward's gradients are those of a backward on fresh gradients. The first Linear, not
-    reduced when the backward raised, kept that backward's gradients on its unsharded
-    parameters, and the next backward added its own to them."""
+def recovered_backward(accumulated: bool) -> dict:
+    """Three Linears: the first an FSDP module, the others the root's (or each one its own, if
+    `accumulated`); at the second backward rank 1's gradient of the last one's weight is NaN
+    (after a micro-batch accumulated without sync, if `accumulated`). After the documented
+    recovery the next backward's gradients are those of a backward on fresh gradients. The
+    first Linear, not reduced when the backward raised, kept that backward's gradients on its
+    unsharded parameters, and the next backward added its own to them; the accumulated
+    micro-batch's stayed where FSDP keeps them after resharding."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
-    model = make_model()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+    )
     mesh = DeviceMesh.from_group(group((0, 1, 2, 3)), "cpu")
-    fully_shard(model[0], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    for layer in (model[0], model[2], model[4], model) if accumulated else (model[0], model):
+        fully_shard(layer, mesh=mesh)
     compcomm.fsdp.compress(model, start_iter=100)
     loss_of(model, batch(rank, 0)).backward()
     model.zero_grad()
@@ -404,7 +449,11 @@ def recovered_backward() -> dict:
         hooks.pop().remove()  # the unsharded parameter is the same object at every backward
         return grad * float("nan")
 
-    armed = model[2].register_forward_pre_hook(lambda m, _: hooks.append(m.weight.register_hook(nan_once)))
+    if accumulated:
+        model.set_requires_gradient_sync(False)
+        loss_of(model, batch(rank, 5)).backward()
+        model.set_requires_gradient_sync(True)
+    armed = model[4].register_forward_pre_hook(lambda m, _: hooks.append(m.weight.register_hook(nan_once)))
     loss = loss_of(model, batch(rank, 1))
     armed.remove()
     if rank != 1:
@@ -420,8 +469,9 @@ def recovered_backward() -> dict:
     return {"failure": failure, "fresh": all(torch.equal(a, b) for a, b in zip(*runs))}
 
 
-def test_the_backward_after_a_nonfinite_one_starts_from_fresh_gradients(pool):
-    for r in pool.run(recovered_backward):
+@pytest.mark.parametrize("accumulated", [False, True])
+def test_the_backward_after_a_nonfinite_one_starts_from_fresh_gradients(pool, accumulated):
+    for r in pool.run(recovered_backward, accumulated):
         assert r["failure"] is not None and r["failure"][0] == "NonFiniteError", r
         assert r["fresh"], r
 

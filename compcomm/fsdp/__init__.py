@@ -108,6 +108,7 @@ def compress(
     refused: Exception | None = None
     try:
         _check_arguments(modules, start_iter, replicate_group, backend, nonfinite, intra)
+        start_iter = int(start_iter)  # a numpy integer would make the state dict's file unloadable
     except Exception as exc:  # agreed by the state first thing, so no other rank waits on this one
         refused, backend = exc, None
     state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite, refused, intra)
@@ -156,6 +157,11 @@ def _check_arguments(
         )
     if intra is not None and any(p.device.type != "cpu" for m in modules for p in m.params):
         raise ValueError("intra='shm' moves CPU tensors between a host's ranks; these parameters are not on the CPU")
+    if any(not hasattr(m.module, "set_reduce_scatter_unused_params") for m in modules):
+        raise RuntimeError(
+            "compcomm.fsdp needs FSDP2's FSDPModule.set_reduce_scatter_unused_params (to keep each parameter's "
+            f"error feedback with its own gradient), which torch {torch.__version__} lacks: upgrade torch"
+        )
     if any(state_of(p) is not None for m in modules for p in m.params):
         raise ValueError("compcomm.fsdp.compress was already called on this model")
 

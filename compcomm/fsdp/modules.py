@@ -100,3 +100,24 @@ def check_called_over(group: dist.ProcessGroup, be: Backend, what: str) -> None:
             f"FSDP calls {what} over a group of {dist.get_world_size(group)} ranks (this one {dist.get_rank(group)}), "
             f"not the {be.world_size}-rank group compcomm.fsdp.compress built for it"
         )
+
+
+def unsharded_gradients_dropped(module: FSDPModule) -> None:
+    """Drop the gradients FSDP holds for `module`'s parameters unreduced: on the unsharded
+    parameters it has registered now, and on those it keeps aside after resharding (and their
+    accumulation in the reduce dtype under `set_requires_gradient_sync(False)`), which its
+    `reset_iter_state` leaves for the next backward to add to. The latter are FSDP's own records
+    (`FSDPParam`), reached past its seams where they exist."""
+    assert isinstance(module, torch.nn.Module)
+    for p in module.parameters():
+        if not isinstance(p, DTensor):
+            p.grad = None
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+    for group in groups:
+        for record in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(record, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            if getattr(record, "unsharded_accumulated_grad", None) is not None:
+                record.unsharded_accumulated_grad = None

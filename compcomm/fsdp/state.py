@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .. import schedules
 from ..agreement import CallSpec, raise_agreed
@@ -28,7 +27,7 @@ from ..gather_objects import agree_on_values, all_gather_object
 from ..layout import is_integer
 from ..optim.checkpoints import agree_on_position
 from ..optim.shards import register
-from .modules import ShardedModule, check_called_over
+from .modules import ShardedModule, check_called_over, unsharded_gradients_dropped
 
 FORMAT = "compcomm.fsdp.CompressionState/1"
 NONFINITE = ("raise", "propagate")
@@ -251,15 +250,13 @@ class CompressionState:
 
     def _abort_backward(self) -> None:
         """The backward ends at this raise, before FSDP reduces the modules it has not reached:
-        their gradients stay on their unsharded parameters, which FSDP keeps (resharding them in
-        `reset_iter_state` keeps the gradients) and the next backward would accumulate into.
-        Dropped here, so that the next backward starts from none; the next one starts afresh."""
+        their gradients (this backward's, and earlier micro-batches' under
+        `set_requires_gradient_sync(False)`) stay where FSDP keeps them unreduced, for the next
+        backward to add to. Dropped here, as FSDP's `reset_iter_state` says a failed iteration's
+        gradients are; the next backward starts afresh."""
         self._backward = None
         for module in self._fsdp_modules:
-            assert isinstance(module, torch.nn.Module)
-            for p in module.parameters():
-                if not isinstance(p, DTensor):  # unsharded: this backward's, not yet reduced
-                    p.grad = None
+            unsharded_gradients_dropped(module)
 
     def _enter(self) -> None:
         """The first reduction of a backward queues the commit at its end."""
@@ -301,6 +298,7 @@ class CompressionState:
             "world_size": self.world.world_size,
             "modules": modules,
             "shapes": self._shapes,
+            "requires_grad": {name: None if m.layout is None else list(m.layout) for name, m in self._modules.items()},
         }
 
     def gathered_state_dict(self) -> dict[str, Any]:
@@ -330,8 +328,12 @@ class CompressionState:
         raise_agreed(failure, self.world, context="cannot load the compcomm.fsdp state: ")
         agree_on_position({"iteration": int(mine["iteration"])}, self.world)
         self.iteration, self.start_iter = int(mine["iteration"]), int(mine["start_iter"])
+        layouts = mine.get("requires_grad") or {}  # absent from states saved before it was kept
         for name, ef in loaded.items():
-            self._modules[name].errors = ef
+            module = self._modules[name]
+            module.errors = ef
+            layout = layouts.get(name)
+            module.layout = None if layout is None else tuple(bool(flag) for flag in layout)
         self._backward, self._pending, self._failed = None, [], False
 
     def _own_part(self, state: Any) -> dict[str, Any]:

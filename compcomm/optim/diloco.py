@@ -540,7 +540,7 @@ def _bucket_bytes(params: list[torch.Tensor], fragments: int) -> int:
     """The buckets' size when none is given: 25 MiB, or for a model that makes fewer than
     `fragments` buckets of that size (one under `fragments` x 25 MiB), an even share of it,
     halved until the buckets are enough (at worst one per parameter, since a bucket holds whole
-    parameters; fewer parameters than fragments is refused when the fragments are cut)."""
+    parameters: ValueError for fewer parameters than fragments)."""
     size = DEFAULT_BUCKET_BYTES
     if fragments == 1:
         return size
@@ -548,4 +548,10 @@ def _bucket_bytes(params: list[torch.Tensor], fragments: int) -> int:
     size = max(1, min(size, share))
     while size > 1 and len(bucket_groups(params, size, torch.float32)) < fragments:
         size //= 2
+    most = len(bucket_groups(params, size, torch.float32))
+    if most < fragments:
+        raise ValueError(
+            f"fragments={fragments} needs at least as many communication buckets, and a bucket holds whole "
+            f"parameters: these make at most {most}; lower fragments"
+        )
     return size

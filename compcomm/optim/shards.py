@@ -44,7 +44,10 @@ def local_part(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     whole = value.expand(p.shape)
     chunks = whole.chunk(p.device_mesh.size(), dim=dim)  # type: ignore[attr-defined]
     rank = p.device_mesh.get_local_rank()  # type: ignore[attr-defined]
-    return chunks[rank] if rank < len(chunks) else whole.narrow(dim, 0, 0)
+    part = chunks[rank] if rank < len(chunks) else whole.narrow(dim, 0, 0)
+    if part.shape != local(p).shape:  # a placement other than FSDP2's chunks
+        raise ValueError(f"cannot place a value on a {tuple(local(p).shape)} shard of a {tuple(p.shape)} parameter")
+    return part
 
 
 def register(param: torch.Tensor, state: CompressionState) -> None:
