@@ -5,6 +5,7 @@ checkpoints and misuse, every error raised on every rank."""
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -258,6 +259,69 @@ def test_errors_resumed_under_another_requires_grad_layout_are_refused(pool, sta
         refusal = r["refusal"]
         assert refusal is not None and refusal[0] == "ValueError", r
         assert "rank 0: the parameters of FSDP module '' that require gradients changed" in refusal[1], r
+
+
+class Detour(torch.nn.Module):
+    """A model whose middle FSDP module only the first step's forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle, self.last = torch.nn.Linear(5, 7), torch.nn.Linear(7, 7), torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        return self.last(torch.tanh(self.middle(h)) if step == 0 else h).pow(2).sum()
+
+
+def resumed_past_a_module_not_run() -> tuple[bytes, bytes]:
+    """Six 1-bit steps straight, and three + save + load into a fresh model and state + three:
+    the same bits. FSDP reduced the middle module (zeros and its errors) in the steps that did
+    not run it only in the process whose forward had once run it, so the resumed run left it
+    out, and drifted."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+
+    def build():
+        model = Detour()
+        mesh = DeviceMesh.from_group(group((0, 1)), "cpu")
+        for module in (model.first, model.middle, model.last, model):
+            fully_shard(module, mesh=mesh)
+        state = compcomm.fsdp.compress(model, start_iter=0)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def train(model, opt, steps):
+        for step in steps:
+            model(batch(rank, step), step).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def raw(model):
+        return b"".join(p.to_local().detach().numpy().tobytes() for p in model.parameters())
+
+    model, state, opt = build()
+    train(model, opt, range(6))
+    straight = raw(model)
+    model, state, opt = build()
+    train(model, opt, range(3))
+    saved = {"model": {k: v.to_local().clone() for k, v in model.state_dict().items()}}
+    saved.update(opt=copy.deepcopy(opt.state_dict()), comm=state.state_dict())
+    model, state, opt = build()
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.to_local().copy_(saved["model"][k])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["comm"])
+    train(model, opt, range(3, 6))
+    return straight, raw(model)
+
+
+def test_a_resumed_run_reduces_a_module_its_forward_has_not_run_yet(pool):
+    for straight, resumed in pool.run(resumed_past_a_module_not_run, ranks=(0, 1)):
+        assert straight == resumed
 
 
 def run_hsdp(steps: int, start_iter: int, seed_per_rank: bool, intra: str | None = None) -> list[dict]:

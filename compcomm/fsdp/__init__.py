@@ -130,6 +130,12 @@ def compress(
             m.module.set_custom_reduce_scatter(IntraReduceScatter(be))
     if replicate_group is not None:
         _equalize_replicas(state.params, replicate_group)
+    for m in modules:
+        # FSDP reduces a module that no forward ran (its unused parameters) only once it has
+        # made its unsharded parameters, at its first forward in this process: made here, every
+        # module takes part in every backward, alike in a run and in its resumption.
+        m.module.unshard()
+        m.module.reshard()
     return state
 
 
