@@ -5,7 +5,6 @@ checkpoints and misuse, every error raised on every rank."""
 
 from __future__ import annotations
 
-import copy
 import io
 import math
 
@@ -262,7 +261,7 @@ def test_errors_resumed_under_another_requires_grad_layout_are_refused(pool, sta
 
 
 class Detour(torch.nn.Module):
-    """A model whose middle FSDP module only the first step's forward runs."""
+    """A model whose middle FSDP module only the first step's forward runs (see `resume`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -274,53 +273,11 @@ class Detour(torch.nn.Module):
         return self.last(torch.tanh(self.middle(h)) if step == 0 else h).pow(2).sum()
 
 
-def resumed_past_a_module_not_run() -> tuple[bytes, bytes]:
-    """Six 1-bit steps straight, and three + save + load into a fresh model and state + three:
-    the same bits. FSDP reduced the middle module (zeros and its errors) in the steps that did
-    not run it only in the process whose forward had once run it, so the resumed run left it
-    out, and drifted."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    rank = dist.get_rank()
-
-    def build():
-        model = Detour()
-        mesh = DeviceMesh.from_group(group((0, 1)), "cpu")
-        for module in (model.first, model.middle, model.last, model):
-            fully_shard(module, mesh=mesh)
-        state = compcomm.fsdp.compress(model, start_iter=0)
-        return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    def train(model, opt, steps):
-        for step in steps:
-            model(batch(rank, step), step).backward()
-            opt.step()
-            opt.zero_grad()
-
-    def raw(model):
-        return b"".join(p.to_local().detach().numpy().tobytes() for p in model.parameters())
-
-    model, state, opt = build()
-    train(model, opt, range(6))
-    straight = raw(model)
-    model, state, opt = build()
-    train(model, opt, range(3))
-    saved = {"model": {k: v.to_local().clone() for k, v in model.state_dict().items()}}
-    saved.update(opt=copy.deepcopy(opt.state_dict()), comm=state.state_dict())
-    model, state, opt = build()
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            v.to_local().copy_(saved["model"][k])
-    opt.load_state_dict(saved["opt"])
-    state.load_state_dict(saved["comm"])
-    train(model, opt, range(3, 6))
-    return straight, raw(model)
-
-
 def test_a_resumed_run_reduces_a_module_its_forward_has_not_run_yet(pool):
-    for straight, resumed in pool.run(resumed_past_a_module_not_run, ranks=(0, 1)):
+    """Six 1-bit steps of `Detour` straight, and three + save + load + three: the same bits. FSDP
+    reduced the middle module (zeros and its errors) in the steps that did not run it only in the
+    process whose forward had once run it, so the resumed run left it out, and drifted."""
+    for straight, resumed in pool.run(resume, False, True):
         assert straight == resumed
 
 
@@ -565,20 +522,29 @@ def test_nonfinite_propagate_gives_nan_everywhere_and_leaves_no_trace(pool, hsdp
 # ----------------------------------------------------------------- checkpoints
 
 
-def resume(gathered: bool) -> tuple[bytes, bytes]:
-    """Train 4 steps straight, and 2 + save + load into a fresh model and state + 2: the same bits."""
+def resume(gathered: bool, detour: bool = False) -> tuple[bytes, bytes]:
+    """Train 4 steps straight, and 2 + save + load into a fresh model and state + 2: the same bits
+    (`detour`: the `Detour` model, 6 steps, all 1-bit)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
+    steps = 6 if detour else 4
 
     def build():
-        model = shard(make_model(), (0, 1, 2, 3))
-        state = compcomm.fsdp.compress(model, start_iter=1)
+        if detour:
+            model: torch.nn.Module = Detour()
+            for module in (model.first, model.middle, model.last, model):
+                fully_shard(module, mesh=DeviceMesh.from_group(group((0, 1, 2, 3)), "cpu"))
+        else:
+            model = shard(make_model(), (0, 1, 2, 3))
+        state = compcomm.fsdp.compress(model, start_iter=0 if detour else 1)
         return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def train(model, opt, steps):
         for step in steps:
-            loss_of(model, batch(rank, step)).backward()
+            (model(batch(rank, step), step) if detour else loss_of(model, batch(rank, step))).backward()
             opt.step()
             opt.zero_grad()
 
@@ -586,10 +552,10 @@ def resume(gathered: bool) -> tuple[bytes, bytes]:
         return b"".join(p.to_local().detach().numpy().tobytes() for p in model.parameters())
 
     model, state, opt = build()
-    train(model, opt, range(4))
+    train(model, opt, range(steps))
     straight = raw(model)
     model, state, opt = build()
-    train(model, opt, range(2))
+    train(model, opt, range(steps // 2))
     saved = io.BytesIO()
     torch.save(
         {
@@ -607,7 +573,7 @@ def resume(gathered: bool) -> tuple[bytes, bytes]:
             v.to_local().copy_(loaded["model"][k])
     opt.load_state_dict(loaded["opt"])
     state.load_state_dict(loaded["comm"])
-    train(model, opt, range(2, 4))
+    train(model, opt, range(steps // 2, steps))
     return straight, raw(model)
 
 
