@@ -36,7 +36,8 @@ class ShardedModule:
 
 
 def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
-    """The FSDP modules of `model` that own parameters, in the order of `named_modules()`.
+    """The FSDP modules of `model` that own parameters, in the order of `named_modules()`; the
+    modules sharded together by one `fully_shard([a, b])` as one, named "a+b".
 
     ValueError for a model that `fully_shard` was not called on, for parameters that no FSDP
     module shards, and for a 2-D (HSDP) mesh."""
@@ -49,13 +50,19 @@ def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
             "model first, then compcomm.fsdp.compress(model)"
         )
     owned: dict[int, str] = {}
-    found = []
+    grouped: dict[int, tuple[list[str], FSDPModule, list[torch.nn.Parameter]]] = {}
     for name, module in fsdp:
         params = _own_parameters(module)
         for p in params:
             owned[id(p)] = name
-        if params:
-            found.append(ShardedModule(name, module, params, _shard_group(name, params)))
+        if params:  # `fully_shard([a, b])` gives a and b one state: one reduce-scatter of both
+            names, _, together = grouped.setdefault(id(module._get_fsdp_state()), ([], module, []))
+            names.append(name)
+            together.extend(params)
+    found = []
+    for names, module, params in grouped.values():
+        name = "+".join(names)
+        found.append(ShardedModule(name, module, params, _shard_group(name, params)))
     loose = [name for name, p in model.named_parameters() if id(p) not in owned]
     if loose:
         raise ValueError(

@@ -173,8 +173,9 @@ class CompressionState:
 
     @property
     def error_feedback(self) -> dict[str, ErrorFeedback]:
-        """Each FSDP module's error feedback, by module name (the object alternates between
-        two, the state and its spare: look it up again after each backward)."""
+        """Each FSDP module's error feedback, by module name ("a+b" for modules sharded together
+        by one `fully_shard([a, b])`; the object alternates between two, the state and its
+        spare: look it up again after each backward)."""
         return {name: m.errors for name, m in self._modules.items()}
 
     @property
