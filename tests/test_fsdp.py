@@ -281,50 +281,39 @@ def test_a_resumed_run_reduces_a_module_its_forward_has_not_run_yet(pool):
         assert straight == resumed
 
 
-class Grouped(torch.nn.Module):
-    """a and b sharded together by one `fully_shard([a, b])`; b runs on even steps only."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.head = torch.nn.Linear(5, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 2)
-
-    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        return self.head(torch.tanh(self.b(h)) if step % 2 == 0 else h).pow(2).sum()
-
-
 def grouped_and_frozen() -> dict:
-    """The modules of one `fully_shard([a, b])` are one entry, "a+b", whose layout covers both:
-    freezing a's bias is refused with the layout's message until "a+b" is reset. Their errors
-    lived under "b" alone, "a" held an ErrorFeedback never used, and the layout check saw only
-    b's parameters (the size message; resetting "a", as the docs led to, never recovered)."""
+    """The modules of one `fully_shard([first, middle])` are one entry, "first+middle", whose
+    layout covers both: freezing first's bias is refused with the layout's message until the
+    entry is reset. Their errors lived under "middle" alone, "first" held an ErrorFeedback never
+    used, and the layout check saw only middle's parameters (the size message; resetting
+    "first", as the docs led to, never recovered)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
-    model = Grouped()
+    model = Detour()
     mesh = DeviceMesh.from_group(group((0, 1)), "cpu")
-    fully_shard([model.a, model.b], mesh=mesh)
+    fully_shard([model.first, model.middle], mesh=mesh)
     fully_shard(model, mesh=mesh)
     state = compcomm.fsdp.compress(model, start_iter=1)
     for step in range(3):
         model(batch(rank, step), step).backward()
         model.zero_grad()
-    model.a.bias.requires_grad_(False)
+    model.first.bias.requires_grad_(False)
     refusal = caught(lambda: model(batch(rank, 3), 3).backward())
     model.reset_iter_state()
     model.zero_grad()
-    state.error_feedback["a+b"].reset()
+    state.error_feedback["first+middle"].reset()
     after = caught(lambda: model(batch(rank, 4), 4).backward())
     return {"names": sorted(state.error_feedback), "refusal": refusal, "after": after, "iteration": state.iteration}
 
 
 def test_modules_sharded_together_are_compressed_as_one(pool):
     for r in pool.run(grouped_and_frozen, ranks=(0, 1)):
-        assert r["names"] == ["", "a+b"], r
-        assert r["refusal"] is not None and "FSDP module 'a+b' that require gradients changed" in r["refusal"][1], r
+        assert r["names"] == ["", "first+middle"], r
+        refusal = r["refusal"]
+        assert refusal is not None and "FSDP module 'first+middle' that require gradients changed" in refusal[1], r
         assert r["after"] is None and r["iteration"] == 4, r
 
 
