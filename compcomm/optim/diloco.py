@@ -541,17 +541,17 @@ def _bucket_bytes(params: list[torch.Tensor], fragments: int) -> int:
     `fragments` buckets of that size (one under `fragments` x 25 MiB), an even share of it,
     halved until the buckets are enough (at worst one per parameter, since a bucket holds whole
     parameters: ValueError for fewer parameters than fragments)."""
-    size = DEFAULT_BUCKET_BYTES
     if fragments == 1:
-        return size
+        return DEFAULT_BUCKET_BYTES
     share = -(-sum(p.numel() for p in params) * 4 // fragments)
-    size = max(1, min(size, share))
-    while size > 1 and len(bucket_groups(params, size, torch.float32)) < fragments:
+    size = max(1, min(DEFAULT_BUCKET_BYTES, share))
+    buckets = len(bucket_groups(params, size, torch.float32))
+    while size > 1 and buckets < fragments:
         size //= 2
-    most = len(bucket_groups(params, size, torch.float32))
-    if most < fragments:
+        buckets = len(bucket_groups(params, size, torch.float32))
+    if buckets < fragments:
         raise ValueError(
             f"fragments={fragments} needs at least as many communication buckets, and a bucket holds whole "
-            f"parameters: these make at most {most}; lower fragments"
+            f"parameters: these make at most {buckets}; lower fragments"
         )
     return size
