@@ -452,19 +452,14 @@ def write_plot(records: list[dict], path: str, title: str, rate_GBps: float | No
 
 def _torch_dist_rank(args, label: str) -> None:
     """One rank started with torchrun's environment: join the group, run, leave."""
-    import torch.distributed as dist
-
-    from compcomm import backends
+    from compcomm import backends, launch
 
     set_threads()
     if args.backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(minutes=30))
-    try:
+    with launch.process_group(args.backend, timeout=datetime.timedelta(minutes=30)):
         hier = backends.get("hierarchical", intra=args.intra) if args.hierarchical else None
         run_rank(args, backends.get(args.backend), label, hier)
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

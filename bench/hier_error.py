@@ -18,7 +18,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from ranks import set_threads
 from records import output_path, rel_error, write_json
@@ -35,16 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_WORLD_SIZE" not in os.environ:
         raise SystemExit("run under torchrun or bench/netsim.py --ranks-per-host K")
     import compcomm
-    from compcomm import backends
+    from compcomm import backends, launch
 
     set_threads()
-    dist.init_process_group("gloo")
-    flat, hier = backends.get("gloo"), backends.get("hierarchical")
-    rank, world, numel = flat.rank, flat.world_size, args.size // 4
-    methods = {"flat": (flat, compcomm.ErrorFeedback("flat")), "hierarchical": (hier, compcomm.ErrorFeedback("hier"))}
-    errors: dict[str, list[float]] = {name: [] for name in methods}
-    sums = {name: torch.zeros(numel, dtype=torch.float64) for name in [*methods, "exact"]}
-    try:
+    numel = args.size // 4
+    with launch.process_group("gloo"):
+        flat, hier = backends.get("gloo"), backends.get("hierarchical")
+        rank, world = flat.rank, flat.world_size
+        methods = {
+            "flat": (flat, compcomm.ErrorFeedback("flat")),
+            "hierarchical": (hier, compcomm.ErrorFeedback("hier")),
+        }
+        errors: dict[str, list[float]] = {name: [] for name in methods}
+        sums = {name: torch.zeros(numel, dtype=torch.float64) for name in [*methods, "exact"]}
         for call in range(args.calls):
             x = torch.randn(numel, generator=torch.Generator().manual_seed(args.seed + 7919 * rank + 104729 * call))
             exact = flat.all_reduce(x.clone(), "mean")
@@ -53,8 +55,6 @@ def main(argv: list[str] | None = None) -> int:
                 out = compcomm.compressed_allreduce(x.clone(), ef, backend=be)
                 errors[name].append(rel_error(out, exact))
                 sums[name] += out
-    finally:
-        dist.destroy_process_group()
     if rank:
         return 0
     result = {

@@ -44,7 +44,6 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from codec_passes import codec_passes
 from emulation import emulated, record_fields
@@ -149,18 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     set_threads()
-    from compcomm import backends
+    from compcomm import backends, launch
 
-    dist.init_process_group("gloo")
-    be = backends.get("gloo")
-    hier = backends.get("hierarchical") if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1 else None
-    if hier is not None:
-        parts += [part for part in NODE_PARTS if part not in parts]
-    records, rank = [], be.rank
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    if rank == 0:
-        print(codec_line(), flush=True)
-    try:
+    records: list[dict] = []
+    with launch.process_group("gloo"):
+        be = backends.get("gloo")
+        hier = backends.get("hierarchical") if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1 else None
+        if hier is not None:
+            parts += [part for part in NODE_PARTS if part not in parts]
+        rank = be.rank
+        if rank == 0:
+            print(codec_line(), flush=True)
         measure(be, min(sizes) // 4, 1, parts, hier)  # connections and caches warm
         for size in sizes:
             record = measure(be, size // 4, args.iters, parts, hier)
@@ -168,8 +167,6 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 cells = " ".join(f"{part} {record[part + '_s'] * 1e3:9.2f}" for part in parts)
                 print(f"n {record['world_size']:>3} size {size:>10} | ms: {cells}", flush=True)
-    finally:
-        dist.destroy_process_group()
     if rank == 0 and args.json:
         write_json(records, args.json)
     return 0

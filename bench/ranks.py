@@ -141,12 +141,9 @@ def _joined(
     rank_fn: Callable[[argparse.Namespace], T], args: argparse.Namespace, timeout: datetime.timedelta
 ) -> T | None:
     """One rank: join the group, run, leave; rank 0's result, None elsewhere."""
-    dist.init_process_group("gloo", timeout=timeout)
-    try:
+    with launch.process_group("gloo", timeout=timeout):
         result = rank_fn(args)
         return result if dist.get_rank() == 0 else None
-    finally:
-        dist.destroy_process_group()
 
 
 def gather_floats(backend: Backend, values: float | Sequence[float]) -> np.ndarray:

@@ -20,7 +20,8 @@ Transports: `compcomm.backends` (gloo, nccl, mpi, local, hierarchical; `get(name
 Optimizers that own the gradient communication: `compcomm.optim` (OnebitAdam, OnebitLamb, ZeroOneAdam,
 and DiLoCo, which syncs every H steps). For DDP users who keep their own optimizer (SGD):
 `compcomm.ddp.onebit_hook` (a DDP comm hook). For FSDP2 / HSDP models: `compcomm.fsdp.compress`.
-Bucketing helpers: `compcomm.layout`. Which codec kernels run here: `compcomm.codec_info()`.
+Bucketing helpers: `compcomm.layout`. Starting local ranks: `compcomm.launch`. Which codec kernels
+run here: `compcomm.codec_info()`.
 Any rank's bad input raises the same error on every rank with nothing changed: TypeError,
 ValueError, or `NonFiniteError` for NaN/Inf.
 """
@@ -28,7 +29,7 @@ ValueError, or `NonFiniteError` for NaN/Inf.
 import importlib
 from types import ModuleType
 
-from . import backends, ddp, layout, optim
+from . import backends, ddp, launch, layout, optim
 from .allreduce import compressed_allreduce, compressed_allreduce_coalesced
 from .codec import codec_info
 from .error_feedback import ErrorFeedback
@@ -45,6 +46,7 @@ __all__ = [
     "codec_info",
     "ddp",
     "fsdp",
+    "launch",
     "layout",
     "optim",
 ]

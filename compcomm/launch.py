@@ -8,6 +8,8 @@ The benchmarks and the tests start ranks three ways, all through here:
   LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), each calling
   `fn(*args)`; returns their results in rank order and fails loudly if a rank fails or dies.
 - `mpirun(n)`: the command line that starts n local MPI ranks of this interpreter.
+- `process_group(backend)`: torch.distributed's default group for a block, left so that the
+  process can exit at once afterwards.
 
 `torch.distributed.init_process_group(...)` with no init_method then joins the ranks in
 every case but mpirun, where compcomm's mpi backend needs nothing.
@@ -15,14 +17,17 @@ every case but mpirun, where compcomm's mpi backend needs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue as queues
 import shutil
+import signal
 import socket
 import sys
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,8 @@ from .backends.mpi_runtime import launched_by_mpi
 HOST = "127.0.0.1"
 _AFTER_FAILURE_S = 30.0
 """How long the other ranks may go on after one failed (they may wait on it in a collective)."""
+_WORKERS_RELEASE_S = 0.05
+"""How long a block that ends well leaves the GIL to the group's worker threads (see `process_group`)."""
 
 
 def free_port(host: str = HOST) -> int:
@@ -75,7 +82,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | 
     torchrun's environment; return the results in rank order.
 
     Raises RuntimeError with every failed rank's traceback, when a rank dies without a result,
-    or when `timeout` seconds pass (the ranks are then killed).
+    when a rank's process fails as it exits after returning one (a crash in its teardown), or
+    when `timeout` seconds pass (the ranks are then killed).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -120,6 +128,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | 
                 p.kill()
     if not all(ok for ok, _ in outcomes.values()):
         raise RuntimeError(_failures(outcomes).lstrip(": \n"))
+    crashed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (0, None, -signal.SIGKILL)}
+    if crashed:
+        raise RuntimeError(f"rank(s) {sorted(crashed)} returned a result but then exited with codes {crashed}")
     return [outcomes[r][1] for r in range(world_size)]
 
 
@@ -139,6 +150,31 @@ def find_mpirun() -> str | None:
         if candidate and os.access(candidate, os.X_OK):
             return str(candidate)
     return None
+
+
+@contextlib.contextmanager
+def process_group(backend: str = "gloo", **options: Any) -> Iterator[None]:
+    """torch.distributed's default group for the block: `init_process_group(backend, **options)`
+    on entry, `destroy_process_group()` on exit.
+
+    A block that ends normally first passes a barrier and then sleeps 50 ms, because a gloo
+    worker thread frees a collective's tensors after the caller's wait has returned, and needs
+    the GIL for it when Python no longer holds them. If the group outlives
+    `destroy_process_group` (torch's DistributedDataParallel keeps references to it) and the
+    process then exits, that free can fall into the interpreter's shutdown, which kills the
+    process with SIGABRT in ProcessGroupGloo::runLoop after its work has succeeded. The barrier
+    has every earlier collective finished here, and the sleep leaves the GIL free for the
+    workers to finish releasing them. A block that raised skips both: its peers may never
+    reach the barrier."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, **options)
+    try:
+        yield
+        dist.barrier()
+        time.sleep(_WORKERS_RELEASE_S)
+    finally:
+        dist.destroy_process_group()
 
 
 def mpirun(world_size: int) -> list[str]:

@@ -29,11 +29,8 @@ def run(main: Callable[..., Any], *args: Any) -> None:
 
 def _rank(main: Callable[..., Any], *args: Any) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")  # on GPUs: "nccl", with torch.cuda.set_device(LOCAL_RANK)
-    try:
+    with launch.process_group("gloo"):  # on GPUs: "nccl", with torch.cuda.set_device(LOCAL_RANK)
         main(*args)
-    finally:
-        dist.destroy_process_group()
 
 
 def same_on_every_rank(tensors: list[torch.Tensor]) -> bool:

@@ -26,6 +26,43 @@ def die_on_rank_zero() -> None:
         os._exit(3)
 
 
+def gloo_work_then_exit() -> int:
+    """The exit that aborted bench/train_step.py now and then: a DDP model (which keeps torch's
+    default group alive past destroy_process_group), gloo collectives whose tensors Python has
+    dropped, and an exit right after them. The long switch interval keeps the GIL from gloo's
+    worker threads until the process exits, unless something releases it."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    sys.setswitchinterval(100.0)
+    with launch.process_group("gloo"):
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        for work in [dist.all_reduce(torch.ones(4096), async_op=True) for _ in range(8)]:
+            work.wait()
+        return dist.get_rank()
+
+
+def test_ranks_leaving_process_group_exit_cleanly():
+    """launch.process_group lets gloo's workers release their last collectives before the
+    process exits (before it, about one run in four of these four ranks died of SIGABRT in
+    ProcessGroupGloo::runLoop), and spawn reports a rank that crashes as it exits."""
+    for _ in range(4):
+        assert launch.spawn(gloo_work_then_exit, 4, timeout=120) == [0, 1, 2, 3]
+
+
+def crash_after_returning() -> None:
+    import atexit
+
+    atexit.register(os.abort)
+
+
+def test_a_rank_crashing_after_its_result_raises():
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0, 1\] returned a result but then exited with codes"):
+        launch.spawn(crash_after_returning, 2)
+
+
 def test_spawn_gives_torchrun_environment_and_results_in_rank_order():
     results = launch.spawn(environment, 3, "x")
     ports = {env["MASTER_PORT"] for _, env, _ in results}
