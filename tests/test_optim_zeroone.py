@@ -81,6 +81,34 @@ def test_a_schedule_that_differs_across_ranks_raises_on_every_rank(pool):
         assert steps == 0
 
 
+def learning_rate_decayed_to_zero() -> tuple[list[str], list[bool], bytes]:
+    """Phase 2 with a sync every step; the learning rate is 0 from step 6 on (a schedule that
+    decays to 0), so that a sync's summed learning rates L are 0."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_zeroone(model, var_freeze_step=3, var_update_scaler=1, local_step_scaler=100, local_step_clipper=1)
+    kinds, zero_momenta = [], []
+    for step in range(8):
+        if step == 5:
+            for group in opt.param_groups:
+                group["lr"] = 0.0
+        kinds.append(opt._kind(step + 1))
+        backward(model, rank, step)
+        opt.step()
+        zero_momenta.append(all(not opt.state[p]["exp_avg"].any() for p in model.parameters()))
+    return kinds, zero_momenta, raw(model)
+
+
+def test_a_sync_after_steps_at_learning_rate_zero_steps(pool):
+    """m <- -b1(t) u d / L is undefined at L = 0: such a sync sets m to 0 alike on every rank
+    (before, every rank raised ZeroDivisionError after w had already changed)."""
+    results = pool.run(learning_rate_decayed_to_zero)
+    kinds, zero_momenta, _ = results[0]
+    assert kinds[3:] == ["compressed"] * 5
+    assert zero_momenta[:5] == [False] * 5 and zero_momenta[5:] == [True] * 3
+    assert len({final for _, _, final in results}) == 1
+
+
 def test_schedule_follows_deepspeeds_parameters():
     kinds, refreshes, interval = intervals()
     exact = [t + 1 for t, k in enumerate(kinds) if k == "exact"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -238,6 +239,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
         scale = None if scale_tensor is None else float(scale_tensor)
         found_inf = bool(float(getattr(self, "found_inf", 0.0)))
         t = self._step_count + 1
+        if self._sharded is None:  # a rank without a backward this step pairs its collectives first
+            self._rounds.backward_missed(t)
         if t == 1 and not self._replicas_checked:
             # Ranks that started from different parameters (a forgotten seed) would stay apart
             # for good: make them rank 0's before the first update, as DDP does at construction
@@ -325,9 +328,15 @@ class OnebitOptimizer(torch.optim.Optimizer):
         return {}
 
     def _settings(self, groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """What every rank must hold alike: the schedule and the plain hyperparameters of
-        `groups` (default: this optimizer's; a checkpoint's, before it is loaded)."""
-        return {**self._schedule(), **_hyperparameters(self.param_groups if groups is None else groups)}
+        """What every rank must hold alike: the schedule, the bucketing and overlap (which decide
+        the collectives of a backward), and the hyperparameters of `groups` (default: this
+        optimizer's; a checkpoint's, before it is loaded)."""
+        return {
+            **self._schedule(),
+            "bucket_bytes": self.bucket_bytes,
+            "overlap": bool(self.overlap),
+            **_hyperparameters(self.param_groups if groups is None else groups),
+        }
 
     @property
     def _settings_differ(self) -> str:
@@ -454,18 +463,25 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
 
 def _hyperparameters(groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """The groups' plain settings (numbers, strings, None, and sequences of them, as tuples), as
-    compared across ranks, named `param_groups[i].key`; the parameters and their names, tensors
-    such as an `exp_avg_mask`, and objects that other code may have added are left out."""
+    """The groups' settings as compared across ranks, named `param_groups[i].key`: plain values
+    (numbers, strings, None, and sequences of them, as tuples) as they are, and tensors (an
+    `exp_avg_mask`) by shape, dtype and a digest of their bytes; the parameters and their names,
+    and objects that other code may have added, are left out."""
 
     def plain(v: Any) -> bool:
         if isinstance(v, (tuple, list)):
             return all(plain(x) for x in v)
         return v is None or isinstance(v, (bool, int, float, str))
 
+    def compared(v: Any) -> Any:
+        if torch.is_tensor(v):
+            data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            return (tuple(v.shape), str(v.dtype), hashlib.sha256(data.tobytes()).hexdigest()[:16])
+        return tuple(v) if isinstance(v, list) else v
+
     return {
-        f"param_groups[{i}].{k}": tuple(v) if isinstance(v, list) else v
+        f"param_groups[{i}].{k}": compared(v)
         for i, group in enumerate(groups)
         for k, v in group.items()
-        if k not in ("params", "param_names") and plain(v)
+        if k not in ("params", "param_names") and (plain(v) or torch.is_tensor(v))
     }

@@ -8,9 +8,14 @@ Each step t sends one payload per parameter, of the kind the optimizer names:
               "local"        nothing is sent (0/1 Adam's local steps)
 
 A bucket's collective starts as soon as the last of its gradients is accumulated during backward
-(`Readiness`), so communication overlaps the rest of backward; buckets follow the order in which
-gradients became ready in the first backward (agreed across ranks, else the reverse parameter
-order everywhere). `agree()` takes the step's verdict in one tiny all-reduce: is some rank's
+(`Readiness`) and every bucket before it has started, so communication overlaps the rest of
+backward; buckets follow the order in which gradients became ready in the first backward (agreed
+across ranks, else the reverse parameter order everywhere). Starting them strictly in that order
+pairs bucket b with bucket b on every rank, also where gradients become ready in another order on
+some rank, or never (an unused parameter: its bucket starts at the end of backward, with zeros).
+A rank whose step follows no backward (no batch, every gradient None) first does what the end of
+a backward does (`backward_missed`), so that its collectives pair with those of the ranks that
+ran one. `agree()` takes the step's verdict in one tiny all-reduce: is some rank's
 gradient non-finite, and did some rank change its gradients after backward (clipping,
 `GradScaler.unscale_`), in which case every rank sends again from the current gradients (correct,
 but not overlapped). Results are bitwise those of sending everything in `step()`: the same
@@ -80,7 +85,7 @@ class Round:
     t: int
     kind: str
     scale: float | None
-    launches: dict[int, Launch] = field(default_factory=dict)
+    launches: dict[int, Launch] = field(default_factory=dict)  # buckets 0..len-1 started, in order
     waiting: list[set[int]] = field(default_factory=list)  # per bucket: parameters not yet ready
     versions: list[Any] | None = None  # the gradients at the end of backward (None: not ended)
     nonfinite: bool | None = None  # the verdict, when the ranks took it at the end of the first backward
@@ -215,9 +220,8 @@ class GradientRounds:
         return launch
 
     def launch_rest(self, rnd: Round) -> None:
-        for b in range(len(self.lay_out())):
-            if b not in rnd.launches:
-                self._launch(rnd, b)
+        for b in range(len(rnd.launches), len(self.lay_out())):
+            self._launch(rnd, b)
 
     # ----------------------------------------------------------------- backward's signals
 
@@ -228,11 +232,11 @@ class GradientRounds:
         rnd = self._current_round()
         if rnd.kind == LOCAL:
             return
-        b = self.layout.bucket_of[i]
-        waiting = rnd.waiting[b]
-        waiting.discard(i)
-        if not waiting and b not in rnd.launches:
+        rnd.waiting[self.layout.bucket_of[i]].discard(i)
+        b = len(rnd.launches)
+        while b < len(rnd.waiting) and not rnd.waiting[b]:
             self._launch(rnd, b)
+            b += 1
 
     def _backward_done(self) -> None:
         """A backward ended: start the buckets left (their gradients never came: zeros) and note
@@ -255,6 +259,14 @@ class GradientRounds:
             if self.last_scale is not None:
                 self._agree_before_scaler([])
         rnd.versions = self._versions(self.grads())
+
+    def backward_missed(self, t: int) -> None:
+        """Before step t's first collective: if no backward ended on this rank since the last
+        step, do what the end of one does (start the buckets, from the gradients as they are,
+        None counting as zeros; the agreements taken there), as the ranks that ran one did."""
+        rnd = self.round
+        if rnd is None or rnd.t != t or rnd.versions is None:
+            self._backward_done()
 
     def _agree_before_scaler(self, extra: list[float]) -> list[Any]:
         """All-reduce of (some rank's gradients are non-finite, *extra); a rank whose own are

@@ -23,7 +23,7 @@ of variance refreshes so far and d = sqrt(v / (1 - beta2^k)) + eps (element-wise
           L <- L + lr   (the learning rates summed since the last sync)
       sync step (t % H == 0), the error feedback restarted from zero at the first one:
           u = mask * compressed_allreduce(w_r - w_s)     the ranks' accumulated updates
-          w <- w_s + u;   m <- -b1(t) u d / L;   w_s <- w;   L <- 0
+          w <- w_s + u;   m <- -b1(t) u d / L  (0 if L = 0);   w_s <- w;   L <- 0
       after every local_step_scaler steps of phase 2:  H <- min(2 H, local_step_clipper)
 
     mask = 0 where sqrt(v / (1 - beta2^k)) <= eps (no real gradient reached the element while v
@@ -214,7 +214,10 @@ class ZeroOneAdam(OnebitOptimizer):
                 u = mask_(value, p, group, masked)
                 lr_sum = state["lr_sum"] + group["lr"]
                 torch.add(state["sync_weight"], u, out=w)
-                torch.mul(u, denom, out=state["exp_avg"]).mul_(-(1 - group["betas"][0] ** t) / lr_sum)
+                if lr_sum > 0:
+                    torch.mul(u, denom, out=state["exp_avg"]).mul_(-(1 - group["betas"][0] ** t) / lr_sum)
+                else:  # no step since the last sync moved w: u holds carried errors, no momentum
+                    state["exp_avg"].zero_()
                 state["sync_weight"].copy_(w)
                 state["lr_sum"] = 0.0
             store_(p, w)
