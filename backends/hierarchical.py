@@ -190,9 +190,9 @@ def _gathered(be: Backend, values: torch.Tensor) -> torch.Tensor:
 
 def hierarchical(intra: Backend, inter: Backend) -> HierarchicalBackend:
     """A backend that reduces exactly over `intra` (this node's ranks) and with 1 bit over
-    `inter` (the ranks of this local index on every node); see `backends.hierarchical`. A
-    collective (call it on every rank): groups that do not fit that layout are a ValueError on
-    every rank."""
+    `inter` (the ranks of this local index on every node); see the module
+    `compcomm.backends.hierarchical`. A collective (call it on every rank): groups that do not fit
+    that layout are a ValueError on every rank."""
     return HierarchicalBackend(intra, inter)
 
 

@@ -21,7 +21,7 @@ backend's uncompressed `all_reduce` ("allreduce"), both with op="mean" (and with
                  the mean of the inputs by an uncompressed fp32 allreduce. For the compressed op it
                  is the first call's (zero error feedback): the error of one 1-bit step. Error
                  feedback carries what a step leaves out into the next ones, so the sum over
-                 steps converges; a single step's error stays this large (~0.8 for iid inputs).
+                 steps converges; a single step's error stays this large (~0.9 for iid inputs).
 
 Inputs are independent N(0, 1) per rank. Each size uses its own ErrorFeedback per rank.
 """
@@ -382,7 +382,7 @@ def print_outlook(n: int, numel: int, args) -> None:
             f"{t['allreduce'] / t['call']:>7.1f}x{mark}"
         )
     print(
-        "#   rel_err is one call's error with no error feedback carried yet (~0.8 for random inputs): error "
+        "#   rel_err is one call's error with no error feedback carried yet (~0.9 for random inputs): error "
         "feedback carries it into the next calls, so sums over steps converge (bench/convergence.py)."
     )
     print("#   measure it on an emulated cluster with a core per host (root, Linux):")

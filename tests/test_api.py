@@ -178,3 +178,20 @@ def async_calls() -> dict:
 
 def test_async_op_matches_sync_and_reports_errors_at_wait(pool):
     assert all(r == {"same": True, "returned": True, "error": "NonFiniteError"} for r in pool.run(async_calls))
+
+
+def test_every_documented_module_is_an_attribute_after_import_compcomm():
+    """`import compcomm` then `compcomm.launch.mpirun(4)` (docs/guides/collective.md) raised
+    AttributeError: launch was not imported with the package. A fresh interpreter, since this
+    one's other tests import the submodules themselves."""
+    import subprocess
+    import sys
+
+    code = (
+        "import compcomm\n"
+        "for name in ('backends', 'ddp', 'fsdp', 'launch', 'layout', 'optim'):\n"
+        "    getattr(compcomm, name)\n"
+        "print(compcomm.launch.mpirun.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "mpirun", out.stderr[-2000:]

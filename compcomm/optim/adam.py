@@ -95,7 +95,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
 
 class OnebitAdam(FrozenVarianceOptimizer):
     """Adam whose momentum is averaged with the error-compensated 1-bit allreduce after
-    `freeze_step` uncompressed warm-up steps (see the module docstring for the math).
+    `freeze_step` uncompressed warm-up steps (the math: `compcomm.optim.adam`'s module docstring).
 
     The optimizer performs all gradient communication itself: do not wrap the model in DDP,
     start every rank from the same parameters, and call `step()` on every rank together.

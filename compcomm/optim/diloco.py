@@ -86,7 +86,7 @@ _SCHEDULE_DEFAULTS = {"passes": 1, "passes_until": None, "rotate": False}
 
 class DiLoCo(torch.optim.Optimizer):
     """DiLoCo over the ranks of `backend`, stepping `inner` on each rank's own gradients and
-    syncing every `sync_every` steps (see the module docstring for the math).
+    syncing every `sync_every` steps (the math: `compcomm.optim.diloco`'s module docstring).
 
     `params` are the parameters `inner` optimizes (the same set; not wrapped in DDP, not
     sharded). `outer_lr`, `outer_momentum` and `nesterov` configure the outer torch.optim.SGD

@@ -91,7 +91,7 @@ def compressed_factor(
 class OnebitLamb(FrozenVarianceOptimizer):
     """LAMB whose momentum is averaged with the error-compensated 1-bit allreduce after
     `freeze_step` warm-up steps, with frozen, variance-adapted layer-wise coefficients
-    (see the module docstring for the math).
+    (the math: `compcomm.optim.lamb`'s module docstring).
 
     The optimizer performs all gradient communication itself: do not wrap the model in DDP,
     start every rank from the same parameters, and call `step()` on every rank together.

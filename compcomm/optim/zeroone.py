@@ -57,7 +57,7 @@ from .updates import Denominators, check_count, decoupled_step_, mask_, master_w
 
 class ZeroOneAdam(OnebitOptimizer):
     """0/1 Adam: adaptive variance freezing, 1-bit gradients, then 1-bit synchronization of
-    local steps at growing intervals (see the module docstring for the math).
+    local steps at growing intervals (the math: `compcomm.optim.zeroone`'s module docstring).
 
     `var_freeze_step`: the last step that may refresh the variance; `var_update_scaler`: how many
     refreshes happen at one spacing before it doubles; `local_step_scaler`: how many steps of
