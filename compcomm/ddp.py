@@ -55,9 +55,12 @@ overflow) is returned filled with NaN on every rank instead of raising; every ra
 step alike. Other errors still raise. A skipped step leaves no trace in any error state, as a
 raising backward leaves none, also in the buckets that were reduced before another one overflowed
 (an overflow often appears only in the earlier layers); `iter` counts it, since the backward
-completed. The carried errors are in the units of the scaled gradients, so a change of scale
-(rare: a back-off, or growth every `growth_interval` steps) applies to the new gradients and not
-to what is carried.
+completed. The carried errors are in the units of the scaled gradients: given the scaler
+(`OnebitHookState(..., grad_scaler=scaler)`), the state rescales them whenever the scale changed
+(a back-off, or growth every `growth_interval` steps), by the ratio of the scales, a power of two,
+so that the run is bitwise the one whose loss was never scaled (as long as neither overflows nor
+underflows). Without it, a change of scale applies to the new gradients and not to what is
+carried: the errors carried across it count once too much or too little.
 """
 
 import warnings
@@ -76,6 +79,7 @@ from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError, all_finite
 from .gather_objects import agree_on_values, all_gather_object
 from .layout import is_integer
+from .loss_scale import LossScale, check_grad_scaler
 from .optim.checkpoints import agree_on_position
 
 __all__ = ["OnebitHookState", "onebit_hook"]
@@ -100,6 +104,9 @@ class OnebitHookState:
     at each backward, and in `load_state_dict` and `gathered_state_dict`.
     `nonfinite`: "raise" (backward raises NonFiniteError on every rank) or "propagate" (the
     bucket comes back as NaN on every rank, for GradScaler; see the module docstring).
+    `grad_scaler`: the `torch.amp.GradScaler` whose scaled loss the backward runs on, if any: the
+    carried errors then follow its scale (see the module docstring). Read once per compressed
+    backward, at its first bucket (on CUDA a synchronization with the device).
 
     Checkpoints: `state_dict()` holds this rank's errors (save one file per rank);
     `gathered_state_dict()` (a collective) holds every rank's, for one file loaded by all ranks.
@@ -111,12 +118,14 @@ class OnebitHookState:
         start_iter: int = 10,
         backend: Backend | str | None = None,
         nonfinite: str = "raise",
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not is_integer(start_iter) or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
         if nonfinite not in _NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, _NONFINITE))}, got {nonfinite!r}")
         check_backend_argument(backend)
+        self._loss_scale = LossScale(grad_scaler)
         self.process_group = process_group
         self.start_iter = int(start_iter)  # a numpy integer would make the state dict's file unloadable
         self.nonfinite = nonfinite
@@ -180,8 +189,9 @@ class OnebitHookState:
         if agreed is not None:
             return agreed
         try:
+            settings = {"start_iter": self.start_iter, "nonfinite": self.nonfinite}
             agree_on_values(
-                {"start_iter": self.start_iter, "nonfinite": self.nonfinite},
+                {**settings, "grad_scaler": self.grad_scaler is not None},
                 be,
                 "OnebitHookState must be given the same settings on every rank (else one rank "
                 "reduces a bucket exactly while another sends it with 1 bit, and both wait)",
@@ -227,6 +237,16 @@ class OnebitHookState:
         return key, [key]
 
     @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler whose scale the carried errors follow (None: they do not)."""
+        return self._loss_scale.grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, value: torch.amp.GradScaler | None) -> None:
+        check_grad_scaler(value)
+        self._loss_scale.grad_scaler = value
+
+    @property
     def error_feedback(self) -> dict[Key, ErrorFeedback]:
         """The error feedback of every known bucket, keyed by its parameters' numbers (a bucket's
         ErrorFeedback object alternates between two, its state and its spare, so look it up
@@ -247,6 +267,7 @@ class OnebitHookState:
             "format": _FORMAT,
             "iter": self.iter,
             "start_iter": self.start_iter,
+            "errors_scale": self._loss_scale.value,
             "rank": be.rank,
             "world_size": be.world_size,
             "params": [[list(s), d] for s, d in self._params],
@@ -266,20 +287,23 @@ class OnebitHookState:
         cannot resume exactly: another world size, or another rank's errors (a per-rank state
         that holds no errors yet, saved during the first start_iter iterations, loads on any rank)."""
         be, failure = self._agreeing_backend()
-        mine: tuple[int, int, list, dict[Key, ErrorFeedback]] | None = None
+        mine: tuple[int, int, list, dict[Key, ErrorFeedback], float | None] | None = None
         try:
             mine = self._check(state, be) if failure is None else None
         except Exception as exc:  # reported to every rank, then raised everywhere
             failure = ValueError(f"{type(exc).__name__}: {exc}")
         raise_agreed(failure, be, context="cannot load the hook state: ")
         assert mine is not None  # else raised on every rank
-        iteration, start_iter, params, buckets = mine
+        iteration, start_iter, params, buckets, errors_scale = mine
         agree_on_position({"iteration": iteration}, be)
         self.iter, self.start_iter, self._params = iteration, start_iter, params
+        self._loss_scale.value = errors_scale
         self._buckets, self._spares, self._pending = buckets, {}, []
         self._owner = {number: key for key in buckets for number in key}
 
-    def _check(self, state: dict[str, Any], be: Backend) -> tuple[int, int, list, dict[Key, ErrorFeedback]]:
+    def _check(
+        self, state: dict[str, Any], be: Backend
+    ) -> tuple[int, int, list, dict[Key, ErrorFeedback], float | None]:
         """Validate `state` for this rank and build what loading it sets; changes nothing."""
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError("not a compcomm.ddp.OnebitHookState state dict")
@@ -307,7 +331,8 @@ class OnebitHookState:
             raise ValueError("the state's parameters do not match the ones this hook has seen: another model")
         if not is_integer(state["iter"]) or not is_integer(state["start_iter"]):
             raise ValueError("the state's iter and start_iter must be integers")
-        return int(state["iter"]), int(state["start_iter"]), params, buckets
+        errors_scale = LossScale.saved(state.get("errors_scale"))
+        return int(state["iter"]), int(state["start_iter"]), params, buckets, errors_scale
 
     # ----------------------------------------------------------------- the hook's work
 
@@ -334,6 +359,8 @@ class OnebitHookState:
         self._watch_optimizer(params)
         key, parts = self._parts(params)
         compress = self.iter >= self.start_iter
+        if compress:
+            self._loss_scale.follow(self._buckets.values())
         if last:
             self.iter += 1
         slices = _slices(params, parts, self._numbers)
@@ -385,6 +412,7 @@ class OnebitHookState:
         task = torch._C._current_graph_task_id()
         if task >= 0 and task != self._backward:
             self._backward, self._failure, self._iter_before = task, None, self.iter
+            self._loss_scale.new_backward()
             engine = torch.autograd.Variable._execution_engine
             engine.queue_callback(lambda: engine.queue_callback(self._end_of_backward))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import zlib
@@ -353,6 +354,22 @@ class ErrorFeedback:
                 None if server_shape is None else torch.empty(server_shape, dtype=torch.float32, device=device)
             )
         self._state = (self._worker, None, 0)
+
+    def rescale_(self, factor: float) -> None:
+        """Multiply the carried errors by `factor` > 0: what they are in new units, e.g. after a
+        loss scale changed from s to s * factor. The code is scale-equivariant (signs unchanged,
+        scales proportional), so with a power of two, as GradScaler's steps are, the next calls
+        give bitwise what they would have given had the inputs always been in the new units."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"rescale_ takes a finite factor > 0, got {factor!r}")
+        worker, scale, real = self._state
+        if worker is not None:
+            worker.mul_(factor)
+            self._state = (worker, None if scale is None else scale * factor, real)
+        if self.server_error is not None:
+            self.server_error.mul_(factor)
+        if self._server_max is not None:
+            self._server_max *= factor
 
     def reset(self) -> None:
         """Forget the carried errors (the next call starts from zero)."""

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from .backends.mpi_runtime import launched_by_mpi
 
 HOST = "127.0.0.1"
@@ -166,8 +168,6 @@ def process_group(backend: str = "gloo", **options: Any) -> Iterator[None]:
     has every earlier collective finished here, and the sleep leaves the GIL free for the
     workers to finish releasing them. A block that raised skips both: its peers may never
     reach the barrier."""
-    import torch.distributed as dist
-
     dist.init_process_group(backend, **options)
     try:
         yield

@@ -60,10 +60,15 @@ def grads(model: torch.nn.Module) -> bytes:
 
 
 def hooked(
-    process_group=None, start_iter: int = 2, backend=None, model: Net | None = None, nonfinite: str = "raise"
+    process_group=None,
+    start_iter: int = 2,
+    backend=None,
+    model: Net | None = None,
+    nonfinite: str = "raise",
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[DDP, OnebitHookState]:
     ddp = DDP(model or make_net(), process_group=process_group, bucket_cap_mb=BUCKET_MB)
-    state = OnebitHookState(process_group=process_group, start_iter=start_iter, backend=backend, nonfinite=nonfinite)
+    state = OnebitHookState(process_group, start_iter, backend, nonfinite, grad_scaler)
     ddp.register_comm_hook(state, onebit_hook)
     return ddp, state
 
@@ -386,6 +391,42 @@ def test_grad_scaler_overflow_skips_the_step_on_every_rank(pool, start_iter, onl
         assert results[0][4] == pool.run(overflow_under_grad_scaler, start_iter, False)[0][4]
 
 
+def scaled_against_unscaled(follow: bool) -> tuple[bytes, bytes, float | None, float | None]:
+    """The same 1-bit training twice, side by side: once plainly, once on a GradScaler's scaled
+    loss whose scale doubles after every step (growth_interval=1), the hook given the scaler
+    (`follow`) or not. Returns both runs' parameters, the scale the errors are kept in, and that
+    scale after a state dict round trip."""
+    rank = dist.get_rank()
+    plain, _ = hooked(start_iter=1)
+    scaled = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+    state = OnebitHookState(start_iter=1, nonfinite="propagate", grad_scaler=scaler if follow else None)
+    scaled.register_comm_hook(state, onebit_hook)
+    plain_opt, scaled_opt = sgd(plain), sgd(scaled)
+    for step in range(6):
+        plain_opt.zero_grad(set_to_none=True)
+        loss_of(plain, rank, step).backward()
+        plain_opt.step()
+        scaled_opt.zero_grad(set_to_none=True)
+        scaler.scale(loss_of(scaled, rank, step)).backward()
+        scaler.step(scaled_opt)
+        scaler.update()
+    again = OnebitHookState(start_iter=1, nonfinite="propagate", grad_scaler=scaler if follow else None)
+    again.load_state_dict(roundtrip(state.state_dict()))
+    return raw(plain.module), raw(scaled.module), state._loss_scale.value, again._loss_scale.value
+
+
+def test_given_the_grad_scaler_errors_follow_its_scale(pool):
+    """A power-of-two change of loss scale, with the carried errors rescaled by it, gives bitwise
+    the unscaled run (the code is scale-equivariant); before, the errors carried across every
+    change counted it once too much, and the runs parted."""
+    for plain, scaled, errors_scale, loaded in pool.run(scaled_against_unscaled, True):
+        assert scaled == plain
+        assert errors_scale == loaded == 2.0**9  # the scale of the last backward (step 5)
+    for plain, scaled, errors_scale, _ in pool.run(scaled_against_unscaled, False):
+        assert scaled != plain and errors_scale is None
+
+
 # ------------------------------------------------------------------ the mpi backend (mpirun)
 
 
@@ -420,15 +461,17 @@ def settings_differ(name: str) -> tuple:
     setting = {"start_iter": 3 if rank == 3 else 1} if name == "start_iter" else {}
     if name == "nonfinite":
         setting = {"nonfinite": "propagate" if rank == 3 else "raise"}
+    if name == "grad_scaler":
+        setting = {"grad_scaler": torch.amp.GradScaler("cpu") if rank == 3 else None}
     ddp, state = hooked(**setting)
     failure, iteration = caught(lambda: loss_of(ddp, rank, 0).backward()), state.iter
-    state.start_iter, state.nonfinite = 1, "raise"  # mended: DDP and the hook go on
+    state.start_iter, state.nonfinite, state.grad_scaler = 1, "raise", None  # mended: DDP and the hook go on
     for step in range(2):
         loss_of(ddp, rank, step).backward()
     return failure, iteration, state.iter
 
 
-@pytest.mark.parametrize("name", ["start_iter", "nonfinite"])
+@pytest.mark.parametrize("name", ["start_iter", "nonfinite", "grad_scaler"])
 def test_settings_that_differ_across_ranks_raise_on_every_rank(pool, name):
     """Different start_iter hung every rank (one reduced exactly, another with 1 bit) until the
     group's timeout; now the first backward raises the same ValueError everywhere, iter unmoved,
@@ -499,4 +542,8 @@ def test_bad_arguments():
         OnebitHookState(start_iter=2.5)
     with pytest.raises(TypeError, match="backend"):
         OnebitHookState(backend=3)
+    with pytest.raises(TypeError, match="grad_scaler"):
+        OnebitHookState(grad_scaler=2.0**16)
+    with pytest.raises(ValueError, match="factor > 0"):
+        compcomm.ErrorFeedback().rescale_(0.0)
     assert compcomm.ddp.onebit_hook is onebit_hook

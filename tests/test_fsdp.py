@@ -558,6 +558,46 @@ def test_nonfinite_propagate_gives_nan_everywhere_and_leaves_no_trace(pool, hsdp
 # ----------------------------------------------------------------- checkpoints
 
 
+def scaled_against_unscaled(hsdp: bool) -> tuple[bytes, bytes, float | None]:
+    """1-bit training twice side by side, once plainly and once on a GradScaler's scaled loss
+    whose scale doubles after every step, compress given the scaler: the parameters of both and
+    the scale the errors are kept in."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    members = SHARDS["2x2"][rank // 2] if hsdp else (0, 1, 2, 3)
+    replicas = group(REPLICAS["2x2"][rank % 2]) if hsdp else None
+    plain, scaled = shard(make_model(), members), shard(make_model(), members)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+    compcomm.fsdp.compress(plain, start_iter=0, replicate_group=replicas)
+    state = compcomm.fsdp.compress(scaled, start_iter=0, replicate_group=replicas, grad_scaler=scaler)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    scaled_opt = torch.optim.SGD(scaled.parameters(), lr=0.05, momentum=0.9)
+    for step in range(5):
+        x = batch(rank, step)
+        loss_of(plain, x).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        scaler.scale(loss_of(scaled, x)).backward()
+        scaler.step(scaled_opt)
+        scaler.update()
+        scaled_opt.zero_grad()
+
+    def raw(model: torch.nn.Module) -> bytes:
+        return b"".join(p.to_local().detach().numpy().tobytes() for p in model.parameters())
+
+    return raw(plain), raw(scaled), state.state_dict()["errors_scale"]
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_given_the_grad_scaler_errors_follow_its_scale(pool, hsdp):
+    """The carried errors rescaled by each power-of-two change of loss scale: bitwise the run
+    whose loss was never scaled (before, errors carried across a change counted it once too
+    much, and the runs parted)."""
+    for plain, scaled, errors_scale in pool.run(scaled_against_unscaled, hsdp):
+        assert scaled == plain and errors_scale == 2.0**8  # the scale of the last backward
+
+
 def resume(gathered: bool, detour: bool = False) -> tuple[bytes, bytes]:
     """Train 4 steps straight, and 2 + save + load into a fresh model and state + 2: the same bits
     (`detour`: the `Detour` model, 6 steps, all 1-bit)."""

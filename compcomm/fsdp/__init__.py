@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 from ..backends import Backend, check_backend_argument, get
 from ..layout import is_integer
+from ..loss_scale import check_grad_scaler
 from ..optim.shards import compression_of as state_of
 from .comms import CompressedReduceScatter, IntraAllGather, IntraReduceScatter, all_reduce_hook
 from .modules import ShardedModule, group_ranks, sharded_modules
@@ -83,6 +84,7 @@ def compress(
     backend: Backend | str | None = None,
     nonfinite: str = "raise",
     intra: str | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> CompressionState:
     """Compress the gradient communication of `model`, on which `fully_shard` was called (every
     FSDP module in it is handled): in FSDP mode its reduce-scatters, in HSDP mode
@@ -92,7 +94,9 @@ def compress(
     `backend`: the compcomm transport over the group that is compressed (a name or a Backend
     over that group; default gloo for CPU parameters, nccl for CUDA ones). `intra` (HSDP only):
     None leaves FSDP's collectives inside a replica on FSDP's process group; "shm" moves them to
-    compcomm's shared-memory backend (CPU parameters, each replica's ranks on one host). Returns
+    compcomm's shared-memory backend (CPU parameters, each replica's ranks on one host).
+    `grad_scaler`: the GradScaler (e.g. FSDP's ShardedGradScaler) whose scaled loss the backward
+    runs on, if any: the carried errors then follow its scale (`compcomm.loss_scale`). Returns
     the state to checkpoint.
     """
     modules = sharded_modules(model)
@@ -108,10 +112,11 @@ def compress(
     refused: Exception | None = None
     try:
         _check_arguments(modules, start_iter, replicate_group, backend, nonfinite, intra)
+        check_grad_scaler(grad_scaler)
         start_iter = int(start_iter)  # a numpy integer would make the state dict's file unloadable
     except Exception as exc:  # agreed by the state first thing, so no other rank waits on this one
-        refused, backend = exc, None
-    state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite, refused, intra)
+        refused, backend, grad_scaler = exc, None, None
+    state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite, refused, intra, grad_scaler)
     intra_backends: dict[int, Any] = {}
     for m in modules:
         # A parameter without a gradient in a backward is left out of FSDP's reduce-scatter by

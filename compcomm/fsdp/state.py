@@ -25,6 +25,7 @@ from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values, all_gather_object
 from ..layout import is_integer
+from ..loss_scale import LossScale
 from ..optim.checkpoints import agree_on_position
 from ..optim.shards import register
 from .modules import ShardedModule, check_called_over, unsharded_gradients_dropped
@@ -124,6 +125,7 @@ class CompressionState:
         nonfinite: str,
         refused: Exception | None = None,
         intra: str | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         """`refused`: what was wrong with this rank's arguments (`compress` checks them), and
         `intra`, compress's choice inside a replica: agreed on every rank before anything else,
@@ -143,7 +145,13 @@ class CompressionState:
         agreeing = default.world()
         raise_agreed(refused, agreeing, context="compcomm.fsdp.compress: ")
         agree_on_values(
-            {"start_iter": start_iter, "nonfinite": nonfinite, "backend": chosen.names, "intra": intra},
+            {
+                "start_iter": start_iter,
+                "nonfinite": nonfinite,
+                "backend": chosen.names,
+                "intra": intra,
+                "grad_scaler": grad_scaler is not None,
+            },
             agreeing,
             "compcomm.fsdp.compress must be given the same settings on every rank (else the ranks "
             "switch to 1 bit, or answer a non-finite gradient, at different backwards, or reduce over "
@@ -160,6 +168,7 @@ class CompressionState:
             )
             for m in modules
         }
+        self._loss_scale = LossScale(grad_scaler)
         self.world: Backend = agreeing if chosen is default else chosen.world()
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
         self._backward: int | None = None  # autograd's id of the backward whose reductions are pending
@@ -228,6 +237,8 @@ class CompressionState:
         """Module `module`'s call on `tensor`: its new errors go into its spare; a changed layout
         of its gradients is refused in the call's agreement, on every rank."""
         exact = [not self.compressing]
+        if self.compressing:
+            self._loss_scale.follow(m.errors for m in self._modules.values())
         return CallSpec([tensor], [module.errors], op, [module.spare], exact=exact, refused=module.layout_changed())
 
     def _run(self, module: _Module, output: torch.Tensor, reduce: Any) -> None:
@@ -265,6 +276,7 @@ class CompressionState:
         if task == self._backward and task is not None and task >= 0:
             return
         self._backward, self._pending, self._failed = task, [], False
+        self._loss_scale.new_backward()
         if task >= 0:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
@@ -295,6 +307,7 @@ class CompressionState:
             "mode": self.mode,
             "start_iter": self.start_iter,
             "iteration": self.iteration,
+            "errors_scale": self._loss_scale.value,
             "rank": self.world.rank,
             "world_size": self.world.world_size,
             "modules": modules,
@@ -329,6 +342,7 @@ class CompressionState:
         raise_agreed(failure, self.world, context="cannot load the compcomm.fsdp state: ")
         agree_on_position({"iteration": int(mine["iteration"])}, self.world)
         self.iteration, self.start_iter = int(mine["iteration"]), int(mine["start_iter"])
+        self._loss_scale.value = mine.get("errors_scale")  # checked by _own_part
         layouts = mine.get("requires_grad") or {}  # absent from states saved before it was kept
         for name, ef in loaded.items():
             module = self._modules[name]
@@ -369,4 +383,5 @@ class CompressionState:
             )
         if not is_integer(state.get("iteration")) or not is_integer(state.get("start_iter")):
             raise ValueError("the state's iteration and start_iter must be integers")
+        LossScale.saved(state.get("errors_scale"))
         return state
