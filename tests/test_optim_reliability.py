@@ -393,3 +393,38 @@ def test_settings_that_differ_across_ranks_raise_on_every_rank(pool, name, setti
     for result in pool.run(differing_setting, name, setting):
         assert result is not None and result[0] == "ValueError"
         assert f"ranks passed different {setting}" in result[1] or f"].{setting}" in result[1]
+
+
+def sparse_on_one_rank(name: str) -> list[tuple[str, str] | None]:
+    """An embedding whose gradient turns sparse on rank 1 only: at the first backward (before
+    the buckets are laid out), then after two dense steps (its bucket is sent during backward)."""
+    rank = rank_of(4)
+    outcomes = []
+    for sparse_from in (0, 2):
+        torch.manual_seed(0)
+        emb, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)
+        backend = compcomm.backends.get("gloo", group=group(4))
+        opt = OPTIMIZERS[name]([*emb.parameters(), *head.parameters()], lr=1e-2, freeze_step=2, backend=backend)
+        for step in range(3):
+            emb.sparse = rank == 1 and step >= sparse_from
+            opt.zero_grad()
+
+            def step_once() -> None:
+                head(emb(torch.tensor([1, 2, 3 + rank]))).sum().backward()
+                opt.step()
+
+            outcome = caught(step_once)
+            if outcome is not None:
+                outcomes.append((step, *outcome))
+                break
+        outcomes.append(opt.step_count)
+    return outcomes
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_sparse_gradients_on_one_rank_raise_on_every_rank(pool, name):
+    """Rank 1 alone raised (its check ran before the agreement) and the others waited for it."""
+    for outcomes in pool.run(sparse_on_one_rank, name):
+        (step_a, kind_a, says_a), steps_a, (step_b, kind_b, says_b), steps_b = outcomes
+        assert (step_a, steps_a, step_b, steps_b) == (0, 0, 2, 2)
+        assert kind_a == kind_b == "RuntimeError" and "1 rank(s)" in says_a and "sparse gradients" in says_b

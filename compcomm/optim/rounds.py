@@ -140,10 +140,20 @@ class GradientRounds:
     # ----------------------------------------------------------------- gradients
 
     def grads(self) -> list[torch.Tensor | None]:
-        grads = [p.grad for p in self.params()]
-        if any(g is not None and g.is_sparse for g in grads):
-            raise RuntimeError("the compressed optimizers do not support sparse gradients")
-        return grads
+        return [p.grad for p in self.params()]
+
+    def _sparse(self) -> bool:
+        """Whether this rank holds a sparse gradient: refused in the next agreement, on every
+        rank (`_refuse_sparse`); until then it is sent as zeros, so that the collectives pair."""
+        return any(g is not None and g.is_sparse for g in self.grads())
+
+    def _refuse_sparse(self, ranks: float) -> None:
+        if ranks:
+            self.cancel()
+            raise RuntimeError(
+                f"the compressed optimizers do not support sparse gradients ({ranks:g} rank(s) hold some, "
+                "e.g. from nn.Embedding(sparse=True))"
+            )
 
     @staticmethod
     def _versions(grads: Sequence[torch.Tensor | None]) -> list[Any]:
@@ -151,7 +161,7 @@ class GradientRounds:
 
     def locally_nonfinite(self, found_inf: bool = False) -> bool:
         """Whether this rank's gradients hold NaN/Inf (or its GradScaler found some)."""
-        return found_inf or any(g is not None and not all_finite(g) for g in self.grads())
+        return found_inf or any(g is not None and not g.is_sparse and not all_finite(g) for g in self.grads())
 
     # ----------------------------------------------------------------- rounds
 
@@ -190,7 +200,10 @@ class GradientRounds:
             for view, i in zip(bucket.views, layout.parameters_of(b)):
                 p = params[i]
                 g = p.grad
-                g = torch.zeros_like(p, dtype=torch.float32) if g is None or not p.requires_grad else g.float()
+                if g is None or g.is_sparse or not p.requires_grad:
+                    g = torch.zeros_like(p, dtype=torch.float32)
+                else:
+                    g = g.float()
                 if rnd.scale is not None:
                     g = g / rnd.scale
                 self.owner._payload(rnd.t, rnd.kind, p, self._group_of[i], g, view.view_as(p))
@@ -273,7 +286,8 @@ class GradientRounds:
         finite then marks one of them NaN, so that a GradScaler's inf check, which runs before
         `step()`, finds the inf on every rank and every scale backs off alike."""
         nonfinite = self.locally_nonfinite()
-        total, *rest = all_sum([1.0 if nonfinite else 0.0, *extra], self.backend)
+        total, sparse, *rest = all_sum([float(nonfinite), float(self._sparse()), *extra], self.backend)
+        self._refuse_sparse(sparse)
         if total and not nonfinite:
             first = next((g for g in self.grads() if g is not None and g.numel()), None)
             if first is not None:
@@ -296,15 +310,17 @@ class GradientRounds:
     def _verdict(self, scale: float | None, found_inf: bool) -> bool:
         """The step's one all-reduce: is some rank's gradient non-finite? did some rank change its
         gradients after backward (or skip backward's hooks), so that every rank must send again?
-        and, if the buckets are not laid out yet, do the ranks see the same order of readiness?
-        Returns the first answer."""
+        does some rank hold a sparse gradient (refused on every rank)? and, if the buckets are not
+        laid out yet, do the ranks see the same order of readiness? Returns the first answer."""
         rnd, t = self.round, self.owner.step_count + 1
         stale = rnd is None or rnd.t != t or rnd.scale != scale or rnd.versions != self._versions(self.grads())
         order = self._ready_order()
         key = self._order_key(order)
         kind = self.owner._kind(t)
         this_rank = found_inf or (not self.owner._payload_shows_nonfinite(kind) and self.locally_nonfinite())
-        nonfinite, restart, keys, squares = all_sum([float(this_rank), float(stale), key, key * key], self.backend)
+        agreed = all_sum([float(this_rank), float(stale), float(self._sparse()), key, key * key], self.backend)
+        nonfinite, restart, sparse, keys, squares = agreed
+        self._refuse_sparse(sparse)
         if self.layout is None:
             self._lay_out_if_agreed(order, keys, squares)
         if restart or self.round is None:
