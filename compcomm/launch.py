@@ -39,7 +39,7 @@ HOST = "127.0.0.1"
 _AFTER_FAILURE_S = 30.0
 """How long the other ranks may go on after one failed (they may wait on it in a collective)."""
 _WORKERS_RELEASE_S = 0.05
-"""How long a block that ends well leaves the GIL to the group's worker threads (see `process_group`)."""
+"""How long `process_group` leaves the GIL to the group's worker threads before it leaves."""
 
 
 def free_port(host: str = HOST) -> int:
@@ -159,21 +159,18 @@ def process_group(backend: str = "gloo", **options: Any) -> Iterator[None]:
     """torch.distributed's default group for the block: `init_process_group(backend, **options)`
     on entry, `destroy_process_group()` on exit.
 
-    A block that ends normally first passes a barrier and then sleeps 50 ms, because a gloo
-    worker thread frees a collective's tensors after the caller's wait has returned, and needs
-    the GIL for it when Python no longer holds them. If the group outlives
-    `destroy_process_group` (torch's DistributedDataParallel keeps references to it) and the
-    process then exits, that free can fall into the interpreter's shutdown, which kills the
-    process with SIGABRT in ProcessGroupGloo::runLoop after its work has succeeded. The barrier
-    has every earlier collective finished here, and the sleep leaves the GIL free for the
-    workers to finish releasing them. A block that raised skips both: its peers may never
-    reach the barrier."""
+    Before leaving it sleeps 50 ms, with the GIL free: a gloo worker thread frees a collective's
+    tensors after the caller's wait has returned, and needs the GIL for it when Python no longer
+    holds them. If the group outlives `destroy_process_group` (torch's DistributedDataParallel
+    keeps references to it) and the process then exits, that free can fall into the
+    interpreter's shutdown, which kills the process with SIGABRT in ProcessGroupGloo::runLoop
+    after its work has succeeded. (A barrier is no substitute: the worker may still be waiting
+    for the GIL when it returns, and a rank that failed would leave its peers waiting in it.)"""
     dist.init_process_group(backend, **options)
     try:
         yield
-        dist.barrier()
-        time.sleep(_WORKERS_RELEASE_S)
     finally:
+        time.sleep(_WORKERS_RELEASE_S)
         dist.destroy_process_group()
 
 
