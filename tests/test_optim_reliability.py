@@ -428,3 +428,41 @@ def test_sparse_gradients_on_one_rank_raise_on_every_rank(pool, name):
         (step_a, kind_a, says_a), steps_a, (step_b, kind_b, says_b), steps_b = outcomes
         assert (step_a, steps_a, step_b, steps_b) == (0, 0, 2, 2)
         assert kind_a == kind_b == "RuntimeError" and "1 rank(s)" in says_a and "sparse gradients" in says_b
+
+
+def batchless_rank_under_scaler(name: str, zero_loss: bool) -> tuple[tuple[str, str] | None, list[float], int]:
+    """GradScaler training where rank 1 has no batch at step 2 and rank 0's loss overflows
+    there: rank 1 calls step() without a backward, or (`zero_loss`) runs a backward of a zero
+    loss as the refusal asks."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    scales, failure = [], None
+    for step in range(4):
+        opt.zero_grad(set_to_none=False)
+        if rank == 1 and step == 2:
+            if zero_loss:
+                scaler.scale(0 * sum(p.sum() for p in model.parameters())).backward()
+        else:
+            x, y = batch(rank, step)
+            loss = torch.nn.functional.mse_loss(model(x), y) * (math.inf if rank == 0 and step == 2 else 1.0)
+            failure = failure or caught(scaler.scale(loss).backward)
+        failure = failure or caught(scaler.step, opt)
+        if failure is not None:
+            break
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return failure, scales, opt.step_count
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_step_without_backward_under_a_grad_scaler_is_refused_on_every_rank(pool, name):
+    """The scaler checks for inf before step(), where a batchless rank's agreement came too late
+    to mark its gradients: rank 0 backed off while rank 1 grew, for good (scales 4x apart)."""
+    for failure, scales, steps in pool.run(batchless_rank_under_scaler, name, False):
+        assert failure is not None and failure[0] == "ValueError" and "without a backward" in failure[1]
+        assert scales == [2.0**11, 2.0**12] and steps == 2
+    results = pool.run(batchless_rank_under_scaler, name, True)
+    assert all(failure is None for failure, _, _ in results)
+    assert len({tuple(scales) for _, scales, _ in results}) == 1 and results[0][1][2] == 2.0**11

@@ -240,7 +240,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         found_inf = bool(float(getattr(self, "found_inf", 0.0)))
         t = self._step_count + 1
         if self._sharded is None:  # a rank without a backward this step pairs its collectives first
-            self._rounds.backward_missed(t)
+            self._rounds.backward_missed(t, scale)
         if t == 1 and not self._replicas_checked:
             # Ranks that started from different parameters (a forgotten seed) would stay apart
             # for good: make them rank 0's before the first update, as DDP does at construction
@@ -475,7 +475,8 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> dict[str, Any]:
 
     def compared(v: Any) -> Any:
         if torch.is_tensor(v):
-            data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            dense = v.detach().to_dense() if v.is_sparse else v.detach()
+            data = dense.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             return (tuple(v.shape), str(v.dtype), hashlib.sha256(data.tobytes()).hexdigest()[:16])
         return tuple(v) if isinstance(v, list) else v
 

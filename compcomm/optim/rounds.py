@@ -100,6 +100,7 @@ class GradientRounds:
         self.layout: BucketLayout | None = None
         self.round: Round | None = None
         self.last_scale: float | None = None  # the GradScaler scale of the last step (None: no scaler)
+        self._missed_under_scaler = False  # this step's backward was missed under a GradScaler
         self._group_of = [group for group in owner.param_groups for _ in group["params"]]
         self.readiness = Readiness(self.params(), self._grad_ready, self._backward_done)
 
@@ -273,21 +274,38 @@ class GradientRounds:
                 self._agree_before_scaler([])
         rnd.versions = self._versions(self.grads())
 
-    def backward_missed(self, t: int) -> None:
+    def backward_missed(self, t: int, scale: float | None) -> None:
         """Before step t's first collective: if no backward ended on this rank since the last
         step, do what the end of one does (start the buckets, from the gradients as they are,
-        None counting as zeros; the agreements taken there), as the ranks that ran one did."""
+        None counting as zeros; the agreements taken there), as the ranks that ran one did.
+        Under a GradScaler (`scale`) that is refused on every rank in the next agreement: the
+        scaler checked this rank's gradients for inf before `step()`, without the NaN that the
+        agreement at the end of a backward gives them when another rank's overflowed, so its
+        scale would part from the others'."""
         rnd = self.round
         if rnd is None or rnd.t != t or rnd.versions is None:
+            self._missed_under_scaler = scale is not None
             self._backward_done()
+
+    def _refuse_missed_under_scaler(self, ranks: float) -> None:
+        if ranks:
+            self.cancel()
+            raise ValueError(
+                f"{ranks:g} rank(s) called step() without a backward under a GradScaler, whose check for inf "
+                "gradients runs before step(): their scale would part from the other ranks'. Run a backward on "
+                "every rank, of a zero loss where a rank has no batch (e.g. 0 * sum(p.sum() for p in params))"
+            )
 
     def _agree_before_scaler(self, extra: list[float]) -> list[Any]:
         """All-reduce of (some rank's gradients are non-finite, *extra); a rank whose own are
         finite then marks one of them NaN, so that a GradScaler's inf check, which runs before
         `step()`, finds the inf on every rank and every scale backs off alike."""
         nonfinite = self.locally_nonfinite()
-        total, sparse, *rest = all_sum([float(nonfinite), float(self._sparse()), *extra], self.backend)
+        missed, sparse = float(self._missed_under_scaler), float(self._sparse())
+        total, sparse, missed, *rest = all_sum([float(nonfinite), sparse, missed, *extra], self.backend)
+        self._missed_under_scaler = False
         self._refuse_sparse(sparse)
+        self._refuse_missed_under_scaler(missed)
         if total and not nonfinite:
             first = next((g for g in self.grads() if g is not None and g.numel()), None)
             if first is not None:
@@ -318,9 +336,11 @@ class GradientRounds:
         key = self._order_key(order)
         kind = self.owner._kind(t)
         this_rank = found_inf or (not self.owner._payload_shows_nonfinite(kind) and self.locally_nonfinite())
-        agreed = all_sum([float(this_rank), float(stale), float(self._sparse()), key, key * key], self.backend)
-        nonfinite, restart, sparse, keys, squares = agreed
+        flags = [float(this_rank), float(stale), float(self._sparse()), float(self._missed_under_scaler)]
+        nonfinite, restart, sparse, missed, keys, squares = all_sum([*flags, key, key * key], self.backend)
+        self._missed_under_scaler = False
         self._refuse_sparse(sparse)
+        self._refuse_missed_under_scaler(missed)
         if self.layout is None:
             self._lay_out_if_agreed(order, keys, squares)
         if restart or self.round is None:
