@@ -18,14 +18,16 @@ a backward does (`backward_missed`), so that its collectives pair with those of 
 ran one. `agree()` takes the step's verdict in one tiny all-reduce: is some rank's
 gradient non-finite, and did some rank change its gradients after backward (clipping,
 `GradScaler.unscale_`), in which case every rank sends again from the current gradients (correct,
-but not overlapped). Results are bitwise those of sending everything in `step()`: the same
-payloads go through the same collectives; only the time they start differs.
+but not overlapped); the same all-reduce refuses, on every rank, sparse gradients on any rank.
+Results are bitwise those of sending everything in `step()`: the same payloads go through the
+same collectives; only the time they start differs.
 
 GradScaler: once a scaler has been seen, the ranks also agree at the end of each backward on
 whether any gradient is non-finite, and a rank whose own gradients are finite then marks one of
 them NaN, so that every rank's scaler, whose inf check runs before `step()`, backs off alike. The
 first backward is agreed the same way (no scaler has been seen yet), and its payloads go out in
-`step()`.
+`step()`. A step without a backward under a scaler is refused on every rank: that rank's
+agreement would come after its scaler's inf check.
 """
 
 from __future__ import annotations
