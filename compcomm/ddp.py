@@ -79,7 +79,7 @@ from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError, all_finite
 from .gather_objects import agree_on_values, all_gather_object
 from .layout import is_integer
-from .loss_scale import LossScale, check_grad_scaler
+from .loss_scale import ERRORS_SCALE, LossScale
 from .optim.checkpoints import agree_on_position
 
 __all__ = ["OnebitHookState", "onebit_hook"]
@@ -238,13 +238,9 @@ class OnebitHookState:
 
     @property
     def grad_scaler(self) -> torch.amp.GradScaler | None:
-        """The GradScaler whose scale the carried errors follow (None: they do not)."""
+        """The GradScaler whose scale the carried errors follow (None: unscaled gradients). Set
+        at construction: the ranks compare it once, at the first backward."""
         return self._loss_scale.grad_scaler
-
-    @grad_scaler.setter
-    def grad_scaler(self, value: torch.amp.GradScaler | None) -> None:
-        check_grad_scaler(value)
-        self._loss_scale.grad_scaler = value
 
     @property
     def error_feedback(self) -> dict[Key, ErrorFeedback]:
@@ -267,7 +263,7 @@ class OnebitHookState:
             "format": _FORMAT,
             "iter": self.iter,
             "start_iter": self.start_iter,
-            "errors_scale": self._loss_scale.value,
+            ERRORS_SCALE: self._loss_scale.value,
             "rank": be.rank,
             "world_size": be.world_size,
             "params": [[list(s), d] for s, d in self._params],
@@ -287,23 +283,23 @@ class OnebitHookState:
         cannot resume exactly: another world size, or another rank's errors (a per-rank state
         that holds no errors yet, saved during the first start_iter iterations, loads on any rank)."""
         be, failure = self._agreeing_backend()
-        mine: tuple[int, int, list, dict[Key, ErrorFeedback], float | None] | None = None
+        mine: tuple[int, int, list, dict[Key, ErrorFeedback], dict[str, Any]] | None = None
         try:
             mine = self._check(state, be) if failure is None else None
         except Exception as exc:  # reported to every rank, then raised everywhere
             failure = ValueError(f"{type(exc).__name__}: {exc}")
         raise_agreed(failure, be, context="cannot load the hook state: ")
         assert mine is not None  # else raised on every rank
-        iteration, start_iter, params, buckets, errors_scale = mine
-        agree_on_position({"iteration": iteration}, be)
+        iteration, start_iter, params, buckets, scale = mine
+        agree_on_position({"iteration": iteration, ERRORS_SCALE: scale.get(ERRORS_SCALE)}, be)
         self.iter, self.start_iter, self._params = iteration, start_iter, params
-        self._loss_scale.value = errors_scale
+        self._loss_scale.load(scale)
         self._buckets, self._spares, self._pending = buckets, {}, []
         self._owner = {number: key for key in buckets for number in key}
 
     def _check(
         self, state: dict[str, Any], be: Backend
-    ) -> tuple[int, int, list, dict[Key, ErrorFeedback], float | None]:
+    ) -> tuple[int, int, list, dict[Key, ErrorFeedback], dict[str, Any]]:
         """Validate `state` for this rank and build what loading it sets; changes nothing."""
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError("not a compcomm.ddp.OnebitHookState state dict")
@@ -331,8 +327,8 @@ class OnebitHookState:
             raise ValueError("the state's parameters do not match the ones this hook has seen: another model")
         if not is_integer(state["iter"]) or not is_integer(state["start_iter"]):
             raise ValueError("the state's iter and start_iter must be integers")
-        errors_scale = LossScale.saved(state.get("errors_scale"))
-        return int(state["iter"]), int(state["start_iter"]), params, buckets, errors_scale
+        scale = {k: LossScale.saved(state[k]) for k in (ERRORS_SCALE,) if k in state}
+        return int(state["iter"]), int(state["start_iter"]), params, buckets, scale
 
     # ----------------------------------------------------------------- the hook's work
 

@@ -25,37 +25,60 @@ def check_grad_scaler(grad_scaler: object) -> None:
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
 
 
+ERRORS_SCALE = "errors_scale"
+"""The state dicts' key for the scale their errors are in."""
+_LOWEST, _HIGHEST = 2.0**-126, 2.0**127
+"""The scales errors may be kept in: fp32's normal range, so that a ratio of two of them leaves
+finite errors finite (a GradScaler's scale stays far inside it)."""
+
+
 class LossScale:
-    """The loss scale the kept errors are in (`value`, None until the first compressed backward
-    with a scaler), and their rescaling when the scaler's has changed."""
+    """The loss scale the kept errors are in (`value`; None: unscaled, also before the first
+    compressed backward), and their rescaling when it changes. Without a scaler the gradients
+    are unscaled: errors kept under one (a checkpoint of a run that had a scaler) are brought
+    back to scale 1."""
 
     def __init__(self, grad_scaler: torch.amp.GradScaler | None) -> None:
         check_grad_scaler(grad_scaler)
         self.grad_scaler = grad_scaler
         self.value: float | None = None
         self._unread = False
+        self._assumed = False  # errors loaded from a state that did not say their scale
+
+    def load(self, state: dict) -> None:
+        """The scale of a state dict's errors (`saved` checked it). A state saved before the
+        scale was kept does not say it: its errors are taken to be in the scale of the next
+        backward (exact unless the scale changed between the save and that backward)."""
+        self.value = state.get(ERRORS_SCALE)
+        self._assumed = ERRORS_SCALE not in state
 
     def new_backward(self) -> None:
         """A backward began: its first compressed reduction reads the scale (`follow`)."""
-        self._unread = self.grad_scaler is not None
+        self._unread = True
 
     def follow(self, kept: Iterable[ErrorFeedback]) -> None:
         """Once per backward, before its first compressed reduction: put the `kept` errors in
         the units of the scale this backward runs under. Whether the backward then succeeds or
-        not, the rescaled errors are what the next one under this scale expects."""
-        if not self._unread or self.grad_scaler is None:
+        not, the rescaled errors are what the next one under this scale expects. A scale out of
+        range (a scaler that backed off to 0) is not followed: that run only skips steps."""
+        if not self._unread:
             return
         self._unread = False
-        scale = float(self.grad_scaler.get_scale())  # on CUDA, a synchronization with the device
-        if self.value is not None and scale != self.value:
+        if self.grad_scaler is None:
+            scale = 1.0
+        else:
+            scale = float(self.grad_scaler.get_scale())  # on CUDA, a synchronization with the device
+            if not _LOWEST <= scale <= _HIGHEST:
+                return
+        if scale != (self.value or 1.0) and not self._assumed:
             for errors in kept:
-                errors.rescale_(scale / self.value)
-        self.value = scale
+                errors.rescale_(scale / (self.value or 1.0))
+        self.value, self._assumed = (None if self.grad_scaler is None else scale), False
 
     @staticmethod
     def saved(value: object) -> float | None:
-        """A state dict's scale, checked: a float > 0, or None (also for states saved before it
-        was kept)."""
-        if value is not None and not (isinstance(value, float) and value > 0):
-            raise ValueError(f"the state's errors_scale must be a float > 0 or None, got {value!r}")
+        """A state dict's scale, checked: a float in fp32's normal range, or None (unscaled; also
+        for states saved before it was kept)."""
+        if value is not None and not (isinstance(value, float) and _LOWEST <= value <= _HIGHEST):
+            raise ValueError(f"the state's errors_scale must be None or a float in [2^-126, 2^127], got {value!r}")
         return value

@@ -427,6 +427,94 @@ def test_given_the_grad_scaler_errors_follow_its_scale(pool):
         assert scaled != plain and errors_scale is None
 
 
+def scaled_then_resumed_unscaled() -> tuple[bytes, bytes]:
+    """Three steps under a GradScaler (its scale doubling every step, followed), then resumed
+    without one, beside a run that was never scaled."""
+    import copy
+
+    rank = dist.get_rank()
+    plain, _ = hooked(start_iter=1)
+    scaled = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+    state = OnebitHookState(start_iter=1, grad_scaler=scaler)
+    scaled.register_comm_hook(state, onebit_hook)
+    plain_opt, scaled_opt = sgd(plain), sgd(scaled)
+    for step in range(3):
+        plain_opt.zero_grad(set_to_none=True)
+        loss_of(plain, rank, step).backward()
+        plain_opt.step()
+        scaled_opt.zero_grad(set_to_none=True)
+        scaler.scale(loss_of(scaled, rank, step)).backward()
+        scaler.step(scaled_opt)
+        scaler.update()
+    resumed = DDP(copy.deepcopy(scaled.module), bucket_cap_mb=BUCKET_MB)
+    resumed_state = OnebitHookState(start_iter=1)
+    resumed.register_comm_hook(resumed_state, onebit_hook)
+    resumed_state.load_state_dict(roundtrip(state.state_dict()))
+    resumed_opt = sgd(resumed)
+    resumed_opt.load_state_dict(roundtrip(scaled_opt.state_dict()))
+    for step in range(3, 5):
+        for model, opt in ((plain, plain_opt), (resumed, resumed_opt)):
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, rank, step).backward()
+            opt.step()
+    return raw(plain.module), raw(resumed.module)
+
+
+def test_errors_kept_under_a_scaler_resume_unscaled_without_one(pool):
+    """A state without a scaler runs on unscaled gradients: errors saved under scale 2^18 are
+    brought back to scale 1 (before, they stayed 2^18 times too large: gaps of 100-800)."""
+    for plain, resumed in pool.run(scaled_then_resumed_unscaled):
+        assert resumed == plain
+
+
+def bad_scale_loaded(case: str) -> tuple[str, str] | None:
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=0)
+    for step in range(2):
+        loss_of(ddp, rank, step).backward()
+    saved = roundtrip(state.state_dict())
+    saved["errors_scale"] = {
+        "inf": float("inf"),
+        "tiny": 1e-40,
+        "int": 64,
+        "differs": 2.0 ** (10 + rank),
+    }[case]
+    again = OnebitHookState(start_iter=0)
+    return caught(again.load_state_dict, saved)
+
+
+@pytest.mark.parametrize("case", ["inf", "tiny", "int", "differs"])
+def test_a_bad_errors_scale_is_refused_on_every_rank(pool, case):
+    """inf passed the check and broke DDP's reducer at the next backward; 1e-40 made the errors
+    non-finite (every later step skipped); per-rank scales that differ were taken as they were."""
+    for failure in pool.run(bad_scale_loaded, case):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert "errors_scale" in failure[1]
+
+
+def scale_backed_off_to_zero() -> tuple[list[float], int]:
+    """A scaler whose scale leaves fp32's normal range (it reaches 0 by backing off): its steps
+    are skipped; the hook neither follows that scale nor raises inside DDP's reducer."""
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=0, nonfinite="propagate", grad_scaler=None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**-125, backoff_factor=2.0**-30)
+    state._loss_scale.grad_scaler = scaler
+    opt, scales = sgd(ddp), []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss_of(ddp, rank, step) * (float("inf") if step == 1 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, state.iter
+
+
+def test_a_scale_out_of_range_is_not_followed(pool):
+    for scales, iterations in pool.run(scale_backed_off_to_zero):
+        assert scales[0] == 2.0**-125 and scales[1] == 0.0 and iterations == 3
+
+
 # ------------------------------------------------------------------ the mpi backend (mpirun)
 
 
@@ -465,7 +553,7 @@ def settings_differ(name: str) -> tuple:
         setting = {"grad_scaler": torch.amp.GradScaler("cpu") if rank == 3 else None}
     ddp, state = hooked(**setting)
     failure, iteration = caught(lambda: loss_of(ddp, rank, 0).backward()), state.iter
-    state.start_iter, state.nonfinite, state.grad_scaler = 1, "raise", None  # mended: DDP and the hook go on
+    state.start_iter, state.nonfinite, state._loss_scale.grad_scaler = 1, "raise", None  # mended: DDP goes on
     for step in range(2):
         loss_of(ddp, rank, step).backward()
     return failure, iteration, state.iter

@@ -25,7 +25,7 @@ from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values, all_gather_object
 from ..layout import is_integer
-from ..loss_scale import LossScale
+from ..loss_scale import ERRORS_SCALE, LossScale
 from ..optim.checkpoints import agree_on_position
 from ..optim.shards import register
 from .modules import ShardedModule, check_called_over, unsharded_gradients_dropped
@@ -307,7 +307,7 @@ class CompressionState:
             "mode": self.mode,
             "start_iter": self.start_iter,
             "iteration": self.iteration,
-            "errors_scale": self._loss_scale.value,
+            ERRORS_SCALE: self._loss_scale.value,
             "rank": self.world.rank,
             "world_size": self.world.world_size,
             "modules": modules,
@@ -340,9 +340,9 @@ class CompressionState:
         except Exception as exc:  # reported to every rank, then raised everywhere
             failure = ValueError(f"{type(exc).__name__}: {exc}")
         raise_agreed(failure, self.world, context="cannot load the compcomm.fsdp state: ")
-        agree_on_position({"iteration": int(mine["iteration"])}, self.world)
+        agree_on_position({"iteration": int(mine["iteration"]), ERRORS_SCALE: mine.get(ERRORS_SCALE)}, self.world)
         self.iteration, self.start_iter = int(mine["iteration"]), int(mine["start_iter"])
-        self._loss_scale.value = mine.get("errors_scale")  # checked by _own_part
+        self._loss_scale.load(mine)  # the scale checked by _own_part
         layouts = mine.get("requires_grad") or {}  # absent from states saved before it was kept
         for name, ef in loaded.items():
             module = self._modules[name]
@@ -383,5 +383,5 @@ class CompressionState:
             )
         if not is_integer(state.get("iteration")) or not is_integer(state.get("start_iter")):
             raise ValueError("the state's iteration and start_iter must be integers")
-        LossScale.saved(state.get("errors_scale"))
+        LossScale.saved(state.get(ERRORS_SCALE))
         return state

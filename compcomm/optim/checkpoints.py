@@ -83,7 +83,7 @@ def own_part(extra: dict[str, Any], be: Backend, layout: BucketLayout) -> tuple[
     return extra, None
 
 
-def agree_on_position(position: dict[str, int], be: Backend) -> None:
+def agree_on_position(position: dict[str, Any], be: Backend) -> None:
     """ValueError on every rank when the ranks load states of different saves (per-rank files of
     different steps: one rank's latest save failed): resumed, they would pair collectives of
     different steps, or switch from exact to 1-bit at different calls. `position`: what must
