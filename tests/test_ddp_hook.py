@@ -391,19 +391,17 @@ def test_grad_scaler_overflow_skips_the_step_on_every_rank(pool, start_iter, onl
         assert results[0][4] == pool.run(overflow_under_grad_scaler, start_iter, False)[0][4]
 
 
-def scaled_against_unscaled(follow: bool) -> tuple[bytes, bytes, float | None, float | None]:
-    """The same 1-bit training twice, side by side: once plainly, once on a GradScaler's scaled
-    loss whose scale doubles after every step (growth_interval=1), the hook given the scaler
-    (`follow`) or not. Returns both runs' parameters, the scale the errors are kept in, and that
-    scale after a state dict round trip."""
+def side_by_side(
+    state: OnebitHookState, scaler: torch.amp.GradScaler, steps: int
+) -> tuple[DDP, DDP, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """`steps` steps of 1-bit SGD twice, beside each other: plainly, and on `scaler`'s scaled
+    loss with the hook state `state`; both models and their optimizers."""
     rank = dist.get_rank()
     plain, _ = hooked(start_iter=1)
     scaled = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
-    state = OnebitHookState(start_iter=1, nonfinite="propagate", grad_scaler=scaler if follow else None)
     scaled.register_comm_hook(state, onebit_hook)
     plain_opt, scaled_opt = sgd(plain), sgd(scaled)
-    for step in range(6):
+    for step in range(steps):
         plain_opt.zero_grad(set_to_none=True)
         loss_of(plain, rank, step).backward()
         plain_opt.step()
@@ -411,6 +409,17 @@ def scaled_against_unscaled(follow: bool) -> tuple[bytes, bytes, float | None, f
         scaler.scale(loss_of(scaled, rank, step)).backward()
         scaler.step(scaled_opt)
         scaler.update()
+    return plain, scaled, plain_opt, scaled_opt
+
+
+def scaled_against_unscaled(follow: bool) -> tuple[bytes, bytes, float | None, float | None]:
+    """The same 1-bit training twice, side by side: once plainly, once on a GradScaler's scaled
+    loss whose scale doubles after every step (growth_interval=1), the hook given the scaler
+    (`follow`) or not. Returns both runs' parameters, the scale the errors are kept in, and that
+    scale after a state dict round trip."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+    state = OnebitHookState(start_iter=1, nonfinite="propagate", grad_scaler=scaler if follow else None)
+    plain, scaled, _, _ = side_by_side(state, scaler, 6)
     again = OnebitHookState(start_iter=1, nonfinite="propagate", grad_scaler=scaler if follow else None)
     again.load_state_dict(roundtrip(state.state_dict()))
     return raw(plain.module), raw(scaled.module), state._loss_scale.value, again._loss_scale.value
@@ -433,20 +442,9 @@ def scaled_then_resumed_unscaled() -> tuple[bytes, bytes]:
     import copy
 
     rank = dist.get_rank()
-    plain, _ = hooked(start_iter=1)
-    scaled = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
     state = OnebitHookState(start_iter=1, grad_scaler=scaler)
-    scaled.register_comm_hook(state, onebit_hook)
-    plain_opt, scaled_opt = sgd(plain), sgd(scaled)
-    for step in range(3):
-        plain_opt.zero_grad(set_to_none=True)
-        loss_of(plain, rank, step).backward()
-        plain_opt.step()
-        scaled_opt.zero_grad(set_to_none=True)
-        scaler.scale(loss_of(scaled, rank, step)).backward()
-        scaler.step(scaled_opt)
-        scaler.update()
+    plain, scaled, plain_opt, scaled_opt = side_by_side(state, scaler, 3)
     resumed = DDP(copy.deepcopy(scaled.module), bucket_cap_mb=BUCKET_MB)
     resumed_state = OnebitHookState(start_iter=1)
     resumed.register_comm_hook(resumed_state, onebit_hook)

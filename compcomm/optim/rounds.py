@@ -147,15 +147,25 @@ class GradientRounds:
 
     def _sparse(self) -> bool:
         """Whether this rank holds a sparse gradient: refused in the next agreement, on every
-        rank (`_refuse_sparse`); until then it is sent as zeros, so that the collectives pair."""
+        rank (`_refuse`); until then it is sent as zeros, so that the collectives pair."""
         return any(g is not None and g.is_sparse for g in self.grads())
 
-    def _refuse_sparse(self, ranks: float) -> None:
-        if ranks:
+    def _refuse(self, sparse: float, missed: float) -> None:
+        """Raise on every rank (each passes the same agreed counts) if some rank holds sparse
+        gradients, or stepped without a backward under a GradScaler (`backward_missed`)."""
+        self._missed_under_scaler = False
+        if sparse:
             self.cancel()
             raise RuntimeError(
-                f"the compressed optimizers do not support sparse gradients ({ranks:g} rank(s) hold some, "
+                f"the compressed optimizers do not support sparse gradients ({sparse:g} rank(s) hold some, "
                 "e.g. from nn.Embedding(sparse=True))"
+            )
+        if missed:
+            self.cancel()
+            raise ValueError(
+                f"{missed:g} rank(s) called step() without a backward under a GradScaler, whose check for inf "
+                "gradients runs before step(): their scale would part from the other ranks'. Run a backward on "
+                "every rank, of a zero loss where a rank has no batch (e.g. 0 * sum(p.sum() for p in params))"
             )
 
     @staticmethod
@@ -289,15 +299,6 @@ class GradientRounds:
             self._missed_under_scaler = scale is not None
             self._backward_done()
 
-    def _refuse_missed_under_scaler(self, ranks: float) -> None:
-        if ranks:
-            self.cancel()
-            raise ValueError(
-                f"{ranks:g} rank(s) called step() without a backward under a GradScaler, whose check for inf "
-                "gradients runs before step(): their scale would part from the other ranks'. Run a backward on "
-                "every rank, of a zero loss where a rank has no batch (e.g. 0 * sum(p.sum() for p in params))"
-            )
-
     def _agree_before_scaler(self, extra: list[float]) -> list[Any]:
         """All-reduce of (some rank's gradients are non-finite, *extra); a rank whose own are
         finite then marks one of them NaN, so that a GradScaler's inf check, which runs before
@@ -305,9 +306,7 @@ class GradientRounds:
         nonfinite = self.locally_nonfinite()
         missed, sparse = float(self._missed_under_scaler), float(self._sparse())
         total, sparse, missed, *rest = all_sum([float(nonfinite), sparse, missed, *extra], self.backend)
-        self._missed_under_scaler = False
-        self._refuse_sparse(sparse)
-        self._refuse_missed_under_scaler(missed)
+        self._refuse(sparse, missed)
         if total and not nonfinite:
             first = next((g for g in self.grads() if g is not None and g.numel()), None)
             if first is not None:
@@ -340,9 +339,7 @@ class GradientRounds:
         this_rank = found_inf or (not self.owner._payload_shows_nonfinite(kind) and self.locally_nonfinite())
         flags = [float(this_rank), float(stale), float(self._sparse()), float(self._missed_under_scaler)]
         nonfinite, restart, sparse, missed, keys, squares = all_sum([*flags, key, key * key], self.backend)
-        self._missed_under_scaler = False
-        self._refuse_sparse(sparse)
-        self._refuse_missed_under_scaler(missed)
+        self._refuse(sparse, missed)
         if self.layout is None:
             self._lay_out_if_agreed(order, keys, squares)
         if restart or self.round is None:
