@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -475,9 +474,7 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> dict[str, Any]:
 
     def compared(v: Any) -> Any:
         if torch.is_tensor(v):
-            dense = v.detach().to_dense() if v.is_sparse else v.detach()
-            data = dense.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            return (tuple(v.shape), str(v.dtype), hashlib.sha256(data.tobytes()).hexdigest()[:16])
+            return (tuple(v.shape), str(v.dtype), checkpoints.crc32_of([v]))
         return tuple(v) if isinstance(v, list) else v
 
     return {

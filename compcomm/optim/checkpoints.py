@@ -10,7 +10,11 @@ loads on any rank and world size. Loading another rank's or another layout's sta
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 from ..backends import Backend
 from ..error_feedback import ErrorFeedback
@@ -81,6 +85,16 @@ def own_part(extra: dict[str, Any], be: Backend, layout: BucketLayout) -> tuple[
             "rank, or one file for all ranks with gathered_state_dict()"
         )
     return extra, None
+
+
+def crc32_of(tensors: Iterable[torch.Tensor]) -> int:
+    """A digest of the tensors' values, in order: the crc32 of their bytes (dense, row-major)."""
+    digest = 0
+    for t in tensors:
+        dense = t.detach().to_dense() if t.is_sparse else t.detach()
+        data = dense.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        digest = zlib.crc32(data, digest)  # type: ignore[arg-type]  # an ndarray is a buffer: no copy
+    return digest
 
 
 def agree_on_position(position: dict[str, Any], be: Backend) -> None:

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -434,9 +433,7 @@ class DiLoCo(torch.optim.Optimizer):
         sync, be = self._sync, self._backend
         mine, problem = self._own_part(state_dict)
         raise_agreed(None if problem is None else ValueError(problem), be)
-        digest = 0
-        for t in state_dict["synced"]:
-            digest = zlib.crc32(t.detach().contiguous().cpu().view(torch.uint8).numpy(), digest)
+        digest = checkpoints.crc32_of(state_dict["synced"])
         extra = state_dict[checkpoints.EXTRA_KEY]
         checkpoints.agree_on_position({"step": int(extra["step"]), "theta crc32": digest}, be)
         sync.drop_all()
