@@ -220,14 +220,14 @@ class CallSpec:
             )
         if len({id(ef) for ef in efs}) != len(efs):
             raise ValueError("the same ErrorFeedback was passed for two tensors of one call; use one per tensor")
-        spans = sorted(_span(t) for t in tensors if isinstance(t, torch.Tensor) and t.numel())
-        for (storage, _, end), (other, start, _) in zip(spans, spans[1:]):
-            if storage == other and start < end:
-                raise ValueError(
-                    "two tensors of one call share memory (views of one buffer that overlap, or one "
-                    "tensor passed twice): each result would overwrite the other's; pass tensors of "
-                    "their own (.clone())"
-                )
+        given = [t for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
+        if _share_elements(given):
+            raise ValueError(
+                "two tensors of one call share memory (views of one buffer with elements in common, "
+                "or one tensor passed twice): each result would overwrite the other's; pass tensors "
+                "of their own (.clone())"
+            )
+        spans = [_span(t) for t in given]
         written = [_span(t) for t in self.outputs or () if isinstance(t, torch.Tensor) and t.numel()]
         _check_apart_from_errors(spans + written, efs, outs)
         if outs is None:
@@ -301,6 +301,34 @@ def _span(tensor: torch.Tensor) -> tuple[int, int, int]:
     first = tensor.data_ptr() + size * sum(st * (n - 1) for n, st in zip(tensor.shape, tensor.stride()) if st < 0)
     last = tensor.data_ptr() + size * sum(st * (n - 1) for n, st in zip(tensor.shape, tensor.stride()) if st > 0)
     return tensor.untyped_storage().data_ptr(), first, last + size
+
+
+def _share_elements(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether two of `tensors` address a common element: their spans in one storage intersect
+    and, for views of one element size and alignment, an element of one is marked by the other
+    (views interleaved in one buffer, e.g. x[0::2] and x[1::2], share none). Views of other sizes
+    or alignments whose spans intersect count as sharing."""
+    spans = sorted((_span(t), k) for k, t in enumerate(tensors))
+    for n, ((storage, _, end), k) in enumerate(spans):
+        for (other, start, _), j in spans[n + 1 :]:
+            if other != storage or start >= end:
+                break
+            if _marks_meet(tensors[k], tensors[j]):
+                return True
+    return False
+
+
+def _marks_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b`, whose spans in one storage intersect, share an element: each view's
+    elements are marked in a byte per element of the span (on the CPU, whatever their device)."""
+    size = a.element_size()
+    if b.element_size() != size or (a.data_ptr() - b.data_ptr()) % size:
+        return True
+    (_, first_a, end_a), (_, first_b, end_b) = _span(a), _span(b)
+    base = min(first_a, first_b)
+    marks = torch.zeros((max(end_a, end_b) - base) // size, dtype=torch.bool)
+    torch.as_strided(marks, a.shape, a.stride(), (a.data_ptr() - base) // size).fill_(True)
+    return bool(torch.as_strided(marks, b.shape, b.stride(), (b.data_ptr() - base) // size).any())
 
 
 def _overlaps(tensor: torch.Tensor) -> bool:

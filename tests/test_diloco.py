@@ -639,6 +639,69 @@ def test_other_world_size_is_refused_on_every_rank(pool):
         assert failure is not None and failure[0] == "ValueError" and "saved on 4 ranks" in failure[1]
 
 
+def frozen_bias(differ: bool = False) -> tuple[bytes, bytes, bool]:
+    """Six compressed steps with the first layer's bias frozen at construction (with `differ`,
+    on rank 1 only). Returns the frozen bias's bytes before and after, and whether the weights
+    moved."""
+    rank = rank_of(WORLD)
+    model = make_model()
+    bias = model[0].bias
+    bias.requires_grad_(not (differ and rank == 1) if differ else False)
+    before, weights = raw_tensor(bias), raw_tensor(model[0].weight)
+    opt = make_diloco(model, sync_every=2, fragments=1, overlap_steps=0, bucket_bytes=4096)  # one bucket
+    for step in range(6):
+        backward(model, rank, step)
+        opt.step()
+    return before, raw_tensor(bias), raw_tensor(model[0].weight) != weights
+
+
+def test_a_parameter_frozen_at_construction_is_left_as_it_is(pool):
+    """requires_grad=False keeps a weight fixed, as with torch optimizers and DDP: the 1-bit mean
+    of its zero pseudo-gradient is not zero, so it must not take part in the syncs."""
+    for before, after, moved in pool.run(frozen_bias):
+        assert after == before
+        assert moved
+
+
+def test_parameters_frozen_on_some_ranks_only_are_refused_on_every_rank(pool):
+    errors = pool.run(caught, frozen_bias, True)
+    assert all(e is not None and e[0] == "ValueError" and "requires_grad" in e[1] for e in errors), errors
+
+
+def resume_before_a_non_finite_backward(resume: bool) -> tuple[list[bool], bytes]:
+    """No GradScaler; rank 1's loss is inf at step 5, the first step after a checkpoint taken
+    after 5 steps (with `resume`, loaded into a new model and optimizer). Returns which steps
+    were skipped after it and the parameters at the end."""
+    rank = rank_of(WORLD)
+    model = make_model()
+    opt = make_diloco(model, sync_every=4, fragments=1, overlap_steps=0)
+    for step in range(5):
+        backward(model, rank, step)
+        opt.step()
+    if resume:
+        saved = copy.deepcopy(opt.state_dict())
+        model = make_model()
+        opt = make_diloco(model, sync_every=4, fragments=1, overlap_steps=0)
+        opt.load_state_dict(saved)
+    skipped = []
+    for step in range(5, 9):
+        loss_at(model, rank, step, overflow=step == 5 and rank == 1).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        skipped.append(opt.last_step_skipped)
+    return skipped, raw(model)
+
+
+def test_resumed_run_treats_its_first_backward_as_the_straight_run_does(pool):
+    """The first backward of a run is agreed (a GradScaler is not known yet); the first after a
+    resume is not the run's first, so only the rank with non-finite gradients skips."""
+    straight = pool.run(resume_before_a_non_finite_backward, False)
+    resumed = pool.run(resume_before_a_non_finite_backward, True)
+    assert [s for s, _ in straight] == [[r == 1, False, False, False] for r in range(WORLD)]
+    assert resumed == straight
+
+
 # ------------------------------------------------------------------ GradScaler, non-finite values
 
 
@@ -842,6 +905,11 @@ def test_inner_must_be_a_local_optimizer_over_the_same_parameters():
     with pytest.raises(ValueError, match="float32"):
         double = torch.nn.Linear(2, 2).double()
         DiLoCo(double.parameters(), torch.optim.SGD(double.parameters(), lr=0.1), backend="local")
+    with pytest.raises(TypeError, match="closure"):
+        DiLoCo(model.parameters(), torch.optim.LBFGS(model.parameters()), backend="local")
+    frozen = make_model().requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad"):
+        DiLoCo(frozen.parameters(), torch.optim.SGD(frozen.parameters(), lr=0.1), backend="local")
 
 
 def scheduled(target: str, resume_at: int | None = None) -> tuple[list[float], bytes]:

@@ -241,6 +241,27 @@ def test_tensors_that_share_memory_are_refused_on_every_rank(pool):
         assert r["kept"], r
 
 
+def interleaved_views() -> dict:
+    """Views interleaved in one buffer share no element: reduced together as one at a time (they
+    were refused as sharing memory); views interleaved with an element in common are refused."""
+    rank = rank_of()
+    buf = seeded(rank, 120)
+    alone = buf.clone()
+    for k in range(2):
+        compcomm.compressed_allreduce(alone[k::2], compcomm.ErrorFeedback(tag=f"bucket{k}"), backend="gloo")
+    efs = [compcomm.ErrorFeedback(tag=f"bucket{k}") for k in range(2)]
+    error = caught(compcomm.compressed_allreduce_coalesced, [buf[0::2], buf[1::2]], efs, backend="gloo")
+    common = buf.clone()
+    refused = caught(compcomm.compressed_allreduce_coalesced, [common[0::2], common[2::2]], efs, backend="gloo")
+    return {"error": error, "same": torch.equal(buf, alone), "refused": refused}
+
+
+def test_views_interleaved_in_one_buffer_reduce_together_unless_they_share_elements(pool):
+    for r in pool.run(interleaved_views):
+        assert r["error"] is None and r["same"], r
+        assert r["refused"] is not None and "share memory" in r["refused"][1], r
+
+
 def error_state_as_input() -> dict:
     """Rank 1 reduces its ErrorFeedback's own worker error (live in the e form with
     double_buffer=False): ValueError everywhere, nothing changed. It was accepted and the

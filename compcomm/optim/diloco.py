@@ -54,6 +54,7 @@ rotation's signs).
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -88,10 +89,12 @@ class DiLoCo(torch.optim.Optimizer):
     syncing every `sync_every` steps (the math: `compcomm.optim.diloco`'s module docstring).
 
     `params` are the parameters `inner` optimizes (the same set; not wrapped in DDP, not
-    sharded). `outer_lr`, `outer_momentum` and `nesterov` configure the outer torch.optim.SGD
-    (`opt.outer`); `compress` picks the 1-bit error-feedback mean (True) or the exact one;
-    `fragments` > 1 is Streaming DiLoCo, overlapping each fragment's collective with
-    `overlap_steps` inner steps. `bucket_bytes` sizes the communication buckets: by default
+    sharded); those with requires_grad=False when it is built are left out of the syncs and
+    never changed by them (as DDP leaves them out of its buckets), the same ones on every rank.
+    `inner.step()` must need no closure. `outer_lr`, `outer_momentum` and `nesterov` configure
+    the outer torch.optim.SGD (`opt.outer`); `compress` picks the 1-bit error-feedback mean
+    (True) or the exact one; `fragments` > 1 is Streaming DiLoCo, overlapping each fragment's
+    collective with `overlap_steps` inner steps. `bucket_bytes` sizes the communication buckets: by default
     25 MiB, like DDP, or smaller where a model makes fewer than `fragments` such buckets (a
     fragment holds whole buckets, a bucket whole parameters; see `_bucket_bytes`).
 
@@ -158,12 +161,14 @@ class DiLoCo(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, {})
         mine = [p for group in self.param_groups for p in group["params"]]
+        trained = [i for i, p in enumerate(mine) if p.requires_grad]  # the synced: frozen ones stay as they are
         be, failure = resolve_for_call(backend, mine[0])
         try:  # a bad argument on one rank is raised on every rank, not left to hang the others
             overlap = _checked_arguments(
                 inner, mine, sync_every, fragments, start_iter, bucket_bytes, passes, passes_until, overlap_steps
             )
-            bucket_bytes = _bucket_bytes(mine, fragments) if bucket_bytes is None else bucket_bytes
+            if bucket_bytes is None:
+                bucket_bytes = _bucket_bytes([mine[i] for i in trained], fragments)
             check_range("outer_lr", outer_lr, 0.0, low_open=True)
             check_range("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
             for name, flag in (("nesterov", nesterov), ("compress", compress), ("rotate", rotate)):
@@ -191,10 +196,11 @@ class DiLoCo(torch.optim.Optimizer):
                 passes_until=passes_until,
                 rotate=rotate,
                 **outer,
+                requires_grad=[p.requires_grad for p in mine],
             ),
             be,
-            "DiLoCo's schedule and outer step must be the same on every rank (else its syncs pair "
-            "collectives of different steps and theta parts)",
+            "DiLoCo's schedule, outer step and synced parameters (those with requires_grad) must be the "
+            "same on every rank (else its syncs pair collectives of different steps and theta parts)",
         )
         self.defaults = inner.defaults
         self.inner = inner
@@ -207,7 +213,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._backend = be
         equalize_from_rank0(mine, be)
         assert bucket_bytes is not None  # else raised on every rank
-        layout = BucketLayout(mine, range(len(mine)), bucket_bytes, be.world_size, "DiLoCo")
+        layout = BucketLayout(mine, trained, bucket_bytes, be.world_size, "DiLoCo")
         schedule = FragmentSchedule(layout.sizes(), fragments, sync_every, overlap)
         self._sync = OuterSync(mine, layout, schedule, outer, compress, be, rotate)
         with torch.no_grad():
@@ -384,6 +390,8 @@ class DiLoCo(torch.optim.Optimizer):
             "params": [p.detach().clone() for p in self._params],
             "in_flight": sync.in_flight_state(),
             "skipped_steps": self.skipped_steps,
+            "last_step_skipped": self.last_step_skipped,
+            "backward_agreement": self._agreement.state_dict(),
         }
         extra = checkpoints.compcomm_entry(
             self._step_count,
@@ -452,6 +460,11 @@ class DiLoCo(torch.optim.Optimizer):
         self.skipped_syncs = int(extra["scalars"]["skipped_syncs"])
         sync.sent_at = list(extra["scalars"]["sent_at"])
         self.skipped_steps = int(local["skipped_steps"])
+        self.last_step_skipped = bool(local.get("last_step_skipped", False))
+        # a state saved before these were kept: a run that stepped had had its first backward
+        self._agreement.load_state_dict(
+            local.get("backward_agreement", {"first_done": self._step_count > 0, "scaler_seen": False})
+        )
 
     def _own_part(self, state_dict: Any) -> tuple[dict[str, Any], str | None]:
         """This rank's part of `state_dict`, and why it cannot be loaded here (None if it can)."""
@@ -520,12 +533,20 @@ def _checked_arguments(
             f"overlap_steps={overlap} must be below sync_every={sync_every}: a fragment must land "
             "before it is sent again"
         )
+    closure = inspect.signature(inner.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"inner {type(inner).__name__} needs a closure in step() (it evaluates the loss again itself); "
+            "DiLoCo steps its inner optimizer without one: use one whose step() takes none (e.g. AdamW)"
+        )
     theirs = [p for group in inner.param_groups for p in group["params"]]
     if {id(p) for p in params} != {id(p) for p in theirs} or len(params) != len({id(p) for p in params}):
         raise ValueError(
             "params must be exactly the parameters that inner optimizes (each once): "
             f"got {len(params)} here and {len(theirs)} in inner"
         )
+    if not any(p.requires_grad for p in params):
+        raise ValueError("no parameter requires_grad: DiLoCo syncs those that do (set it before building DiLoCo)")
     for p in params:
         if p.dtype not in PARAM_DTYPES:
             raise ValueError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")

@@ -89,8 +89,9 @@ class OuterSync:
                 theta.copy_(p.detach())
 
     def global_parameters(self) -> list[torch.Tensor]:
-        """theta's view of each parameter, in parameter order."""
-        out: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        """theta's view of each parameter, in parameter order (a parameter outside the buckets,
+        frozen when DiLoCo was built: itself, never changed by the syncs)."""
+        out = [p.detach() for p in self.params]
         for b in range(len(self.layout)):
             for i, view in zip(self.layout.parameters_of(b), self.theta_views[b]):
                 out[i] = view

@@ -65,6 +65,15 @@ class BackwardAgreement:
         self._first = True
         self.readiness = Readiness(self._params, lambda i: None, self._backward_done)
 
+    def state_dict(self) -> dict[str, bool]:
+        """What a resumed run needs to agree where this one would: whether the first backward has
+        been (a resumed run's first backward is not the run's first) and whether a scaler was seen."""
+        return {"first_done": not self._first, "scaler_seen": self.scaler_seen}
+
+    def load_state_dict(self, state: dict[str, bool]) -> None:
+        self._first, self.scaler_seen = not state["first_done"], bool(state["scaler_seen"])
+        self.agreed = False
+
     def _backward_done(self) -> None:
         if not (self._first or self.scaler_seen):
             return
