@@ -195,3 +195,24 @@ def test_every_documented_module_is_an_attribute_after_import_compcomm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "mpirun", out.stderr[-2000:]
+
+
+def test_fsdp_on_a_torch_without_fsdp2s_seams_says_what_it_needs():
+    """A torch whose FSDP2 lacks the custom collectives (`_fsdp_api`, as before they existed)
+    raised a bare ImportError from deep inside compcomm.fsdp."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['torch.distributed.fsdp._fully_shard._fsdp_api'] = None  # as a torch without it\n"
+        "import compcomm\n"
+        "try:\n"
+        "    compcomm.fsdp\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "set_custom_reduce_scatter" in out.stdout and "torch 2.13" in out.stdout, (
+        out.stdout + out.stderr[-2000:]
+    )

@@ -70,8 +70,16 @@ from ..backends import Backend, check_backend_argument, get
 from ..layout import is_integer
 from ..loss_scale import check_grad_scaler
 from ..optim.shards import compression_of as state_of
-from .comms import CompressedReduceScatter, IntraAllGather, IntraReduceScatter, all_reduce_hook
-from .modules import ShardedModule, group_ranks, sharded_modules
+
+try:
+    from .comms import CompressedReduceScatter, IntraAllGather, IntraReduceScatter, all_reduce_hook
+    from .modules import ShardedModule, group_ranks, sharded_modules
+except ImportError as exc:  # an older torch, whose FSDP2 lacks the seams compcomm fills
+    raise ImportError(
+        f"compcomm.fsdp needs FSDP2 with custom collectives (torch.distributed.fsdp.FSDPModule."
+        f"set_custom_reduce_scatter), which this torch {torch.__version__} lacks ({exc}); compcomm is "
+        "tested with torch 2.13"
+    ) from exc
 from .state import NONFINITE, CompressionState
 
 __all__ = ["CompressionState", "compress", "state_of"]
