@@ -12,6 +12,7 @@ warm-up, the DDP hook). `bytes_sent` is what this rank handed to both transports
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from .nccl import NcclBackend
 from .rank_order import sum_in_rank_order
 from .shm import REDUCE_DTYPES, ShmBackend
 from .shm import runs_here as shm_runs_here
+from .torch_dist import group_timeout
 
 
 class HierarchicalBackend(Backend):
@@ -45,20 +47,31 @@ class HierarchicalBackend(Backend):
 
     def _check_grouping(self) -> None:
         """ValueError on every rank unless `inter` joins ranks of one local index of nodes of one
-        size, and every node's ranks see as many nodes: else each node's parts would be reduced
-        with other local indices' parts, into results that differ from rank to rank."""
+        size, every node's ranks see as many nodes, and every local index lists the nodes in one
+        order: else each node's parts would be reduced with other local indices' parts, or rank
+        r of the composite would not be one rank, into results that differ from rank to rank.
+        A node is known by a random token of its local rank 0."""
         mine = torch.tensor([self.intra.rank, self.intra.world_size, self.inter.world_size], dtype=torch.int64)
         across, within = _gathered(self.inter, mine), _gathered(self.intra, mine)
-        bad = bool((across[:, :2] != mine[:2]).any() or (within[:, 1:] != mine[1:]).any())
-        for group in (self.intra, self.inter, self.intra):  # every rank learns of any rank's finding
-            bad = bool(_gathered(group, torch.tensor([int(bad)], dtype=torch.int64)).any())
+        bad = self._anywhere((across[:, :2] != mine[:2]).any() or (within[:, 1:] != mine[1:]).any())
+        if not bad:  # the groups' shapes agree everywhere: compare the nodes' order
+            token = torch.tensor([int.from_bytes(os.urandom(8), "little", signed=True)], dtype=torch.int64)
+            order = _gathered(self.inter, _gathered(self.intra, token)[0]).view(-1)
+            bad = self._anywhere((_gathered(self.intra, order) != order).any())
         if bad:
             raise ValueError(
                 "hierarchical(intra, inter): `inter` must join the ranks of one local index (the same "
-                "intra.rank) on nodes of the same size, one per node; some rank's inter group mixes local "
-                "indices or node sizes. Build inter from the ranks with the same local index, e.g. "
-                "compcomm.backends.get('hierarchical')"
+                "intra.rank) on nodes of the same size, one per node, and every local index's inter group "
+                "must order the nodes alike; some rank's inter group mixes local indices or node sizes, or "
+                "lists the nodes in another order. Build inter from the ranks with the same local index, in "
+                "node order, e.g. compcomm.backends.get('hierarchical')"
             )
+
+    def _anywhere(self, found: Any) -> bool:
+        """Whether any rank of the composite `found` something (through both levels)."""
+        for group in (self.intra, self.inter, self.intra):
+            found = _gathered(group, torch.tensor([int(bool(found))], dtype=torch.int64)).any()
+        return bool(found)
 
     # The count lives in the two transports; the generic accounting's writes are ignored.
     @property
@@ -210,29 +223,32 @@ def from_torch(
     NVLink or shared memory inside a node on its own. Every choice gives bitwise the same
     results: inside a node only bytes move, and the reduce-scatter sums in local rank order.
 
-    Makes one group per node and one per local index, collectively: every rank must call it."""
+    Makes one group per node and one per local index, collectively: every rank must call it.
+    The ranks first agree on the layout (a ValueError on every rank where one rank's is bad or
+    differs: their groups would not pair), and the groups keep the default group's timeout."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "get('hierarchical') needs torch.distributed: call torch.distributed.init_process_group() first"
         )
-    if local_world_size is None:
-        if "LOCAL_WORLD_SIZE" not in os.environ:
-            raise ValueError(
-                "get('hierarchical') needs the ranks per node: set LOCAL_WORLD_SIZE (torchrun does) "
-                "or pass local_world_size="
-            )
-        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-    world, rank, k = dist.get_world_size(), dist.get_rank(), local_world_size
-    if k < 1 or world % k:
-        raise ValueError(f"{world} ranks cannot form nodes of {k} ranks (local_world_size must divide the world size)")
-    transport = transport or ("nccl" if "nccl" in str(dist.get_backend()) else "gloo")
-    intra = intra or ("shm" if transport == "gloo" and shm_runs_here() else transport)
-    if transport not in ("gloo", "nccl"):
-        raise ValueError(f"transport must be one of gloo, nccl, got {transport!r}")
-    if intra not in _TRANSPORTS:
-        raise ValueError(f"intra must be one of {', '.join(_TRANSPORTS)}, got {intra!r}")
-    nodes = _groups([[h * k + i for i in range(k)] for h in range(world // k)])
-    peers = _groups([[h * k + i for h in range(world // k)] for i in range(k)])
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        layout, problem = _layout(local_world_size, transport, intra, world), ""
+    except ValueError as exc:
+        layout, problem = (0, "", ""), str(exc)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (problem, layout))
+    failed = [r for r, (why, _) in enumerate(everyone) if why]
+    if failed:
+        raise ValueError(f"rank(s) {failed}: {everyone[failed[0]][0]}")
+    if any(theirs != layout for _, theirs in everyone):
+        raise ValueError(
+            f"ranks passed different layouts (local_world_size, transport, intra per rank: "
+            f"{[theirs for _, theirs in everyone]}): every rank must build the same nodes"
+        )
+    k, transport, intra = layout
+    timeout = group_timeout(None, torch.device("cuda" if transport == "nccl" else "cpu"))
+    nodes = _groups([[h * k + i for i in range(k)] for h in range(world // k)], timeout)
+    peers = _groups([[h * k + i for h in range(world // k)] for i in range(k)], timeout)
     return HierarchicalBackend(
         _TRANSPORTS[intra](group=nodes[rank // k]), _TRANSPORTS[transport](group=peers[rank % k])
     )
@@ -245,5 +261,26 @@ _TRANSPORTS: dict[str, type[GlooBackend] | type[NcclBackend] | type[ShmBackend]]
 }
 
 
-def _groups(members: Sequence[list[int]]) -> list[Any]:
-    return [dist.new_group(ranks) for ranks in members]
+def _layout(local_world_size: int | None, transport: str | None, intra: str | None, world: int) -> tuple[int, str, str]:
+    """This rank's (ranks per node, transport, intra) for `from_torch`; ValueError if bad."""
+    if local_world_size is None:
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            raise ValueError(
+                "get('hierarchical') needs the ranks per node: set LOCAL_WORLD_SIZE (torchrun does) "
+                "or pass local_world_size="
+            )
+        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    k = local_world_size
+    if k < 1 or world % k:
+        raise ValueError(f"{world} ranks cannot form nodes of {k} ranks (local_world_size must divide the world size)")
+    transport = transport or ("nccl" if "nccl" in str(dist.get_backend()) else "gloo")
+    intra = intra or ("shm" if transport == "gloo" and shm_runs_here() else transport)
+    if transport not in ("gloo", "nccl"):
+        raise ValueError(f"transport must be one of gloo, nccl, got {transport!r}")
+    if intra not in _TRANSPORTS:
+        raise ValueError(f"intra must be one of {', '.join(_TRANSPORTS)}, got {intra!r}")
+    return k, transport, intra
+
+
+def _groups(members: Sequence[list[int]], timeout: datetime.timedelta) -> list[Any]:
+    return [dist.new_group(ranks, timeout=timeout) for ranks in members]

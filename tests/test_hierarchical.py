@@ -360,6 +360,65 @@ def test_inter_groups_that_mix_local_indices_are_refused_everywhere(six):
     assert all(r is not None and r[0] == "ValueError" and "one local index" in r[1] for r in results), results
 
 
+def _nodes_in_other_orders() -> tuple | None:
+    import torch.distributed as dist
+
+    from compcomm import backends
+
+    rank = dist.get_rank()
+    node = [dist.new_group(r) for r in ([0, 3], [1, 2])]  # group creation: all six ranks
+    peer = [dist.new_group(r) for r in ([0, 1], [2, 3])]  # index 0 lists node {0,3} first, index 1 node {1,2}
+    if rank >= 4:
+        return None
+    mine = node[0] if rank in (0, 3) else node[1]
+    inter = peer[0] if rank in (0, 1) else peer[1]
+    return caught(backends.hierarchical, backends.get("gloo", group=mine), backends.get("gloo", group=inter))
+
+
+def test_inter_groups_that_order_the_nodes_differently_are_refused_everywhere(six):
+    """Each inter group joins one local index, but index 0 lists the nodes in another order than
+    index 1: composite rank r was not one rank, so the byte collectives' rows and an optimizer's
+    equalized start differed by rank (parameters drifted apart silently)."""
+    results = six.run(_nodes_in_other_orders)[:4]
+    assert all(r is not None and r[0] == "ValueError" and "order" in r[1] for r in results), results
+
+
+def _local_world_size_by_rank(sizes: list[int]) -> tuple | None:
+    import torch.distributed as dist
+
+    from compcomm import backends
+
+    return caught(backends.get, "hierarchical", local_world_size=sizes[dist.get_rank()], intra="gloo")
+
+
+@pytest.mark.parametrize("sizes", [[2, 2, 2, 2, 3, 3], [4, 4, 4, 4, 2, 2]])
+def test_ranks_that_disagree_on_the_node_size_are_refused_everywhere(six, sizes):
+    """The ranks made their groups from their own LOCAL_WORLD_SIZE: every rank hung in
+    new_group, or those whose size divided the world did while the others raised."""
+    results = six.run(_local_world_size_by_rank, sizes)
+    assert all(r is not None and r[0] == "ValueError" and "local_world_size" in r[1] for r in results), results
+
+
+def group_timeouts() -> list[float]:
+    from compcomm.backends.torch_dist import group_timeout
+
+    cpu = torch.device("cpu")
+    gloo, shm = _backends["2x3"], _backends["2x3/shm"]
+    return [
+        group_timeout(None, cpu).total_seconds(),
+        group_timeout(gloo.intra.group, cpu).total_seconds(),
+        group_timeout(gloo.inter.group, cpu).total_seconds(),
+        shm.intra.timeout,
+    ]
+
+
+def test_get_hierarchical_keeps_the_default_groups_timeout(six):
+    """The groups it makes had torch's 30 minutes, whatever init_process_group's timeout: a
+    stalled peer held every rank that long."""
+    for world, intra, inter, shm in six.run(group_timeouts):
+        assert world == 60.0 and intra == inter == shm == world
+
+
 def _wrong_layout(options: dict) -> tuple | None:
     from compcomm import backends
 
