@@ -18,6 +18,7 @@ every case but mpirun, where compcomm's mpi backend needs nothing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import queue as queues
@@ -40,6 +41,7 @@ _AFTER_FAILURE_S = 30.0
 """How long the other ranks may go on after one failed (they may wait on it in a collective)."""
 _WORKERS_RELEASE_S = 0.05
 """How long `process_group` leaves the GIL to the group's worker threads before it leaves."""
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 
 
 def free_port(host: str = HOST) -> int:
@@ -71,7 +73,21 @@ def rank_environment(rank: int, world_size: int, port: int, host: str = HOST) ->
     }
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _end_with(parent: int) -> None:
+    """Have Linux kill this rank when `parent`, which spawned it, ends: a parent killed by a
+    signal (SIGTERM, SIGKILL) runs none of the cleanup that ends its ranks otherwise, and they
+    would run their work to its end unseen, writing its output. Elsewhere, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the signal was asked for
+        os._exit(1)
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any, parent: int
+) -> None:
+    _end_with(parent)
     os.environ.update(rank_environment(rank, world_size, port))
     try:
         results.put((rank, True, fn(*args)))
@@ -85,7 +101,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | 
 
     Raises RuntimeError with every failed rank's traceback, when a rank dies without a result,
     when a rank's process fails as it exits after returning one (a crash in its teardown), or
-    when `timeout` seconds pass (the ranks are then killed).
+    when `timeout` seconds pass (the ranks are then killed). On Linux the ranks also end when
+    this process does, however it ends (a SIGTERM or SIGKILL included).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -93,7 +110,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | 
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results, os.getpid()), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -31,8 +37,6 @@ def gloo_work_then_exit() -> int:
     default group alive past destroy_process_group), gloo collectives whose tensors Python has
     dropped, and an exit right after them. The long switch interval keeps the GIL from gloo's
     worker threads until the process exits, unless something releases it."""
-    import sys
-
     import torch
     import torch.distributed as dist
 
@@ -90,3 +94,49 @@ def test_mpirun_command_runs_this_interpreter():
         return
     cmd = launch.mpirun(2)
     assert cmd[-3:] == ["-n", "2", __import__("sys").executable] and "--oversubscribe" in cmd
+
+
+def _spawned_ranks(parent: int) -> list[int]:
+    """The pids of the ranks `parent` spawned (its children running multiprocessing's spawn)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == parent and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_ranks_end_when_the_spawning_process_is_killed():
+    """A SIGTERM to the process running spawn() left its ranks running to the end of their work
+    (a benchmark's ranks went on printing its table and writing its files)."""
+    code = "import time, compcomm\ncompcomm.launch.spawn(time.sleep, 2, 120)\n"
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks := _spawned_ranks(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(ranks) == 2, "the ranks did not start"
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(pid) for pid in ranks)
+    finally:
+        parent.kill()
+        for pid in _spawned_ranks(parent.pid) + locals().get("ranks", []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
