@@ -85,6 +85,13 @@ class Backend(ABC):
             return ordering.submit(self.channels, fn, *args)
         return ordering.run(self.channels, fn, *args)
 
+    def abandon(self, reason: str) -> None:
+        """This rank leaves a call of this group out of step with its peers (a composite call
+        whose other group failed under it): the group's channel is broken, so that its later
+        calls raise at once instead of pairing with the peers' pending ones, and a transport
+        that can tell the waiting peers (shm) does."""
+        ordering.break_channel(self._channel_key(), reason)
+
     def _break_channel(self, reason: str) -> RuntimeError:
         """Mark this group's channel unusable after a failure that leaves the peers out of step (a
         timed-out collective), so that every backend object over the group refuses calls; returns

@@ -12,9 +12,10 @@ warm-up, the DDP hook). `bytes_sent` is what this rank handed to both transports
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -72,6 +73,22 @@ class HierarchicalBackend(Backend):
         for group in (self.intra, self.inter, self.intra):
             found = _gathered(group, torch.tensor([int(bool(found))], dtype=torch.int64)).any()
         return bool(found)
+
+    def abandon(self, reason: str) -> None:
+        self.intra.abandon(reason)
+        self.inter.abandon(reason)
+
+    @contextlib.contextmanager
+    def leaving_on_failure(self) -> Iterator[None]:
+        """A call over both levels that fails on one of them (a RuntimeError: its transport; the
+        agreed verdicts are TypeError, ValueError, NonFiniteError) may have left this rank's
+        peers on the other one waiting mid-call: abandon both, so that they raise too, and so
+        that this rank's next call does not pair with their pending one."""
+        try:
+            yield
+        except RuntimeError as exc:
+            self.abandon(f"a hierarchical call failed on this rank ({exc})")
+            raise
 
     # The count lives in the two transports; the generic accounting's writes are ignored.
     @property
@@ -165,8 +182,9 @@ class HierarchicalBackend(Backend):
 
     def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
         node = torch.empty(self.intra.world_size, send.numel(), dtype=torch.uint8, device=send.device)
-        self.intra.all_gather(send, node)
-        self.inter.all_gather(node.view(-1), recv.view(self.inter.world_size, -1))
+        with self.leaving_on_failure():
+            self.intra.all_gather(send, node)
+            self.inter.all_gather(node.view(-1), recv.view(self.inter.world_size, -1))
         return None
 
     def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
@@ -175,22 +193,27 @@ class HierarchicalBackend(Backend):
         k, h, length = self.intra.world_size, self.inter.world_size, send.shape[1]
         by_local = send.view(h, k, length).transpose(0, 1).contiguous()
         mixed = torch.empty_like(by_local)
-        self.intra.all_to_all(by_local.view(k, -1), mixed.view(k, -1))
-        by_node = mixed.transpose(0, 1).contiguous()
-        self.inter.all_to_all(by_node.view(h, -1), recv.view(h, -1))
+        with self.leaving_on_failure():
+            self.intra.all_to_all(by_local.view(k, -1), mixed.view(k, -1))
+            by_node = mixed.transpose(0, 1).contiguous()
+            self.inter.all_to_all(by_node.view(h, -1), recv.view(h, -1))
         return None
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Exact: reduce-scatter inside the node (rank order), all-reduce across nodes, all-gather."""
         flat = tensor.view(-1)
-        part = self.exchange_in_node(flat, -(-flat.numel() // self.intra.world_size), tensor.dtype, sum_in_rank_order)
-        self.inter.all_reduce(part, "sum")
-        flat.copy_(self._gather_parts(part).view(-1)[: flat.numel()])
+        with self.leaving_on_failure():
+            part = self.exchange_in_node(
+                flat, -(-flat.numel() // self.intra.world_size), tensor.dtype, sum_in_rank_order
+            )
+            self.inter.all_reduce(part, "sum")
+            flat.copy_(self._gather_parts(part).view(-1)[: flat.numel()])
 
     def _barrier(self) -> None:
-        self.intra.barrier()
-        self.inter.barrier()
-        self.intra.barrier()
+        with self.leaving_on_failure():
+            self.intra.barrier()
+            self.inter.barrier()
+            self.intra.barrier()
 
 
 def _gathered(be: Backend, values: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ PREFIX = "compcomm-shm-"
 _MAGIC = 0x636F6D70636F6D6D  # "compcomm"
 _LINE = 64  # bytes: a cache line
 _PAGE = 4096
-COUNTER, PID, KIND, NBYTES = range(4)  # words of a control line
+COUNTER, PID, KIND, NBYTES, LEFT = range(5)  # words of a control line (LEFT: 1 once it left, `Segment.leave`)
 _LINE_WORDS = _LINE // 8
 _STALE_AFTER_S = 60.0
 
@@ -74,6 +74,15 @@ class Segment:
         """Publish what this rank's current call is (read by peers after the next counter)."""
         self.control[self.rank, KIND] = kind
         self.control[self.rank, NBYTES] = nbytes
+
+    def leave(self) -> None:
+        """Mark this rank as gone from the segment's calls (it will post no more), for the peers
+        waiting on its counter; its descriptor stays, for peers still checking the last call."""
+        self.control[self.rank, LEFT] = 1
+
+    def left(self, ranks: list[int]) -> list[int]:
+        """Those of `ranks` that left (`leave`)."""
+        return [r for r in ranks if self.control[r, LEFT]]
 
     def descriptors(self) -> list[tuple[int, int]]:
         return [(int(k), int(b)) for k, b in self.control[:, KIND : NBYTES + 1]]

@@ -523,3 +523,61 @@ def test_tiny_tensor_below_min_compress_bytes(six, numel):
     results = six.run(tiny_exact, numel, ranks=ranks_of("2x2"))
     assert [r["error"] for r in results] == [None] * 4
     assert len({r["out"] for r in results}) == 1
+
+
+def _killed_peer(rank: int, port: int, results) -> None:
+    """2 nodes x 2 ranks (shm inside); rank 3 dies in its second call, once the call's agreement
+    has passed, as its phases 1-2 across nodes begin (its own `FlatCall.commit` exits the
+    process: the fault is injected into the dying rank only). Each survivor reports the error
+    of that call and of its next one, and how long they took."""
+    import datetime
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from compcomm.launch import rank_environment
+    from compcomm.schedules import flat
+
+    os.environ.update(rank_environment(rank, 4, port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    be = compcomm.backends.get("hierarchical", local_world_size=2)
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(torch.randn(100_000), ef, backend=be)
+    if rank == 3:
+        flat.FlatCall.commit = lambda self: os._exit(9)  # type: ignore[method-assign]
+    start = time.monotonic()
+    error = caught(compcomm.compressed_allreduce, torch.randn(100_000), ef, backend=be)
+    again = caught(compcomm.compressed_allreduce, torch.randn(100_000), ef, backend=be)
+    results.put((rank, error, again, time.monotonic() - start))
+    results.close()
+    results.join_thread()  # flushed before the exit, which skips the broken groups' teardown
+    os._exit(0)
+
+
+def test_a_peer_killed_mid_run_fails_every_survivor_with_runtimeerror():
+    """Rank 1, whose phases across nodes failed with rank 3, left its node peer waiting mid-call
+    in shared memory, then paired its next call with the peer's pending one: ValueError ("ranks
+    made different calls") on ranks 0 and 1, RuntimeError on rank 2."""
+    import multiprocessing as mp
+
+    from compcomm.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_killed_peer, args=(r, port, results), daemon=True) for r in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        outcomes = sorted(results.get(timeout=120) for _ in range(3))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for rank, error, again, seconds in outcomes:
+        assert error is not None and error[0] == "RuntimeError", (rank, error)
+        assert again is not None and again[0] == "RuntimeError", (rank, again)
+        assert seconds < 40, (rank, seconds)

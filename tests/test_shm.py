@@ -278,6 +278,31 @@ def test_a_peer_that_dies_fails_the_call_fast_not_after_the_timeout():
     assert _names(pid for p in procs if (pid := p.pid) is not None) == []
 
 
+def leaving_peer() -> tuple | None:
+    """Ranks 1 and 2 over a group of their own (its channel breaks); rank 2 abandons the group
+    after a call, as a hierarchical call whose other level failed does."""
+    import torch.distributed as dist
+
+    mine = dist.new_group([1, 2])  # made by every rank
+    if dist.get_rank() not in (1, 2):
+        return None
+    shm = backends.get("shm", group=mine, timeout=60.0)
+    shm.all_reduce(torch.ones(8))
+    if dist.get_rank() == 2:
+        shm.abandon("its other group failed")
+        return caught(shm.all_reduce, torch.ones(8)), 0.0
+    start = time.monotonic()
+    return caught(shm.all_reduce, torch.ones(8)), time.monotonic() - start
+
+
+def test_a_peer_that_abandons_the_group_fails_the_waiting_call_fast(pool):
+    """The waiting rank learned nothing and waited for the whole timeout, or paired with the
+    abandoning rank's next call and raised ValueError ("ranks made different calls")."""
+    _, (waiting, seconds), (left, _), _ = pool.run(leaving_peer)
+    assert waiting[0] == "RuntimeError" and "left a call" in waiting[1] and seconds < 5, (waiting, seconds)
+    assert left[0] == "RuntimeError" and "unusable" in left[1], left
+
+
 def _names(pids) -> list[str]:
     mine = {f"{PREFIX}{pid}-" for pid in pids}
     return [e for e in os.listdir(SHM_DIRECTORY) if any(e.startswith(m) for m in mine)]

@@ -59,7 +59,14 @@ def part_of(be: HierarchicalBackend, numel: int) -> tuple[int, int, str]:
 
 
 def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
-    """Run `spec` over the composite `be`; runs holding both levels' channels.
+    """Run `spec` over the composite `be`; runs holding both levels' channels. A transport that
+    fails under it leaves both levels abandoned (`HierarchicalBackend.leaving_on_failure`)."""
+    with be.leaving_on_failure():
+        return _allreduce(spec, be)
+
+
+def _allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
+    """The call of `allreduce`.
 
     The first tensor's node step runs last and the call across nodes starts inside it, while
     the node's blocks are at hand: where the first tensor is compressed and its scan writes x',
