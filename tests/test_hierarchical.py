@@ -581,3 +581,20 @@ def test_a_peer_killed_mid_run_fails_every_survivor_with_runtimeerror():
         assert error is not None and error[0] == "RuntimeError", (rank, error)
         assert again is not None and again[0] == "RuntimeError", (rank, again)
         assert seconds < 40, (rank, seconds)
+
+
+def node_sum_overflow(layout: str) -> tuple | None:
+    import torch.distributed as dist
+
+    if dist.get_rank() not in ranks_of(layout):
+        return None
+    x = torch.full((1000,), 1.0)
+    x[0] = 3e38  # the mean is finite, the node's fp32 sum is not
+    return caught(compcomm.compressed_allreduce, x, compcomm.ErrorFeedback(), backend=_backends[layout])
+
+
+def test_a_node_sum_that_overflows_says_so(six):
+    """The refusal read "non-finite values (NaN/Inf) in the input or error state of rank(s)
+    [0, 1]" for finite inputs, naming node indices as if they were ranks."""
+    for r in six.run(node_sum_overflow, "2x2/shm")[:4]:
+        assert r is not None and r[0] == "NonFiniteError" and "node's fp32 sum" in r[1], r

@@ -52,6 +52,13 @@ own tickets also count calls that one node or one local index makes on its own, 
 numbers a composite call alike on all n ranks."""
 
 
+_ACROSS_NODES = (
+    "across nodes (the ranks named below are node indices, and the values there each node's fp32 sum "
+    "of its ranks' parts, or that sum / ranks per node for op='mean', which can overflow where the "
+    "mean would not): "
+)
+
+
 def part_of(be: HierarchicalBackend, numel: int) -> tuple[int, int, str]:
     """(elements, ranks, layout) of the part of a `numel`-element tensor this rank reduces
     across nodes: what its ErrorFeedback serves."""
@@ -115,7 +122,7 @@ def _allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
             failure = exc
 
     _node_step(be, outs[0], 0, first_then_across)
-    raise_agreed(failure, be.intra, context="across nodes: ")
+    raise_agreed(failure, be.intra, context=_ACROSS_NODES)
     for call, tensor, out in zip(calls, spec.tensors, outs):
         call.commit()
         _share_result(be, call, tensor, out)
