@@ -598,3 +598,33 @@ def test_a_node_sum_that_overflows_says_so(six):
     [0, 1]" for finite inputs, naming node indices as if they were ranks."""
     for r in six.run(node_sum_overflow, "2x2/shm")[:4]:
         assert r is not None and r[0] == "NonFiniteError" and "node's fp32 sum" in r[1], r
+
+
+def checkpoint_across_layouts(saved_on: str, loaded_on: str) -> tuple | None:
+    """OnebitAdam trained into its 1-bit stage over one layout of ranks 0-3, its state loaded
+    into one over the other (flat: one gloo group of the four)."""
+    from compcomm.optim import OnebitAdam
+
+    from rankpool import group
+
+    layouts = {"flat": compcomm.backends.get("gloo", group=group(4)), "2x2": _backends["2x2"]}
+    states = []
+    for layout in (saved_on, loaded_on):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=1, backend=layouts[layout])
+        if not states:
+            for step in range(3):
+                model(torch.randn(16, 8, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        states.append(opt.state_dict())
+    return caught(opt.load_state_dict, states[0])
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [("flat", "2x2"), ("2x2", "flat")])
+def test_optimizer_state_of_another_layout_is_refused_at_load(six, saved_on, loaded_on):
+    """The error feedback of a flat group and of a hierarchical one over the same ranks serve other
+    parts of the buckets: such a state loaded, then every rank raised at the next step."""
+    for r in six.run(checkpoint_across_layouts, saved_on, loaded_on, ranks=range(4)):
+        assert r is not None and r[0] == "ValueError" and "drop_error_feedback" in r[1], r

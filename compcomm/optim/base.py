@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from .. import schedules
 from ..agreement import all_max, raise_agreed
 from ..backends import Backend, check_backend_argument
 from ..backends.registry import resolve_for_call
@@ -428,7 +429,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
             layout = self._rounds.lay_out(checkpoints.saved_order(extra, len(self._params())))
             mine, problem = checkpoints.own_part(extra, be, layout)
             if problem is None and self._gradient_rounds is not None:
-                problem = checkpoints.error_feedback_problem(mine["error_feedback"])
+                served = [schedules.serves(be)(numel) for numel in layout.sizes()]
+                problem = checkpoints.error_feedback_problem(mine["error_feedback"], served)
         failure = self._backend_refused if self._sharded is None else None
         raise_agreed(failure or (None if problem is None else ValueError(problem)), be)
         assert extra is not None  # else raised on every rank

@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from .. import schedules
 from ..agreement import all_sum, raise_agreed
 from ..allreduce import compressed_allreduce_coalesced
 from ..backends import Backend
@@ -493,7 +494,8 @@ class DiLoCo(torch.optim.Optimizer):
         synced = [t.numel() for t in state_dict["synced"]]
         if synced != [t.numel() for t in self._sync.theta]:
             return mine, f"the checkpoint's synced parameters hold {synced} elements per bucket, not this optimizer's"
-        return mine, checkpoints.error_feedback_problem(mine["error_feedback"])
+        served = [schedules.serves(self._backend)(numel) for numel in self._sync.layout.sizes()]
+        return mine, checkpoints.error_feedback_problem(mine["error_feedback"], served)
 
 
 def _checked_arguments(

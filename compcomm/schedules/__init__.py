@@ -12,6 +12,8 @@ codec (`compcomm.codec`); they differ in how the bytes travel:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..agreement import CallSpec
@@ -25,6 +27,14 @@ def allreduce(spec: CallSpec, be: Backend) -> list[torch.Tensor]:
     if isinstance(be, HierarchicalBackend):
         return hierarchical.allreduce(spec, be)
     return flat.allreduce(spec, be)
+
+
+def serves(be: Backend) -> Callable[[int], tuple[int, int, str]]:
+    """What the ErrorFeedback of a numel-element tensor holds after an allreduce over `be`:
+    (elements, ranks, layout), for checking saved errors before they are loaded."""
+    if isinstance(be, HierarchicalBackend):
+        return lambda numel: hierarchical.part_of(be, numel)
+    return flat.serves(be)
 
 
 def reduce_scatter(spec: CallSpec, be: Backend) -> list[torch.Tensor]:

@@ -91,7 +91,7 @@ def prepare(spec: CallSpec, be: Backend) -> list[FlatCall]:
     if be.sends_row_by_row(previous_row_width(be)):
         return _prepare_streaming(spec, be)
     scanned: dict[int, Scanned] = {}
-    agreement = agree_on_call(spec, be, "allreduce", be.sequence_number(), _measure(spec, be, scanned), _serves(be))
+    agreement = agree_on_call(spec, be, "allreduce", be.sequence_number(), _measure(spec, be, scanned), serves(be))
     return _calls(spec, be, agreement, scanned, None)
 
 
@@ -104,7 +104,7 @@ def _prepare_streaming(spec: CallSpec, be: Backend) -> list[FlatCall]:
     phase 0b agrees on the bounds (s_r, max |e_s|) and on any rank's failed scan. A rejected call
     has sent signs that no server uses and changes nothing. A first tensor reduced exactly
     takes the ordinary phase 1 (its rows are the tensor itself: there is no scan to overlap)."""
-    calls = agree_on_arguments(spec, be, "allreduce", be.sequence_number(), _serves(be))
+    calls = agree_on_arguments(spec, be, "allreduce", be.sequence_number(), serves(be))
     scanned: dict[int, Scanned] = {}
     if spec.reduced_exactly(0):
         agreement = agree_on_measures(spec, be, calls, _measure(spec, be, scanned))
@@ -161,7 +161,9 @@ def _calls(
     ]
 
 
-def _serves(be: Backend) -> Callable[[int], tuple[int, int, str]]:
+def serves(be: Backend) -> Callable[[int], tuple[int, int, str]]:
+    """What the ErrorFeedback of a numel-element tensor holds after a call over `be`:
+    (elements, ranks, layout)."""
     return lambda numel: (numel, be.world_size, ALLREDUCE)
 
 
