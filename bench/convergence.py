@@ -37,11 +37,13 @@ rank), and its last step is followed by `opt.sync()`, which syncs the inner step
 last scheduled sync (its bytes are counted), so that the final model holds every step.
 
 It prints the final validation losses, the gaps to the baselines, and the bytes each rank
-handed to the transport (backend.bytes_sent), and writes `convergence[_TASK].json` and
-`.png` (matplotlib, optional) to --out.
+handed to the transport (backend.bytes_sent), and writes `convergence[_TASK][_TAG].json` and
+`.png` (matplotlib, optional) to `--out DIR`, by default to a new directory under the system's
+temporary directory (printed), so that a trial run never replaces the recorded results: those
+were made with `--out bench/results` (bench/results/convergence*.cmd).
 
     python bench/convergence.py                              # char-mlp, 4 ranks, a few minutes
-    python bench/convergence.py --task transformer
+    python bench/convergence.py --task transformer --out results/
     torchrun --nproc-per-node 4 bench/convergence.py
 """
 
@@ -51,6 +53,7 @@ import argparse
 import math
 import os
 import platform
+import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -157,15 +160,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma-separated subset of " + ",".join(RUNS))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument(
+        "--out",
+        type=output_dir,
+        default=None,
+        metavar="DIR",
+        help="directory of the report (made if missing; default: a new one under the system's temporary directory)",
+    )
     ap.add_argument("--tag", default="", help="appended to the output files' names (e.g. for a variant)")
     args = ap.parse_args(argv)
     unknown = set(args.runs.split(",")) - set(RUNS)
     if unknown:
         ap.error(f"unknown runs {sorted(unknown)}")
+    for flag in ("steps", "eval_every", "world_size"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if not 0 <= args.warmup < 1:
+        ap.error(f"--warmup is a fraction of the steps, in [0, 1), got {args.warmup}")
     if args.local_step_scaler is None:
         args.local_step_scaler = lr_policy_scaler(args)
     return args
+
+
+def output_dir(path: str) -> str:
+    """argparse type of --out: `path`, made if missing, once a file can be written in it, so that
+    a run never ends by failing to write what it trained for."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write in {path}: {exc.strerror or exc}") from None
+    return path
 
 
 def freeze_step(args: argparse.Namespace) -> int:
@@ -464,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     if results is not None:
         report = summarize(results, args, world)
         print_report(report)
-        write_outputs(report, args.out)
+        write_outputs(report, args.out or tempfile.mkdtemp(prefix="convergence-"))
 
 
 if __name__ == "__main__":

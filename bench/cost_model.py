@@ -149,6 +149,32 @@ def compare(record: dict, p: dict, cores: int) -> list[str]:
     return rows
 
 
+PHASES_KEYS = ("world_size", "numel", "size_bytes", "header_s", "call_s")
+"""What every record of a bench/phases.py run holds (an allreduce_bw.py run's records do not)."""
+
+
+def read_phases(path: str, need: tuple[str, ...] = ()) -> list[dict]:
+    """The records of the bench/phases.py JSON at `path`, each holding PHASES_KEYS and `need`;
+    else a ValueError that names the file and says what it should be."""
+    try:
+        with open(path) as f:
+            records = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not JSON ({exc}); expected the records of bench/phases.py --json") from None
+    keys = (*PHASES_KEYS, *need)
+    if not isinstance(records, list) or not records or not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"{path} is not a list of records; expected the records of bench/phases.py --json")
+    missing = sorted({key for r in records for key in keys if key not in r})
+    if missing:
+        raise ValueError(
+            f"{path} is not a bench/phases.py run with what is needed here: its records lack {', '.join(missing)}"
+            + (" (it holds bench/allreduce_bw.py records)" if "time_us" in records[0] else "")
+        )
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibrate", required=True, help="phases JSON whose largest size calibrates the model")
@@ -165,18 +191,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--extrapolate", action="store_true", help="print the 64-1024 rank table (100 MiB fp32)")
     args = ap.parse_args(argv)
-    with open(args.calibrate) as f:
-        calibration = json.load(f)
+    if args.cores < 1:
+        ap.error(f"--cores must be at least 1, got {args.cores}")
+    try:  # every file is read before any is used: a wrong one is refused before anything prints
+        calibration = read_phases(
+            args.calibrate, need=tuple(f"{part}_s" for part in ("a2a", "gather", "allreduce", *CODEC))
+        )
+        loopback = read_phases(args.loopback, need=("ranks_per_host", "rs_s", "share_s")) if args.loopback else None
+        latency_run = read_phases(args.latency) if args.latency else None
+        predicted = [calibration, *(read_phases(path) for path in args.files)]
+    except ValueError as exc:
+        ap.error(str(exc))
     base = max(calibration, key=lambda r: r["numel"])
-    loopback = None
-    if args.loopback:
-        with open(args.loopback) as f:
-            loopback = json.load(f)
     p = calibrate(base, args.cores, loopback)
     latency = ""
-    if args.latency:
-        with open(args.latency) as f:
-            fit_latency(p, calibration, json.load(f), args.cores)
+    if latency_run is not None:
+        fit_latency(p, calibration, latency_run, args.cores)
         latency = f" + {p['alpha0'] * 1e6:.0f} us per collective, overhead {p['overhead'] * 1e6:.0f} us per call"
     print(
         f"# calibrated on {args.calibrate} ({base['world_size']} ranks, {base['size_bytes']} bytes): "
@@ -187,10 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| hosts x ranks | size | part | measured (ms) | model (ms) | model error |")
     print("|---|---|---|---|---|---|")
-    for path in [args.calibrate, *args.files]:
-        with open(path) as f:
-            for record in json.load(f):
-                print("\n".join(compare(record, p, args.cores)))
+    for records in predicted:
+        for record in records:
+            print("\n".join(compare(record, p, args.cores)))
     if args.extrapolate:
         print("\n".join(extrapolate(100 * 2**20 // 4)))
     return 0

@@ -13,7 +13,9 @@ per host inside its namespace with the torchrun environment (RANK = host * K + L
 WORLD_SIZE = hosts * K, LOCAL_RANK, LOCAL_WORLD_SIZE = K, GROUP_RANK = host, MASTER_ADDR = host
 0, MASTER_PORT, GLOO_SOCKET_IFNAME = the namespace's interface), waits for all of them and exits
 with the worst exit code. Namespaces, veths, the bridge or router, the delay line and the cgroups
-are always removed: on success, failure, Ctrl-C or SIGTERM.
+are always removed: on success, failure, Ctrl-C or SIGTERM. A run killed outright (SIGKILL) cannot
+clean up: the next run removes what earlier runs under the default names (`cs<pid>...`) left
+behind once their <pid> is gone, and says what it removed.
 
 Ranks of one host reach each other at the host's own address, which the kernel routes through
 the namespace's loopback: traffic inside a host is unshaped (the fast intra-node link), traffic
@@ -57,13 +59,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from netsim_cpu import CpuError, CpuPlan, HostCgroups, cpu_snapshot, describe_cpu_use, plan
+from netsim_cpu import CGROUP_ROOT, CpuError, CpuPlan, HostCgroups, cpu_snapshot, describe_cpu_use, plan, remove_cgroup
 from units import parse_delay, parse_rate
 
 DEFAULT_SUBNET = "10.77.0.0/24"
 NS_IFNAME = "eth0"  # the interface's name inside every namespace
+TAG_PIDS = 1_000_000  # the default tag is cs<pid % TAG_PIDS>: interface names are limited to 15 characters
+DEFAULT_NAME = re.compile(r"cs(\d+)(?:-h\d+|-r|br|v\d+|p\d+)")
+"""What a run under the default tag names: namespaces and cgroups cs<n>-h<i>, the router's
+namespace cs<n>-r, the bridge cs<n>br, veths cs<n>v<i> and their peers cs<n>p<i>."""
 
 
 class NetsimError(RuntimeError):
@@ -107,9 +114,10 @@ class Cluster:
             raise NetsimError(f"--hosts must be at least 1, got {hosts}")
         if ranks_per_host < 1:
             raise NetsimError(f"--ranks-per-host must be at least 1, got {ranks_per_host}")
-        net = ipaddress.ip_network(subnet, strict=False)
-        if net.version != 4 or not net.is_private:
-            raise NetsimError(f"--subnet must be a private IPv4 network, got {subnet}")
+        try:
+            net = private_network(subnet)
+        except ValueError as exc:
+            raise NetsimError(f"--subnet: {exc}") from None
         usable = list(net.hosts())
         if hosts > len(usable):
             raise NetsimError(f"{subnet} has room for {len(usable)} hosts, not {hosts}")
@@ -122,7 +130,7 @@ class Cluster:
         self.prefixlen = net.prefixlen
         self.addresses = [str(a) for a in usable[:hosts]]
         # Short, unique names: interface names are limited to 15 characters.
-        self.tag = tag or f"cs{os.getpid() % 1000000}"
+        self.tag = tag or default_tag(os.getpid())
         self.bridge = f"{self.tag}br"
         self.router = f"{self.tag}-r"
         self.namespaces = [f"{self.tag}-h{i}" for i in range(hosts)]
@@ -435,6 +443,76 @@ class Cluster:
         return worst_exit_code([p.returncode for p in procs])
 
 
+def private_network(subnet: str) -> ipaddress.IPv4Network:
+    """`subnet` as a network, where it is a private IPv4 one (else a ValueError saying why not)."""
+    try:
+        net = ipaddress.ip_network(subnet, strict=False)
+    except ValueError:
+        net = None
+    if not isinstance(net, ipaddress.IPv4Network) or not net.is_private:
+        raise ValueError(f"{subnet!r} is not a private IPv4 network such as {DEFAULT_SUBNET}")
+    return net
+
+
+def _subnet_argument(subnet: str) -> str:
+    """argparse type of --subnet: refused as a usage error, before anything is built."""
+    try:
+        private_network(subnet)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return subnet
+
+
+def default_tag(pid: int) -> str:
+    """The name prefix of the cluster of netsim run `pid` when no --tag is given."""
+    return f"cs{pid % TAG_PIDS}"
+
+
+def stale_names(names: Iterable[str], alive: Callable[[int], bool]) -> list[str]:
+    """Those of `names` that a run under the default tag cs<n> made (DEFAULT_NAME) and whose run is
+    gone: `alive(n)` is false. Anything else, a --tag run's names included, is never picked."""
+    return [name for name in names if (m := DEFAULT_NAME.fullmatch(name)) and not alive(int(m.group(1)))]
+
+
+def live_tags() -> set[int]:
+    """The n of the default tag cs<n> of every process running now. A run whose n is not among them
+    is gone; a run whose pid went to another process keeps its names until that one ends too."""
+    return {int(pid) % TAG_PIDS for pid in os.listdir("/proc") if pid.isdigit()}
+
+
+def _link_names() -> list[str]:
+    """The network interfaces of this namespace."""
+    listed = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [m.group(1) for m in re.finditer(r"^\d+:\s+([^:@\s]+)", listed, re.M)]
+
+
+def sweep_stale() -> list[str]:
+    """Remove what netsim runs killed outright (SIGKILL: no teardown) left behind under the default
+    tag, once their pid is gone: their namespaces (after killing their ranks and delay line, still
+    running there), cgroups (after killing what runs in them), bridge and veths. What was removed."""
+    alive = live_tags().__contains__
+    swept = []
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for ns in stale_names([line.split()[0] for line in listed.splitlines() if line.strip()], alive):
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if subprocess.run(["ip", "netns", "del", ns], capture_output=True).returncode == 0:
+            swept.append(f"namespace {ns}" + (f" (and the {len(pids)} process(es) still in it)" if pids else ""))
+    for controller in ("cpu", "cpuset"):
+        base = CGROUP_ROOT / controller
+        found = [path.name for path in base.iterdir() if path.is_dir()] if base.is_dir() else []
+        swept += [f"cgroup {base / name}" for name in stale_names(found, alive) if remove_cgroup(base / name)]
+    links = stale_names(_link_names(), alive)
+    for link in links:  # a veth's peer goes with it: a failed `del` may find it gone already
+        subprocess.run(["ip", "link", "del", link], capture_output=True)
+    left = set(_link_names())
+    return swept + [f"link {link}" for link in links if link not in left]
+
+
 def _delay_seconds(delay: str | None) -> float:
     """--delay in seconds (0 for none), as a NetsimError where it cannot be read."""
     if delay is None:
@@ -537,7 +615,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --cpus-per-host C: each host on C cores of its own, undilated (needs hosts x C <= cores)",
     )
-    p.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"private /24 for the hosts (default {DEFAULT_SUBNET})")
+    p.add_argument(
+        "--subnet",
+        type=_subnet_argument,
+        default=DEFAULT_SUBNET,
+        help=f"private /24 for the hosts (default {DEFAULT_SUBNET})",
+    )
     p.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")
     p.add_argument(
         "--threads",
@@ -547,9 +630,22 @@ def build_parser() -> argparse.ArgumentParser:
         "else CPU cores / ranks; at least 1)",
     )
     p.add_argument("--timeout", type=float, default=None, help="kill all ranks after this many seconds")
-    p.add_argument("--tag", default=None, help="name prefix of the namespaces/links/cgroups (default cs<pid>)")
+    p.add_argument(
+        "--tag",
+        type=_tag_argument,
+        default=None,
+        help="name prefix of the namespaces/links/cgroups (default cs<pid>, whose leftovers later runs sweep)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="echo every ip/tc command")
     return p
+
+
+def _tag_argument(tag: str) -> str:
+    """argparse type of --tag: any prefix but the default tags' form cs<digits>, which a later run
+    would take for a gone run's and sweep while this one runs."""
+    if re.fullmatch(r"cs\d+", tag):
+        raise argparse.ArgumentTypeError(f"{tag}: cs<digits> is reserved for the default tags (cs<pid>)")
+    return tag
 
 
 def banner(cluster: Cluster, subnet: str, threads: int) -> str:
@@ -590,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         preflight()
+        swept = sweep_stale()
+        if swept:
+            print(f"[netsim] removed what earlier runs, now gone, left: {', '.join(swept)}", file=sys.stderr)
         with Cluster(args.hosts, rate, delay, args.subnet, args.tag, args.verbose, args.ranks_per_host, cpu) as cluster:
             threads = args.threads or cluster.default_threads()
             print(banner(cluster, args.subnet, threads), file=sys.stderr)

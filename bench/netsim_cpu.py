@@ -196,20 +196,27 @@ class HostCgroups:
     def remove(self, wait: float = 5.0) -> None:
         """Kill what is left in the cgroups, then remove them (idempotent)."""
         for path in reversed(self.made):
-            deadline = time.monotonic() + wait
-            while path.exists():
-                _kill_all(path)
-                try:
-                    path.rmdir()
-                except OSError:
-                    if time.monotonic() > deadline:
-                        break  # reported by leftovers()
-                    time.sleep(0.02)
+            remove_cgroup(path, wait)  # what stays is reported by leftovers()
         self.made = [path for path in self.made if path.exists()]
 
     def leftovers(self) -> list[str]:
         """This cluster's cgroups that still exist (empty after remove())."""
         return [str(path) for path in self.dirs() if path.exists()]
+
+
+def remove_cgroup(path: Path, wait: float = 5.0) -> bool:
+    """Kill whatever runs in the cgroup at `path`, then remove it: a cgroup with tasks cannot go.
+    Whether it is gone, after at most `wait` seconds for the killed tasks to exit."""
+    deadline = time.monotonic() + wait
+    while path.exists():
+        _kill_all(path)
+        try:
+            path.rmdir()
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+    return True
 
 
 def _kill_all(path: Path) -> None:

@@ -7,8 +7,12 @@ with torchrun's environment through `compcomm.launch.spawn`, each of which does 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +43,24 @@ def same_on_every_rank(tensors: list[torch.Tensor]) -> bool:
     theirs = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(theirs, mine)
     return all(torch.equal(mine, other) for other in theirs)
+
+
+@contextlib.contextmanager
+def checkpoint_dir() -> Iterator[Path]:
+    """A fresh directory for an example's checkpoint files, removed at the end (tempfile's: two
+    runs never write the same files). Every rank gets rank 0's directory, made on its own node too
+    where the nodes share no temporary directory; a file that one rank saves and another loads
+    needs one they share (TMPDIR). Every rank enters and leaves it together."""
+    made = [tempfile.mkdtemp(prefix="compcomm-example-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made)
+    path = Path(made[0])
+    path.mkdir(exist_ok=True)
+    try:
+        yield path
+        dist.barrier()  # every rank is done with the files
+    finally:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one rank per node
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def say(text: str) -> None:

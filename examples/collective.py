@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import compcomm
 
-from _ranks import run, same_on_every_rank, say
+from _ranks import checkpoint_dir, run, same_on_every_rank, say
 
 
 def gradient(rank: int, step: int) -> torch.Tensor:
@@ -42,10 +42,11 @@ def main() -> None:
     assert same_on_every_rank([sum_out])  # every rank decodes the same bytes
     say(f"relative error of one call {one_call:.2f}, of the sum over 10 calls {over_ten:.2f}")
 
-    path = f"ef_rank{rank}.pt"
-    torch.save(ef.state_dict(), path)  # error state is per rank: one file per rank
-    resumed = compcomm.ErrorFeedback()
-    resumed.load_state_dict(torch.load(path))
+    with checkpoint_dir() as ckpt:  # a fresh directory, removed afterwards
+        path = ckpt / f"ef_rank{rank}.pt"
+        torch.save(ef.state_dict(), path)  # error state is per rank: one file per rank
+        resumed = compcomm.ErrorFeedback()
+        resumed.load_state_dict(torch.load(path))
     a, b = gradient(rank, 10), gradient(rank, 10)
     compcomm.compressed_allreduce(a, ef)
     compcomm.compressed_allreduce(b, resumed)

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import compcomm
 
-from _ranks import run, same_on_every_rank, say
+from _ranks import checkpoint_dir, run, same_on_every_rank, say
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,12 +46,13 @@ def main() -> None:
             say(f"step {step:2d}: loss {loss.item():.4f}")
     assert same_on_every_rank(list(model.parameters()))
 
-    torch.save(state.state_dict(), f"hook_rank{rank}.pt")  # the hook's error feedback: per rank
-    if rank == 0:
-        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, "model.pt")
-    dist.barrier()
-    resumed = compcomm.ddp.OnebitHookState(start_iter=5)
-    resumed.load_state_dict(torch.load(f"hook_rank{rank}.pt"))  # collective: every rank loads its own
+    with checkpoint_dir() as ckpt:  # a fresh directory, removed afterwards
+        torch.save(state.state_dict(), ckpt / f"hook_rank{rank}.pt")  # the hook's error feedback: per rank
+        if rank == 0:
+            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, ckpt / "model.pt")
+        dist.barrier()
+        resumed = compcomm.ddp.OnebitHookState(start_iter=5)
+        resumed.load_state_dict(torch.load(ckpt / f"hook_rank{rank}.pt"))  # collective: every rank loads its own
     say("ddp_hook_sgd: OK (parameters equal on every rank, hook state saved and loaded)")
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from compcomm.optim import DiLoCo
 
-from _ranks import run, same_on_every_rank, say
+from _ranks import checkpoint_dir, run, same_on_every_rank, say
 
 
 def main() -> None:
@@ -41,8 +41,9 @@ def main() -> None:
     sent = opt.backend.bytes_sent
     assert same_on_every_rank(list(model.parameters()))
     gathered = opt.gathered_state_dict()  # collective
-    if rank == 0:
-        torch.save(gathered, "diloco.pt")  # one file; every rank's opt.load_state_dict(torch.load(...)) resumes
+    with checkpoint_dir() as ckpt:  # a fresh directory, removed afterwards
+        if rank == 0:  # one file; every rank's opt.load_state_dict(torch.load(...)) resumes
+            torch.save(gathered, ckpt / "diloco.pt")
     say(f"diloco: OK (parameters equal on every rank after opt.sync(); rank 0 sent {sent} bytes in all)")
 
 

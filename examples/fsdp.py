@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 import compcomm
 from compcomm.optim import OnebitAdam
 
-from _ranks import run, same_on_every_rank, say
+from _ranks import checkpoint_dir, run, same_on_every_rank, say
 
 WARMUP = 3
 
@@ -48,7 +48,8 @@ def main() -> None:
         if step in (0, 7):
             say(f"step {step}: loss {loss.item():.4f}, 1-bit: {state.compressing}")
     assert same_on_every_rank([p.full_tensor() for p in model.parameters()])
-    torch.save({"compression": state.state_dict(), "opt": opt.state_dict()}, f"fsdp_rank{rank}.pt")
+    with checkpoint_dir() as ckpt:  # a fresh directory, removed afterwards
+        torch.save({"compression": state.state_dict(), "opt": opt.state_dict()}, ckpt / f"fsdp_rank{rank}.pt")
     say(f"fsdp: OK (reduce-scatter sent {state.bytes_sent} bytes from rank 0)")
 
 

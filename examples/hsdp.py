@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 import compcomm
 
-from _ranks import run, same_on_every_rank, say
+from _ranks import checkpoint_dir, run, same_on_every_rank, say
 
 
 def main() -> None:
@@ -55,7 +55,8 @@ def main() -> None:
         if step in (0, 7):
             say(f"step {step}: loss {loss.item():.4f}, 1-bit across nodes: {state.compressing}")
     assert same_on_every_rank([p.full_tensor() for p in model.parameters()])
-    torch.save(state.state_dict(), f"hsdp_rank{rank}.pt")  # the error feedback: one file per rank
+    with checkpoint_dir() as ckpt:  # a fresh directory, removed afterwards
+        torch.save(state.state_dict(), ckpt / f"hsdp_rank{rank}.pt")  # the error feedback: one file per rank
     say(f"hsdp: OK ({nodes} replicas of {k} shards, parameters equal on every rank)")
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from compcomm.optim import OnebitAdam
 
-from _ranks import run, same_on_every_rank, say
+from _ranks import checkpoint_dir, run, same_on_every_rank, say
 
 
 def build() -> tuple[torch.nn.Module, OnebitAdam]:
@@ -47,21 +47,22 @@ def main() -> None:
     rank = dist.get_rank()
     model, opt = build()
     say(f"loss after 6 steps (3 exact, 3 in 1 bit): {train(model, opt, range(6)):.4f}")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"ckpt_rank{rank}.pt")  # one file per rank
-    gathered = opt.gathered_state_dict()  # collective: every rank's part, on every rank
-    if rank == 0:
-        torch.save({"model": model.state_dict(), "opt": gathered}, "ckpt.pt")  # one file for all ranks
-    dist.barrier()
-    train(model, opt, range(6, 9))
-    reference = [p.detach().clone() for p in model.parameters()]
-
-    for name in (f"ckpt_rank{rank}.pt", "ckpt.pt"):
-        model, opt = build()
-        saved = torch.load(name)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])  # collective: raises the same ValueError everywhere on a wrong file
+    with checkpoint_dir() as ckpt:  # a fresh directory, removed afterwards
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, ckpt / f"ckpt_rank{rank}.pt")  # per rank
+        gathered = opt.gathered_state_dict()  # collective: every rank's part, on every rank
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "opt": gathered}, ckpt / "ckpt.pt")  # one file for all ranks
+        dist.barrier()
         train(model, opt, range(6, 9))
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference)), name
+        reference = [p.detach().clone() for p in model.parameters()]
+
+        for name in (f"ckpt_rank{rank}.pt", "ckpt.pt"):
+            model, opt = build()
+            saved = torch.load(ckpt / name)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])  # collective: raises the same ValueError everywhere on a wrong file
+            train(model, opt, range(6, 9))
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference)), name
     assert same_on_every_rank(reference)
     say("onebit_adam: OK (resumed bit for bit from the per-rank files and from the gathered file)")
 

@@ -1,1 +1,1 @@
-python bench/convergence.py
+python bench/convergence.py --out bench/results

@@ -1,1 +1,1 @@
-python bench/convergence.py --lr-diloco 4e-3 --runs diloco_h8,diloco_h16,diloco_h32 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 320 --diloco-rotate --tag diloco_budget
+python bench/convergence.py --lr-diloco 4e-3 --runs diloco_h8,diloco_h16,diloco_h32 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 320 --diloco-rotate --tag diloco_budget --out bench/results

@@ -1,1 +1,1 @@
-python bench/convergence.py --lr-diloco 4e-3 --seed 3 --runs diloco_h16 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 320 --diloco-rotate --tag diloco_budget_seed3
+python bench/convergence.py --lr-diloco 4e-3 --seed 3 --runs diloco_h16 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 320 --diloco-rotate --tag diloco_budget_seed3 --out bench/results

@@ -1,1 +1,1 @@
-python bench/convergence.py --lr-diloco 4e-3 --seed 6 --runs diloco_h16 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 320 --diloco-rotate --tag diloco_budget_seed6
+python bench/convergence.py --lr-diloco 4e-3 --seed 6 --runs diloco_h16 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 320 --diloco-rotate --tag diloco_budget_seed6 --out bench/results

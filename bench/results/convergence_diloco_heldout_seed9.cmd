@@ -1,1 +1,1 @@
-python bench/convergence.py --seed 9 --runs adam,diloco_exact_h16,diloco_h16 --lr-diloco 4e-3 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 300 --tag diloco_heldout_seed9
+python bench/convergence.py --seed 9 --runs adam,diloco_exact_h16,diloco_h16 --lr-diloco 4e-3 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 300 --tag diloco_heldout_seed9 --out bench/results

@@ -1,1 +1,1 @@
-python bench/convergence.py --seed 7 --runs diloco_h16 --lr-diloco 4e-3 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 300 --diloco-rotate --tag diloco_rotate_seed7
+python bench/convergence.py --seed 7 --runs diloco_h16 --lr-diloco 4e-3 --outer-lr 1.0 --outer-momentum 0.5 --diloco-bucket-kb 1 --diloco-passes 2 --diloco-passes-until 300 --diloco-rotate --tag diloco_rotate_seed7 --out bench/results

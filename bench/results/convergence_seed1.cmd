@@ -1,1 +1,1 @@
-python bench/convergence.py --seed 1 --tag seed1
+python bench/convergence.py --seed 1 --tag seed1 --out bench/results

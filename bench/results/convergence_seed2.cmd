@@ -1,1 +1,1 @@
-python bench/convergence.py --seed 2 --tag seed2
+python bench/convergence.py --seed 2 --tag seed2 --out bench/results

@@ -1,1 +1,1 @@
-python bench/convergence.py --seed 3 --tag seed3
+python bench/convergence.py --seed 3 --tag seed3 --out bench/results

@@ -1,1 +1,1 @@
-python bench/convergence.py --task transformer --hidden 64 --context 32 --batch 16 --lr-adam 6e-3 --lr-lamb 2e-2 --seed 3 --tag seed3
+python bench/convergence.py --task transformer --hidden 64 --context 32 --batch 16 --lr-adam 6e-3 --lr-lamb 2e-2 --seed 3 --tag seed3 --out bench/results

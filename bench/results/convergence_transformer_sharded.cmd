@@ -1,1 +1,1 @@
-python bench/convergence.py --task transformer --hidden 64 --context 32 --batch 16 --lr-adam 6e-3 --lr-lamb 2e-2 --runs fsdp_adam,fsdp_onebit_adam,fsdp_sgd,fsdp_onebit_sgd,hsdp_adam,hsdp_onebit_adam,hsdp_sgd,hsdp_onebit_sgd --tag sharded
+python bench/convergence.py --task transformer --hidden 64 --context 32 --batch 16 --lr-adam 6e-3 --lr-lamb 2e-2 --runs fsdp_adam,fsdp_onebit_adam,fsdp_sgd,fsdp_onebit_sgd,hsdp_adam,hsdp_onebit_adam,hsdp_sgd,hsdp_onebit_sgd --tag sharded --out bench/results
