@@ -61,9 +61,12 @@ DTYPES = {
 
 
 def sweep_sizes(lo: int, hi: int, factor: float, elem: int) -> list[int]:
-    """Sizes lo, lo*factor, ... <= hi, rounded down to whole elements (at least one)."""
+    """Sizes lo, lo*factor, ... <= hi, rounded down to whole elements (at least one, which
+    --max-bytes must hold: a row is never larger than it)."""
     if lo <= 0 or hi < lo:
         raise ValueError(f"need 0 < --min-bytes <= --max-bytes, got {lo}, {hi}")
+    if hi < elem:
+        raise ValueError(f"--max-bytes {hi} is less than one element ({elem} bytes): no size to time")
     if factor <= 1:
         raise ValueError(f"--factor must be > 1, got {factor}")
     sizes, size = [], float(lo)
@@ -73,6 +76,13 @@ def sweep_sizes(lo: int, hi: int, factor: float, elem: int) -> list[int]:
             sizes.append(nbytes)
         size *= factor
     return sizes
+
+
+def rate_argument(text: str) -> str:
+    """argparse type of --link-rate: the rate as written (it labels the outlook's row), once
+    `parse_rate` reads it, so that a bad one is refused before the sweep, not after it."""
+    parse_rate(text)
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default=None, help="plot title suffix (e.g. the simulated link)")
     p.add_argument(
         "--link-rate",
+        type=rate_argument,
         default=None,
         help="per-host link rate drawn on the plot, tc syntax (e.g. 1gbit; default: bench/netsim.py's)",
     )
@@ -152,8 +163,8 @@ def _time_calls(be, fn, iters: int) -> tuple[np.ndarray, float]:
 
 
 def check_args(args) -> list[str]:
-    """The ops to run, after rejecting bad --ops / --iters / --warmup / --factor / --backend
-    (in `main`, before any rank is spawned, and again on each rank)."""
+    """The ops to run, after rejecting bad --ops / --iters / --warmup / --factor / --intra /
+    --backend (in `main`, before any rank is spawned, and again on each rank)."""
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     for op in ops:
         if op not in OPS:
@@ -164,6 +175,8 @@ def check_args(args) -> list[str]:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
     if not math.isfinite(args.factor):
         raise SystemExit(f"--factor must be a finite number > 1, got {args.factor}")
+    if args.intra is not None and not args.hierarchical:
+        raise SystemExit("--intra is the transport inside a node of --hierarchical: add --hierarchical or drop it")
     if args.backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
     return ops
@@ -178,7 +191,8 @@ def print_header(args, n: int, label: str) -> None:
     if emulation.label():
         print(f"# times: {emulation.label()} (bench/netsim.py --cpus-per-host, time dilation)")
     if not memory_measurable(torch.device("cpu")):
-        print(f"# peak(x): not measured on CPU here (start the ranks with {mmap_threshold_env()} to measure it)")
+        env = " ".join(f"{name}={value}" for name, value in mmap_threshold_env().items())
+        print(f"# peak(x): not measured on CPU here (start the ranks with {env} to measure it)")
     print("#" + " " * 78 + "|  time across iterations (us)")
     print(
         f"# {'size(B)':>11} {'count':>10} {'type':>8} {'op':>10} | {'time(us)':>11} {'algbw(GB/s)':>11} "
@@ -309,10 +323,13 @@ def run_rank(args, be, label: str, hier=None) -> list[dict] | None:
 
 
 def _summary(records: list[dict]) -> None:
-    for op in OPS:
-        rows = [r for r in records if r["op"] == op]
+    """nccl-tests' closing averages, one per op (the hierarchical rows apart, as "hier"), then the
+    ratios of the flat compressed op against the allreduce and the hierarchical one against it."""
+    groups = {op: [r for r in records if r["op"] == op and r["backend"] != "hierarchical"] for op in OPS}
+    groups["hier"] = [r for r in records if r["backend"] == "hierarchical"]
+    for shown, rows in groups.items():
         if rows:  # as nccl-tests ends its table
-            print(f"# Avg bus bandwidth    : {sum(r['busbw_GBps'] for r in rows) / len(rows):.4f} ({op})")
+            print(f"# Avg bus bandwidth    : {sum(r['busbw_GBps'] for r in rows) / len(rows):.4f} ({shown})")
     by = {(r["op"], r["size_bytes"]): r for r in records if r["backend"] != "hierarchical"}
     pairs = [
         (by[("compressed", s)], by[("allreduce", s)]) for (op, s) in by if op == "compressed" and ("allreduce", s) in by
@@ -320,13 +337,11 @@ def _summary(records: list[dict]) -> None:
     if pairs:
         print("# speedup (allreduce time / compressed time) and wire-byte ratio per size:")
     for c, a in pairs:
-        ratio = a["wire_bytes"] / c["wire_bytes"] if c["wire_bytes"] else float("inf")
+        # on one rank neither op sends anything
+        wire = f"wire {a['wire_bytes'] / c['wire_bytes']:5.1f}x less" if c["wire_bytes"] else "no wire bytes"
         exact = by.get(("exact", c["size_bytes"]))
         versus = f", exact path {a['time_us'] / exact['time_us']:6.2f}x" if exact else ""
-        print(
-            f"#   {human(c['size_bytes']):>10}: speedup {a['time_us'] / c['time_us']:6.2f}x, "
-            f"wire {ratio:5.1f}x less{versus}"
-        )
+        print(f"#   {human(c['size_bytes']):>10}: speedup {a['time_us'] / c['time_us']:6.2f}x, {wire}{versus}")
     flat = [
         (h, by[("compressed", h["size_bytes"])])
         for h in records
@@ -465,7 +480,7 @@ def _torch_dist_rank(args, label: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        sweep_sizes(args.min_bytes, args.max_bytes, args.factor, 1)
+        sweep_sizes(args.min_bytes, args.max_bytes, args.factor, DTYPES[args.dtype].itemsize)
     except ValueError as exc:
         build_parser().error(str(exc))
     check_args(args)

@@ -2,9 +2,12 @@
 """Where the time of one compressed allreduce goes, phase by phase, for the cost model.
 
     python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/phases.py --sizes 1M,100M --json out.json
+    python bench/phases.py --nprocs 4                            # spawns 4 local gloo ranks
+    mpirun -n 4 python bench/phases.py                           # mpirun's ranks, one gloo group
 
-Run under torchrun or bench/netsim.py (it reads RANK/WORLD_SIZE). For every size it times, on
-all ranks at once, each part of the flat 1-bit collective on its own, then the whole call:
+Runs under torchrun or bench/netsim.py, under mpirun, or plainly, spawning --nprocs local ranks
+(bench/ranks.py). For every size it times, on all ranks at once, each part of the flat 1-bit
+collective on its own, then the whole call:
 
     header    phase 0: all-to-all of a 16-byte header + min(C/8, FOLD_BYTES / n) bytes of signs per peer
     scan      worker pass: reads x and the previous x' (N elements), writes the new x' and packs
@@ -20,7 +23,8 @@ all ranks at once, each part of the flat 1-bit collective on its own, then the w
               gather)
     allreduce the uncompressed fp32 all_reduce (the baseline)
 
-and with K > 1 ranks per host (LOCAL_WORLD_SIZE), for the hierarchical backend:
+and with K > 1 ranks per host (LOCAL_WORLD_SIZE; self-spawned ranks are all on one host), for the
+hierarchical backend:
 
     rs        the node's step as the hierarchical schedule runs it: (K-1) blocks of 4N/K fp32
               bytes exchanged inside the host (and for K > 2 the first K-1 blocks summed); the
@@ -44,10 +48,11 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from codec_passes import codec_passes
 from emulation import emulated, record_fields
-from ranks import gather_floats, set_threads
+from ranks import add_nprocs_argument, gather_floats, launched_world, run_ranks, set_threads
 from records import codec_line, output_path, write_json
 from units import parse_size
 
@@ -132,43 +137,71 @@ def measure(be, numel: int, iters: int, parts: list[str], hier=None) -> dict:
     return record
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="1M,10M,100M", help="comma-separated fp32 sizes in bytes (default 1M,10M,100M)")
-    p.add_argument("--iters", type=int, default=5, help="timed calls per part (default 5)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"parts to time (default {','.join(PARTS)})")
-    p.add_argument("--json", metavar="PATH", type=output_path, help="write the records as a JSON list")
-    args = p.parse_args(argv)
-    if "RANK" not in os.environ:
-        raise SystemExit(
-            "run under torchrun or bench/netsim.py, e.g.: python bench/netsim.py --hosts 4 -- python bench/phases.py"
-        )
-    parts = [part for part in args.parts.split(",") if part]
-    unknown = set(parts) - set(PARTS) - set(NODE_PARTS)
-    if unknown:
-        raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
-    set_threads()
-    from compcomm import backends, launch
+def sizes_argument(text: str) -> list[int]:
+    """argparse type of --sizes: the sizes in bytes, each at least one fp32 element, read before
+    any rank starts (a bad one failed on every rank, in a traceback each)."""
+    sizes = [parse_size(size) for size in text.split(",") if size.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"{text!r} names no size; give e.g. 1M,10M,100M")
+    small = [size for size in sizes if size < 4]
+    if small:
+        raise argparse.ArgumentTypeError(f"{small[0]} bytes is less than one fp32 element (4 bytes)")
+    return sizes
 
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+
+def time_parts(args: argparse.Namespace) -> None:
+    """Every rank, in the gloo group: the parts at each size; rank 0 prints a row per size (the
+    size timed: whole fp32 elements) and writes the records."""
+    from compcomm import backends
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    set_threads(local)
+    be = backends.get("gloo")
+    hier = backends.get("hierarchical") if local > 1 else None
+    parts = args.parts + ([part for part in NODE_PARTS if part not in args.parts] if hier is not None else [])
+    rank = dist.get_rank()
+    if rank == 0:
+        print(codec_line(), flush=True)
+    measure(be, min(args.sizes) // 4, 1, parts, hier)  # connections and caches warm
     records: list[dict] = []
-    with launch.process_group("gloo"):
-        be = backends.get("gloo")
-        hier = backends.get("hierarchical") if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1 else None
-        if hier is not None:
-            parts += [part for part in NODE_PARTS if part not in parts]
-        rank = be.rank
+    for size in args.sizes:
+        record = measure(be, size // 4, args.iters, parts, hier)
+        records.append(record)
         if rank == 0:
-            print(codec_line(), flush=True)
-        measure(be, min(sizes) // 4, 1, parts, hier)  # connections and caches warm
-        for size in sizes:
-            record = measure(be, size // 4, args.iters, parts, hier)
-            records.append(record)
-            if rank == 0:
-                cells = " ".join(f"{part} {record[part + '_s'] * 1e3:9.2f}" for part in parts)
-                print(f"n {record['world_size']:>3} size {size:>10} | ms: {cells}", flush=True)
+            cells = " ".join(f"{part} {record[part + '_s'] * 1e3:9.2f}" for part in parts)
+            print(f"n {record['world_size']:>3} size {record['size_bytes']:>10} | ms: {cells}", flush=True)
     if rank == 0 and args.json:
         write_json(records, args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--sizes",
+        type=sizes_argument,
+        default="1M,10M,100M",
+        help="comma-separated fp32 sizes in bytes, at least 4 (default 1M,10M,100M)",
+    )
+    p.add_argument("--iters", type=int, default=5, help="timed calls per part (default 5)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"parts to time (default {','.join(PARTS)})")
+    add_nprocs_argument(p)
+    p.add_argument("--json", metavar="PATH", type=output_path, help="write the records as a JSON list")
+    args = p.parse_args(argv)
+    if args.iters < 1:
+        p.error(f"--iters must be >= 1, got {args.iters}")
+    args.parts = [part for part in args.parts.split(",") if part]
+    if not args.parts:
+        p.error(f"--parts names no part; choose from {', '.join(PARTS + NODE_PARTS)}")
+    unknown = set(args.parts) - set(PARTS) - set(NODE_PARTS)
+    if unknown:
+        p.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS + NODE_PARTS)}")
+    if args.nprocs < 1:
+        p.error(f"--nprocs must be >= 1, got {args.nprocs}")
+    launched = launched_world()  # under mpirun, this sets LOCAL_WORLD_SIZE from MPI's world
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched is not None else args.nprocs
+    if per_host < 2 and set(args.parts) & set(NODE_PARTS):
+        p.error(f"{', '.join(NODE_PARTS)} time the hierarchical call: they need several ranks per host")
+    run_ranks(time_parts, args, args.nprocs)
     return 0
 
 

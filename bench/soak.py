@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import sys
 import threading
@@ -134,12 +135,21 @@ def run_rank(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=10_000)
-    p.add_argument("--numel", type=int, default=4096)
+    p.add_argument(
+        "--numel", type=int, default=4096, help="elements per call (at least 4: every tenth call sends numel / 4)"
+    )
     p.add_argument("--every", type=int, default=1000, help="record RSS and threads every this many calls")
     add_nprocs_argument(p)
     p.add_argument("--max-rss-growth-mib", type=float, default=20.0)
     p.add_argument("--json", metavar="PATH", type=output_path)
     args = p.parse_args(argv)
+    # Refused here, before any rank starts: a bad value would fail on one rank and leave the
+    # others hanging or failing for another reason, or pass every check vacuously.
+    for flag, least in (("every", 1), ("numel", 4), ("nprocs", 1)):
+        if getattr(args, flag) < least:
+            p.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
+    if not (math.isfinite(args.max_rss_growth_mib) and args.max_rss_growth_mib >= 0):
+        p.error(f"--max-rss-growth-mib must be a finite number of MiB, at least 0, got {args.max_rss_growth_mib}")
     if args.calls < args.every:
         p.error("--calls must be at least --every")
     code, _ = run_ranks(run_rank, args, args.nprocs)

@@ -325,10 +325,16 @@ def describe(meta: dict) -> str:
 
 
 def by_time(calls: list[dict], kind: str) -> tuple[list[dict], dict]:
-    """A kind's calls, fastest first, and the one charted: the middle one (the upper of the two
-    middle ones for an even count)."""
+    """A kind's calls, fastest first, and its median call, the one reported and charted: the middle
+    one (the lower of the two middle ones for an even count, so that it is a call that ran, and
+    the median printed is its time)."""
     mine = sorted((c for c in calls if c["kind"] == kind), key=lambda c: c["time_ms"])
-    return mine, mine[len(mine) // 2]
+    return mine, mine[(len(mine) - 1) // 2]
+
+
+def lower(mine: list[dict]) -> str:
+    """What the median call is, where the count of calls leaves a choice."""
+    return "" if len(mine) % 2 else ", the lower of the two middle calls"
 
 
 def link_rate(meta: dict) -> float | None:
@@ -344,7 +350,7 @@ def report(calls: list[dict], meta: dict) -> list[str]:
     for kind in dict.fromkeys(c["kind"] for c in calls):
         mine, median = by_time(calls, kind)
         times = ", ".join(f"{c['time_ms']:.1f}" for c in sorted(mine, key=lambda c: c["call"]))
-        lines += ["", f"== {kind}: calls {times} ms; median {statistics.median(c['time_ms'] for c in mine):.1f} ms"]
+        lines += ["", f"== {kind}: calls {times} ms; median {median['time_ms']:.1f} ms{lower(mine)}"]
         hosts = sorted({r["host"] for r in median["ranks"]})
         for h in hosts:
             cpu = [sum(r["cpu_ms"] for r in c["ranks"] if r["host"] == h) for c in mine]
@@ -353,7 +359,9 @@ def report(calls: list[dict], meta: dict) -> list[str]:
                 f"host {h}: CPU {statistics.median(cpu):.1f} ms per call (median), "
                 f"busy {statistics.median(load):.0%} of {cores:g} core(s)"
             )
-        lines.append(f"median call ({median['time_ms']:.1f} ms), ms: step, busy, first start - last end")
+        lines.append(
+            f"median call (call {median['call']}, {median['time_ms']:.1f} ms), ms: step, busy, first start - last end"
+        )
         for r in median["ranks"]:
             cells = []
             for step in STEPS:
@@ -383,7 +391,7 @@ def draw(calls: list[dict], path: str, meta: dict) -> None:
     fig, axes = plt.subplots(len(kinds), 1, figsize=(12, 3 + 2.2 * len(kinds)), squeeze=False)
     colors = {step: plt.get_cmap("tab10")(i) for i, step in enumerate(STEPS)}
     for ax, kind in zip(axes[:, 0], kinds):
-        call = by_time(calls, kind)[1]
+        mine, call = by_time(calls, kind)
         rows, y = [], 0
         for r in call["ranks"]:
             for step in STEPS:
@@ -401,7 +409,7 @@ def draw(calls: list[dict], path: str, meta: dict) -> None:
             rows.append(f"host {link['host']} link out")
             y += 1
         ax.set_yticks([i + 0.4 for i in range(len(rows))], rows, fontsize=7)
-        ax.set_title(f"{kind}: {call['time_ms']:.1f} ms (median call)", fontsize=9)
+        ax.set_title(f"{kind}: call {call['call']}, {call['time_ms']:.1f} ms (median call{lower(mine)})", fontsize=9)
         ax.set_xlabel("ms" + (" (emulated)" if meta["emulated"] else ""))
         ax.invert_yaxis()
     fig.suptitle(describe(meta), fontsize=10)
@@ -427,11 +435,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.calls < 1 or args.warmup < 0:
         raise SystemExit("--calls must be at least 1 and --warmup at least 0")
     launched = launched_world() is not None
-    if args.ranks_per_host is None and not launched:
-        args.ranks_per_host = 2
+    if not launched and args.nprocs < 1:
+        raise SystemExit(f"--nprocs must be at least 1, got {args.nprocs}")
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nprocs
+    if args.ranks_per_host is None and not launched:
+        if world % 2:
+            raise SystemExit(
+                f"{world} self-spawned ranks do not split into hosts of 2, the default --ranks-per-host: give an "
+                "even --nprocs (flat and hierarchical calls), or --ranks-per-host 1 (the flat call alone)"
+            )
+        args.ranks_per_host = 2
     if args.ranks_per_host is not None and (args.ranks_per_host < 1 or world % args.ranks_per_host):
-        raise SystemExit(f"--ranks-per-host must divide the {world} ranks")
+        raise SystemExit(f"--ranks-per-host {args.ranks_per_host} must divide the {world} ranks")
     how = launch_label(world)
     data, world = run_ranks(run_calls, args, world)
     if data is None:

@@ -39,7 +39,9 @@ The first --warmup-steps steps are the warm-up stage of the staged methods (Powe
 start_powerSGD_iter, the hook's start_iter, the optimizers' freeze_step); the others use them to
 warm up too. Reported per method: median step time over the steps after the warm-up (the
 compression stage) and over the warm-up steps (the first step, with its allocations and DDP's
-bucket rebuild, left out). Every step starts on all ranks together (a barrier before the timed
+bucket rebuild, left out). With --steps <= --warmup-steps (the warm-up alone, measured) the staged
+methods have no compression-stage figures ("-", null in the JSON); the others report every step.
+Every step starts on all ranks together (a barrier before the timed
 region), so the first step's one-time costs, which vary by rank, do not spill into the second
 through ranks waiting for the slowest one. Also reported: bytes this rank handed to the transport
 per step in each stage (compcomm backends count them; for torch's hooks the benchmark counts what
@@ -67,6 +69,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
 import statistics
 import sys
@@ -318,6 +321,17 @@ def alone(model: torch.nn.Module, args: argparse.Namespace) -> Run:
 FROZEN_AFTER_WARMUP = {"onebit_adam", "onebit_lamb", "zeroone_adam", "fsdp_onebit_adam", "hsdp_onebit_adam"}
 """The methods whose optimizer freezes its variance after the warm-up, which must be a step at least."""
 
+STAGED = FROZEN_AFTER_WARMUP | {
+    "ddp_adamw_powersgd",
+    "ddp_sgd_onebit",
+    "ddp_sgd_onebit_propagate",
+    "fsdp_onebit_sgd",
+    "hsdp_onebit_sgd",
+}
+"""The methods that run uncompressed for the --warmup-steps steps, then compress: their step time
+and bytes per step are those of the steps after the warm-up, and a run of no more steps than the
+warm-up (a measure of the warm-up alone) has none to report."""
+
 METHODS: dict[str, Builder] = {
     "ddp_adamw": ddp_method(adamw),
     "ddp_adamw_bf16": ddp_method(adamw, "bf16"),
@@ -455,17 +469,20 @@ def summarize(name: str, res: dict[str, list], args: argparse.Namespace, world: 
     times, sent = res["times"], res["sent"]
     window = max(1, steps // 10)
     per_step = [b - a for a, b in zip([0.0] + sent[:-1], sent)]
-    compressed = range(w, steps) if w < steps else range(steps)
+    if w < steps:
+        compressed = range(w, steps)
+    else:  # no step after the warm-up: a staged method has no compression stage, the others every step
+        compressed = range(0) if name in STAGED else range(steps)
     warm = range(1, min(w, steps))  # the first step, with its one-time costs, left out
     return {
         "method": name,
         "world_size": world,
         "steps": steps,
         "warmup_steps": w,
-        "step_time_ms": 1e3 * statistics.median(times[i] for i in compressed),
-        "mean_step_time_ms": 1e3 * statistics.fmean(times[i] for i in compressed),
+        "step_time_ms": 1e3 * statistics.median(times[i] for i in compressed) if compressed else None,
+        "mean_step_time_ms": 1e3 * statistics.fmean(times[i] for i in compressed) if compressed else None,
         "warmup_step_time_ms": 1e3 * statistics.median(times[i] for i in warm) if warm else None,
-        "bytes_per_step": statistics.fmean(per_step[i] for i in compressed),
+        "bytes_per_step": statistics.fmean(per_step[i] for i in compressed) if compressed else None,
         "warmup_bytes_per_step": statistics.fmean(per_step[i] for i in warm) if warm else None,
         "final_loss": statistics.fmean(res["losses"][-window:]),
         "comm_hidden_fraction": hidden_fraction(res["comm"], compressed),
@@ -505,10 +522,14 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
             r["compute_step_time_ms"] = compute
         if base is not None:
             base["comm_fraction"] = max(0.0, 1.0 - compute / base["step_time_ms"])
+    stages = f"{args.warmup_steps} warm-up"
+    staged = [r["method"] for r in records if r["method"] in STAGED]
+    if args.steps <= args.warmup_steps and staged:  # measuring the warm-up alone
+        stages = f"all in the warm-up: no compression stage for {', '.join(staged)}"
     print(
         f"# compcomm train_step: {label}, world size {world}, torch on gloo, compcomm on {args.backend}, "
         f"CharMLP {params / 1e6:.1f}M trained params "
-        f"({args.setting}), batch {batch}/rank, {args.steps} steps ({args.warmup_steps} warm-up)"
+        f"({args.setting}), batch {batch}/rank, {args.steps} steps ({stages})"
     )
     print(codec_line())
     if emulation.label():
@@ -518,17 +539,15 @@ def report(results: dict[str, dict | None], args: argparse.Namespace, world: int
         f"{'final_loss':>10} {'to_target(s)':>12} {'hidden%':>7} {'warmup hidden%':>14}"
     )
 
-    def percent(x: float | None) -> str:
-        return "-" if x is None else f"{100 * x:.0f}"
+    def cell(x: float | None, spec: str, scale: float = 1.0) -> str:
+        return "-" if x is None else format(scale * x, spec)
 
     for r in records:
-        ttt = r.get("time_to_target_s")
-        warm = r["warmup_step_time_ms"]
         print(
-            f"  {r['method']:<24} {r['step_time_ms']:>9.1f} {'-' if warm is None else f'{warm:.1f}':>10} "
-            f"{r['bytes_per_step']:>12.0f} {r['warmup_bytes_per_step'] or 0:>13.0f} {r['final_loss']:>10.4f} "
-            f"{'-' if ttt is None else f'{ttt:.2f}':>12} {percent(r['comm_hidden_fraction']):>7} "
-            f"{percent(r['warmup_comm_hidden_fraction']):>14}"
+            f"  {r['method']:<24} {cell(r['step_time_ms'], '.1f'):>9} {cell(r['warmup_step_time_ms'], '.1f'):>10} "
+            f"{cell(r['bytes_per_step'], '.0f'):>12} {cell(r['warmup_bytes_per_step'], '.0f'):>13} "
+            f"{r['final_loss']:>10.4f} {cell(r.get('time_to_target_s'), '.2f'):>12} "
+            f"{cell(r['comm_hidden_fraction'], '.0f', 100):>7} {cell(r['warmup_comm_hidden_fraction'], '.0f', 100):>14}"
         )
     for line in ratios(by):
         print("# " + line)
@@ -564,7 +583,7 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
         ("hsdp_onebit_adam", "hsdp_adamw"),
         ("hsdp_onebit_sgd", "hsdp_adamw"),
     ):
-        if fast in by and slow in by:
+        if fast in by and slow in by and None not in (by[fast]["step_time_ms"], by[slow]["step_time_ms"]):
             lines.append(
                 f"speedup of {fast} over {slow}: {by[slow]['step_time_ms'] / by[fast]['step_time_ms']:.2f}x "
                 "(ratio of compression-stage step times)"
@@ -688,9 +707,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.methods.split(",")) - set(METHODS) - {""}
     if unknown:
         p.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    chosen = {m for m in args.methods.split(",") if m}
+    if not chosen:
+        p.error(f"--methods names no method; choose from {', '.join(METHODS)}")
     if args.steps < 1 or not 0 <= args.warmup_steps:
         p.error("--steps must be >= 1 and --warmup-steps >= 0")
-    chosen = {m for m in args.methods.split(",") if m}
+    if args.nprocs < 1:
+        p.error(f"--nprocs must be >= 1, got {args.nprocs}")
+    for flag in ("--lr-adam", "--lr-lamb", "--lr-sgd", "--eps"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"{flag} must be a positive number, got {value:g}")
+    for flag in ("--context", "--embed", "--hidden", "--batch"):
+        value = getattr(args, flag[2:])
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
     frozen = sorted(chosen & FROZEN_AFTER_WARMUP)
     if args.warmup_steps < 1 and frozen:
         p.error(f"{', '.join(frozen)} freeze their variance after a warm-up of at least one step: --warmup-steps >= 1")
