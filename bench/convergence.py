@@ -62,7 +62,7 @@ import torch.distributed as dist
 from sharding import host_groups, shard_children
 
 from ranks import add_nprocs_argument, run_ranks
-from records import write_json
+from records import output_dir, write_json
 from tasks import TASKS, load_text, random_windows, task_model
 
 if TYPE_CHECKING:
@@ -180,20 +180,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.local_step_scaler is None:
         args.local_step_scaler = lr_policy_scaler(args)
     return args
-
-
-def output_dir(path: str) -> str:
-    """argparse type of --out: `path`, made if missing, once a file can be written in it, so that
-    a run never ends by failing to write what it trained for."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{path} exists and is not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot write in {path}: {exc.strerror or exc}") from None
-    return path
 
 
 def freeze_step(args: argparse.Namespace) -> int:

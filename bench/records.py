@@ -31,13 +31,29 @@ def output_path(path: str) -> str:
             with open(path, "a"):
                 pass
         else:
-            directory = os.path.dirname(os.path.realpath(path))
-            os.makedirs(directory, exist_ok=True)
-            with tempfile.TemporaryFile(dir=directory):
-                pass
+            _writable_directory(os.path.dirname(os.path.realpath(path)))
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
+
+
+def output_dir(path: str) -> str:
+    """argparse type of an output directory (--out): `path`, made if missing, once a file can be
+    written in it, so that a run never ends by failing to write what it measured."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} exists and is not a directory")
+    try:
+        _writable_directory(path)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write in {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def _writable_directory(directory: str) -> None:
+    """Make `directory` if missing and a temporary file in it (removed at once): OSError if not."""
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryFile(dir=directory):
+        pass
 
 
 def write_json(records: Any, path: str) -> None:

@@ -16,7 +16,7 @@ from test_error_feedback_out import check_out_against_in_place, out_against_in_p
 import compcomm
 from compcomm.layout import chunk_size, padded_size, real_count
 
-from rankpool import RankPool, caught
+from rankpool import RankPool, caught, reports_of_dying_ranks
 from reference import reference_allreduce
 
 _backends: dict[str, object] = {}  # per rank process: layout name -> its HierarchicalBackend
@@ -560,24 +560,8 @@ def test_a_peer_killed_mid_run_fails_every_survivor_with_runtimeerror():
     """Rank 1, whose phases across nodes failed with rank 3, left its node peer waiting mid-call
     in shared memory, then paired its next call with the peer's pending one: ValueError ("ranks
     made different calls") on ranks 0 and 1, RuntimeError on rank 2."""
-    import multiprocessing as mp
-
-    from compcomm.launch import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_killed_peer, args=(r, port, results), daemon=True) for r in range(4)]
-    for p in procs:
-        p.start()
-    try:
-        outcomes = sorted(results.get(timeout=120) for _ in range(3))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    for rank, error, again, seconds in outcomes:
+    reports, _ = reports_of_dying_ranks(_killed_peer, 4, 3)
+    for rank, error, again, seconds in sorted(reports):
         assert error is not None and error[0] == "RuntimeError", (rank, error)
         assert again is not None and again[0] == "RuntimeError", (rank, again)
         assert seconds < 40, (rank, seconds)

@@ -6,7 +6,6 @@ peer that never arrives or dies raising RuntimeError within the timeout, and not
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from pathlib import Path
@@ -17,9 +16,9 @@ import torch
 from compcomm import backends
 from compcomm.backends.rank_order import sum_in_rank_order
 from compcomm.backends.shm_segment import PREFIX, SHM_DIRECTORY
-from compcomm.launch import free_port, rank_environment
+from compcomm.launch import rank_environment
 
-from rankpool import caught, group
+from rankpool import caught, group, reports_of_dying_ranks
 
 GROUPS = [(0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 3)]
 ABSENT_GROUP = (2, 3)  # only test_a_peer_that_never_arrives uses these two: they leave
@@ -260,22 +259,10 @@ def _dying_rank(rank: int, port: int, results) -> None:
 
 
 def test_a_peer_that_dies_fails_the_call_fast_not_after_the_timeout():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_dying_rank, args=(r, port, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        (kind, message), seconds = results.get(timeout=60)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    [((kind, message), seconds)], pids = reports_of_dying_ranks(_dying_rank, 2, 1, timeout=60)
     assert kind == "RuntimeError" and "exited" in message and "[1]" in message, message
     assert seconds < 5  # the timeout was 60 s
-    assert _names(pid for p in procs if (pid := p.pid) is not None) == []
+    assert _names(pids) == []
 
 
 def leaving_peer() -> tuple | None:

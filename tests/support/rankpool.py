@@ -105,3 +105,24 @@ def caught(fn: Callable, *args, **kwargs) -> tuple[str, str] | None:
     except Exception as exc:
         return type(exc).__name__, str(exc)
     return None
+
+
+def reports_of_dying_ranks(target: Callable, world_size: int, count: int, timeout: float = 120.0) -> tuple[list, list]:
+    """Start `target(rank, port, queue)` on `world_size` fresh processes, some of which die on
+    purpose (so neither the pool nor `compcomm.launch.spawn`, which fail on a dead rank, serve),
+    and collect the first `count` reports they put on the queue. Returns the reports and the
+    processes' pids; what still runs afterwards is killed."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, results), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        reports = [results.get(timeout=timeout) for _ in range(count)]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return reports, [p.pid for p in procs]
