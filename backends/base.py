@@ -11,6 +11,9 @@ import torch
 from . import ordering
 
 REDUCE_OPS = ("sum", "mean")
+AGREED = "compcomm_agreed"
+"""The attribute (True) of an error that every rank of a call raised alike, as agreed (the ranks
+are in step after it): any other error out of a call may have left them out of step."""
 
 Task = Callable[[], None]
 """Work a caller runs while a collective is on the wire."""

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import ordering
-from .base import Backend, Handle
+from .base import AGREED, Backend, Handle
 from .gloo import GlooBackend
 from .nccl import NcclBackend
 from .rank_order import sum_in_rank_order
@@ -80,14 +80,15 @@ class HierarchicalBackend(Backend):
 
     @contextlib.contextmanager
     def leaving_on_failure(self) -> Iterator[None]:
-        """A call over both levels that fails on one of them (a RuntimeError: its transport; the
-        agreed verdicts are TypeError, ValueError, NonFiniteError) may have left this rank's
-        peers on the other one waiting mid-call: abandon both, so that they raise too, and so
-        that this rank's next call does not pair with their pending one."""
+        """A call over both levels that fails on one of them (a RuntimeError that was not agreed,
+        `base.AGREED`: its transport) may have left this rank's peers on the other one waiting
+        mid-call: abandon both, so that they raise too, and so that this rank's next call does
+        not pair with their pending one. An agreed error leaves every rank in step."""
         try:
             yield
         except RuntimeError as exc:
-            self.abandon(f"a hierarchical call failed on this rank ({exc})")
+            if not getattr(exc, AGREED, False):
+                self.abandon(f"a hierarchical call failed on this rank ({exc})")
             raise
 
     # The count lives in the two transports; the generic accounting's writes are ignored.
@@ -256,8 +257,8 @@ def from_torch(
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
         layout, problem = _layout(local_world_size, transport, intra, world), ""
-    except ValueError as exc:
-        layout, problem = (0, "", ""), str(exc)
+    except (TypeError, ValueError) as exc:
+        layout, problem = (0, "", ""), f"{type(exc).__name__}: {exc}"
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, (problem, layout))
     failed = [r for r, (why, _) in enumerate(everyone) if why]

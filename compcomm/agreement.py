@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from .backends import Backend
+from .backends.base import AGREED
 from .backends.ordering import Channel
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
@@ -304,31 +305,48 @@ def _span(tensor: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _share_elements(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether two of `tensors` address a common element: their spans in one storage intersect
-    and, for views of one element size and alignment, an element of one is marked by the other
-    (views interleaved in one buffer, e.g. x[0::2] and x[1::2], share none). Views of other sizes
-    or alignments whose spans intersect count as sharing."""
+    """Whether two of `tensors` address a common element. Tensors whose spans in one storage
+    intersect (directly or through others) form a cluster, checked by `_cluster_shares`; views
+    interleaved in one buffer (x[0::2], x[1::2]) share none."""
     spans = sorted((_span(t), k) for k, t in enumerate(tensors))
-    for n, ((storage, _, end), k) in enumerate(spans):
-        for (other, start, _), j in spans[n + 1 :]:
-            if other != storage or start >= end:
-                break
-            if _marks_meet(tensors[k], tensors[j]):
-                return True
+    cluster: list[int] = []
+    storage, end = None, 0
+    for (other, first, last), k in spans:
+        if cluster and other == storage and first < end:
+            cluster.append(k)
+            end = max(end, last)
+            continue
+        if _cluster_shares([tensors[j] for j in cluster]):
+            return True
+        cluster, storage, end = [k], other, last
+    return _cluster_shares([tensors[j] for j in cluster])
+
+
+def _cluster_shares(views: list[torch.Tensor]) -> bool:
+    """Whether views of one storage whose spans intersect share an element: each marks its
+    elements in a byte per element of the cluster's span (on the CPU, whatever their device)
+    after checking that none is marked yet. Views of other element sizes or alignments, or a span
+    of more than `_MARKS_LIMIT` elements, count as sharing (refused as before this check)."""
+    if len(views) < 2:
+        return False
+    size = views[0].element_size()
+    spans = [_span(v) for v in views]
+    base, end = min(s[1] for s in spans), max(s[2] for s in spans)
+    if (end - base) // size > _MARKS_LIMIT or any(
+        v.element_size() != size or (v.data_ptr() - base) % size for v in views
+    ):
+        return True
+    marks = torch.zeros((end - base) // size, dtype=torch.bool)
+    for v in views:
+        mine = torch.as_strided(marks, v.shape, v.stride(), (v.data_ptr() - base) // size)
+        if mine.any():
+            return True
+        mine.fill_(True)
     return False
 
 
-def _marks_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b`, whose spans in one storage intersect, share an element: each view's
-    elements are marked in a byte per element of the span (on the CPU, whatever their device)."""
-    size = a.element_size()
-    if b.element_size() != size or (a.data_ptr() - b.data_ptr()) % size:
-        return True
-    (_, first_a, end_a), (_, first_b, end_b) = _span(a), _span(b)
-    base = min(first_a, first_b)
-    marks = torch.zeros((max(end_a, end_b) - base) // size, dtype=torch.bool)
-    torch.as_strided(marks, a.shape, a.stride(), (a.data_ptr() - base) // size).fill_(True)
-    return bool(torch.as_strided(marks, b.shape, b.stride(), (b.data_ptr() - base) // size).any())
+_MARKS_LIMIT = 1 << 28
+"""Elements of the largest span whose views `_cluster_shares` marks one by one (256 MiB)."""
 
 
 def _overlaps(tensor: torch.Tensor) -> bool:
@@ -595,7 +613,7 @@ def _raise_if_rejected(headers: np.ndarray, calls: np.ndarray, failure: Exceptio
     if bad.size:
         rank = int(bad[0])
         message = gather_messages(str(failure) if failure else "", be)[rank]
-        raise ERRORS[int(first["code"][rank]) - 1](f"rank {rank}: {message}") from failure
+        raise _agreed(ERRORS[int(first["code"][rank]) - 1](f"rank {rank}: {message}")) from failure
     if (headers["digest"] != headers["digest"][:1]).any():
         raise ValueError(_disagreement(_all_gather_records(calls[:1] if headers.shape[1] == 1 else calls, be)))
     finite = np.isfinite(headers["scale"]) & np.isfinite(headers["server_max"])
@@ -707,7 +725,13 @@ def agreed_failure(failure: BaseException | None, be: Backend, context: str = ""
     first = failed[0]
     message = gather_messages(str(failure or ""), be)[first]
     ranks = f"rank(s) {failed} failed; " if len(failed) > 1 else ""
-    return ERRORS[int(codes[first, 0]) - 1](f"{context}{ranks}rank {first}: {message}")
+    return _agreed(ERRORS[int(codes[first, 0]) - 1](f"{context}{ranks}rank {first}: {message}"))
+
+
+def _agreed(error: Exception) -> Exception:
+    """`error`, marked as raised alike on every rank (`backends.base.AGREED`)."""
+    setattr(error, AGREED, True)
+    return error
 
 
 def all_sum(values: Sequence[float], be: Backend) -> list[float]:

@@ -894,6 +894,16 @@ def test_invalid_arguments(kw, error):
         DiLoCo(model.parameters(), inner, **dict(dict(backend="local"), **kw))
 
 
+def test_a_parameter_unfrozen_after_construction_warns_that_it_is_not_synced():
+    model, inner = local_model()
+    model[0].bias.requires_grad_(False)
+    opt = DiLoCo(model.parameters(), inner, backend="local")
+    model[0].bias.requires_grad_(True)
+    backward(model, 0, 0)
+    with pytest.warns(RuntimeWarning, match="never synced"):
+        opt.step()
+
+
 def test_inner_must_be_a_local_optimizer_over_the_same_parameters():
     model, inner = local_model()
     with pytest.raises(TypeError):

@@ -584,10 +584,10 @@ def test_a_node_sum_that_overflows_says_so(six):
         assert r is not None and r[0] == "NonFiniteError" and "node's fp32 sum" in r[1], r
 
 
-def checkpoint_across_layouts(saved_on: str, loaded_on: str) -> tuple | None:
-    """OnebitAdam trained into its 1-bit stage over one layout of ranks 0-3, its state loaded
-    into one over the other (flat: one gloo group of the four)."""
-    from compcomm.optim import OnebitAdam
+def checkpoint_across_layouts(saved_on: str, loaded_on: str, diloco: bool) -> tuple | None:
+    """OnebitAdam trained into its 1-bit stage (or DiLoCo past a sync) over one layout of ranks
+    0-3, its state loaded into one over the other (flat: one gloo group of the four)."""
+    from compcomm.optim import DiLoCo, OnebitAdam
 
     from rankpool import group
 
@@ -596,7 +596,11 @@ def checkpoint_across_layouts(saved_on: str, loaded_on: str) -> tuple | None:
     for layout in (saved_on, loaded_on):
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 4)
-        opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=1, backend=layouts[layout])
+        if diloco:
+            inner = torch.optim.SGD(model.parameters(), lr=1e-2)
+            opt = DiLoCo(model.parameters(), inner, sync_every=2, backend=layouts[layout])
+        else:
+            opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=1, backend=layouts[layout])
         if not states:
             for step in range(3):
                 model(torch.randn(16, 8, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
@@ -607,8 +611,30 @@ def checkpoint_across_layouts(saved_on: str, loaded_on: str) -> tuple | None:
 
 
 @pytest.mark.parametrize("saved_on, loaded_on", [("flat", "2x2"), ("2x2", "flat")])
-def test_optimizer_state_of_another_layout_is_refused_at_load(six, saved_on, loaded_on):
+@pytest.mark.parametrize("diloco", [False, True])
+def test_optimizer_state_of_another_layout_is_refused_at_load(six, saved_on, loaded_on, diloco):
     """The error feedback of a flat group and of a hierarchical one over the same ranks serve other
-    parts of the buckets: such a state loaded, then every rank raised at the next step."""
-    for r in six.run(checkpoint_across_layouts, saved_on, loaded_on, ranks=range(4)):
-        assert r is not None and r[0] == "ValueError" and "drop_error_feedback" in r[1], r
+    parts of the buckets: such a state loaded, then every rank raised at the next step. DiLoCo,
+    which has no reset of its errors, is not sent to drop_error_feedback."""
+    remedy = "the backend it was saved with" if diloco else "drop_error_feedback"
+    for r in six.run(checkpoint_across_layouts, saved_on, loaded_on, diloco, ranks=range(4)):
+        assert r is not None and r[0] == "ValueError" and remedy in r[1], r
+
+
+def agreed_runtime_error() -> tuple:
+    """A fresh 2x3 backend (its own groups: a failing check must not break the module's); rank 0's
+    tensor is sparse, which the agreement refuses on every rank as a RuntimeError; then a good call."""
+    import torch.distributed as dist
+
+    be = compcomm.backends.get("hierarchical", local_world_size=3)
+    bad = torch.ones(64).to_sparse() if dist.get_rank() == 0 else torch.ones(64)
+    refused = caught(compcomm.compressed_allreduce, bad, compcomm.ErrorFeedback(), backend=be)
+    return refused, caught(compcomm.compressed_allreduce, torch.ones(64), compcomm.ErrorFeedback(), backend=be)
+
+
+def test_an_agreed_runtime_error_leaves_the_hierarchical_group_usable(six):
+    """A review found the first version of the abandonment taking an agreed RuntimeError (every
+    rank in step) for a transport failure: the group refused every later call."""
+    for refused, after in six.run(agreed_runtime_error):
+        assert refused is not None and refused[0] == "RuntimeError", refused
+        assert after is None, after

@@ -253,13 +253,17 @@ def interleaved_views() -> dict:
     error = caught(compcomm.compressed_allreduce_coalesced, [buf[0::2], buf[1::2]], efs, backend="gloo")
     common = buf.clone()
     refused = caught(compcomm.compressed_allreduce_coalesced, [common[0::2], common[2::2]], efs, backend="gloo")
-    return {"error": error, "same": torch.equal(buf, alone), "refused": refused}
+    three = [common[0::2], common[1::2], common[6:8]]  # the third meets the first only
+    efs.append(compcomm.ErrorFeedback(tag="bucket2"))
+    refused_three = caught(compcomm.compressed_allreduce_coalesced, three, efs, backend="gloo")
+    return {"error": error, "same": torch.equal(buf, alone), "refused": refused, "three": refused_three}
 
 
 def test_views_interleaved_in_one_buffer_reduce_together_unless_they_share_elements(pool):
     for r in pool.run(interleaved_views):
         assert r["error"] is None and r["same"], r
         assert r["refused"] is not None and "share memory" in r["refused"][1], r
+        assert r["three"] is not None and "share memory" in r["three"][1], r
 
 
 def error_state_as_input() -> dict:

@@ -75,6 +75,8 @@ try:
     from .comms import CompressedReduceScatter, IntraAllGather, IntraReduceScatter, all_reduce_hook
     from .modules import ShardedModule, group_ranks, sharded_modules
 except ImportError as exc:  # an older torch, whose FSDP2 lacks the seams compcomm fills
+    if not (exc.name or "").startswith("torch"):
+        raise
     raise ImportError(
         f"compcomm.fsdp needs FSDP2 with custom collectives (torch.distributed.fsdp.FSDPModule."
         f"set_custom_reduce_scatter), which this torch {torch.__version__} lacks ({exc}); compcomm is "

@@ -37,6 +37,9 @@ from .updates import PARAM_DTYPES, check_range, local
 __all__ = ["COMPRESSED", "EXACT", "LOCAL", "OnebitOptimizer"]
 
 
+_RESET_ERRORS = "To resume with the errors reset to zero, load OnebitOptimizer.drop_error_feedback(state_dict)"
+
+
 class OnebitOptimizer(torch.optim.Optimizer):
     """Base class of the compressed optimizers; subclasses supply the update rules.
 
@@ -430,7 +433,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
             mine, problem = checkpoints.own_part(extra, be, layout)
             if problem is None and self._gradient_rounds is not None:
                 served = [schedules.serves(be)(numel) for numel in layout.sizes()]
-                problem = checkpoints.error_feedback_problem(mine["error_feedback"], served)
+                problem = checkpoints.error_feedback_problem(mine["error_feedback"], served, _RESET_ERRORS)
         failure = self._backend_refused if self._sharded is None else None
         raise_agreed(failure or (None if problem is None else ValueError(problem)), be)
         assert extra is not None  # else raised on every rank

@@ -110,24 +110,25 @@ def agree_on_position(position: dict[str, Any], be: Backend) -> None:
     )
 
 
-def error_feedback_problem(saved: list[Any], served: list[tuple[int, int, str]]) -> str | None:
+def error_feedback_problem(saved: list[Any], served: list[tuple[int, int, str]], remedy: str) -> str | None:
     """Why a checkpoint's error-feedback states cannot load (None if every one can): each is
     loaded into a fresh ErrorFeedback first, so that a refused one (malformed, non-finite) is
     found, and agreed, before anything is loaded, and must hold the errors of what its bucket's
     calls serve here (`served[b]`: elements, ranks, layout; see `schedules.serves`), which
-    another layout of the same ranks (flat, hierarchical) splits otherwise."""
+    another layout of the same ranks (flat, hierarchical) splits otherwise; `remedy` says what to
+    do then."""
     for b, (state, serves) in enumerate(zip(saved, served)):
         errors = ErrorFeedback()
         try:
             errors.load_state_dict(state)
         except ValueError as exc:
             return f"bucket {b}'s error feedback: {exc}"
-        if errors.mismatch(*serves) is not None:
+        why = errors.mismatch(*serves)
+        if why is not None:
             return (
-                f"bucket {b}'s error feedback holds errors of {errors.numel} elements over {errors.world_size} "
-                f"ranks, where its calls here serve {serves[0]} over {serves[1]}: it was saved over another "
-                "layout of the ranks (a flat backend and a hierarchical one split the buckets otherwise). To "
-                "resume with the errors reset to zero, load OnebitOptimizer.drop_error_feedback(state_dict)"
+                f"bucket {b}'s error feedback does not fit its calls here ({why.split(';')[0]}): it was saved "
+                "over another layout of the ranks (a flat backend and a hierarchical one split the buckets "
+                f"otherwise). {remedy}"
             )
     return None
 

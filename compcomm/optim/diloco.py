@@ -207,6 +207,8 @@ class DiLoCo(torch.optim.Optimizer):
         self.inner = inner
         del self.__dict__["_own_groups"]  # from now on `param_groups` reads inner's
         self._params = mine
+        self._frozen = [p for p in mine if not p.requires_grad]
+        self._unfrozen_warned = False
         self.sync_every, self.fragments, self.overlap_steps = int(sync_every), int(fragments), overlap
         self.start_iter, self.compress = int(start_iter), compress
         self.passes, self.passes_until = int(passes), None if passes_until is None else int(passes_until)
@@ -253,7 +255,8 @@ class DiLoCo(torch.optim.Optimizer):
 
     def global_parameters(self) -> list[torch.Tensor]:
         """The synced parameters theta (fp32 views, identical on every rank), one per parameter in
-        parameter order: what to evaluate or save as the shared model. Treat them as read-only."""
+        parameter order: what to evaluate or save as the shared model. Treat them as read-only.
+        A parameter frozen when DiLoCo was built is not synced: its entry is the parameter itself."""
         return self._sync.global_parameters()
 
     # ----------------------------------------------------------------- the step
@@ -270,6 +273,15 @@ class DiLoCo(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         t = self._step_count + 1
         skip = unscale_and_check(self._params, scale)
+        if not self._unfrozen_warned and any(p.grad is not None for p in self._frozen):
+            self._unfrozen_warned = True
+            warnings.warn(
+                "DiLoCo: a parameter frozen (requires_grad=False) when DiLoCo was built has a gradient now: the "
+                "inner optimizer trains it on each rank alone and it is never synced, so the ranks' copies drift "
+                "apart. Set requires_grad before building DiLoCo.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if found_inf is not None:  # a GradScaler: its verdict was agreed at the end of backward
             self._agreement.scaler_seen = True
             skip = skip or bool(float(found_inf))
@@ -345,10 +357,9 @@ class DiLoCo(torch.optim.Optimizer):
         for b, bucket in enumerate(layout.buckets):
             for view, i in zip(bucket.views, layout.parameters_of(b)):
                 p = self._params[i]
-                if p.requires_grad:
-                    if p.grad is None:
-                        p.grad = torch.empty_like(p)
-                    p.grad.copy_(view.view_as(p))
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(view.view_as(p))
         return True
 
     def _skip_step(self) -> None:
@@ -495,7 +506,9 @@ class DiLoCo(torch.optim.Optimizer):
         if synced != [t.numel() for t in self._sync.theta]:
             return mine, f"the checkpoint's synced parameters hold {synced} elements per bucket, not this optimizer's"
         served = [schedules.serves(self._backend)(numel) for numel in self._sync.layout.sizes()]
-        return mine, checkpoints.error_feedback_problem(mine["error_feedback"], served)
+        return mine, checkpoints.error_feedback_problem(
+            mine["error_feedback"], served, "Load it into a DiLoCo over the backend it was saved with"
+        )
 
 
 def _checked_arguments(
