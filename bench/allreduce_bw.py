@@ -506,8 +506,6 @@ def main(argv: list[str] | None = None) -> int:
     elif launched_world() is not None:  # torchrun, bench/netsim.py, or mpirun's ranks as one gloo group
         _torch_dist_rank(args, launch_label(args.nprocs))
     else:
-        if args.nprocs < 1:
-            raise SystemExit("--nprocs must be >= 1")
         # Ranks start with large allocations bypassing glibc's heap (which would hide reuse from
         # the peak-memory column) and an even share of the cores.
         os.environ.update(mmap_threshold_env())

@@ -172,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.runs.split(",")) - set(RUNS)
     if unknown:
         ap.error(f"unknown runs {sorted(unknown)}")
-    for flag in ("steps", "eval_every", "world_size"):
+    for flag in ("steps", "eval_every"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if not 0 <= args.warmup < 1:

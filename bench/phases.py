@@ -195,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.parts) - set(PARTS) - set(NODE_PARTS)
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS + NODE_PARTS)}")
-    if args.nprocs < 1:
-        p.error(f"--nprocs must be >= 1, got {args.nprocs}")
     launched = launched_world()  # under mpirun, this sets LOCAL_WORLD_SIZE from MPI's world
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched is not None else args.nprocs
     if per_host < 2 and set(args.parts) & set(NODE_PARTS):

@@ -33,10 +33,18 @@ oversubscribed machine, short enough that a dead peer ends the run."""
 
 
 def add_nprocs_argument(parser: argparse.ArgumentParser, flag: str = "--nprocs") -> None:
-    """The option giving the number of local ranks to spawn when the program was not launched."""
+    """The option giving the number of local ranks to spawn when the program was not launched;
+    fewer than one is a usage error, before anything starts."""
+
+    def count(text: str) -> int:
+        ranks = int(text)
+        if ranks < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least 1, got {ranks}")
+        return ranks
+
     parser.add_argument(
         flag,
-        type=int,
+        type=count,
         default=4,
         help="local ranks to spawn when not started by torchrun, bench/netsim.py or mpirun (default 4)",
     )

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     # Refused here, before any rank starts: a bad value would fail on one rank and leave the
     # others hanging or failing for another reason, or pass every check vacuously.
-    for flag, least in (("every", 1), ("numel", 4), ("nprocs", 1)):
+    for flag, least in (("every", 1), ("numel", 4)):
         if getattr(args, flag) < least:
             p.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
     if not (math.isfinite(args.max_rss_growth_mib) and args.max_rss_growth_mib >= 0):

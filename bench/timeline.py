@@ -435,8 +435,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.calls < 1 or args.warmup < 0:
         raise SystemExit("--calls must be at least 1 and --warmup at least 0")
     launched = launched_world() is not None
-    if not launched and args.nprocs < 1:
-        raise SystemExit(f"--nprocs must be at least 1, got {args.nprocs}")
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nprocs
     if args.ranks_per_host is None and not launched:
         if world % 2:

@@ -712,8 +712,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--methods names no method; choose from {', '.join(METHODS)}")
     if args.steps < 1 or not 0 <= args.warmup_steps:
         p.error("--steps must be >= 1 and --warmup-steps >= 0")
-    if args.nprocs < 1:
-        p.error(f"--nprocs must be >= 1, got {args.nprocs}")
     for flag in ("--lr-adam", "--lr-lamb", "--lr-sgd", "--eps"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if not (math.isfinite(value) and value > 0):

@@ -222,13 +222,13 @@ class CallSpec:
         if len({id(ef) for ef in efs}) != len(efs):
             raise ValueError("the same ErrorFeedback was passed for two tensors of one call; use one per tensor")
         given = [t for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
-        if _share_elements(given):
+        spans = [_span(t) for t in given]
+        if _share_elements(given, spans):
             raise ValueError(
                 "two tensors of one call share memory (views of one buffer with elements in common, "
                 "or one tensor passed twice): each result would overwrite the other's; pass tensors "
                 "of their own (.clone())"
             )
-        spans = [_span(t) for t in given]
         written = [_span(t) for t in self.outputs or () if isinstance(t, torch.Tensor) and t.numel()]
         _check_apart_from_errors(spans + written, efs, outs)
         if outs is None:
@@ -304,25 +304,24 @@ def _span(tensor: torch.Tensor) -> tuple[int, int, int]:
     return tensor.untyped_storage().data_ptr(), first, last + size
 
 
-def _share_elements(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether two of `tensors` address a common element. Tensors whose spans in one storage
-    intersect (directly or through others) form a cluster, checked by `_cluster_shares`; views
-    interleaved in one buffer (x[0::2], x[1::2]) share none."""
-    spans = sorted((_span(t), k) for k, t in enumerate(tensors))
+def _share_elements(tensors: Sequence[torch.Tensor], spans: Sequence[tuple[int, int, int]]) -> bool:
+    """Whether two of `tensors` (of `spans`: `_span`) address a common element. Tensors whose
+    spans in one storage intersect (directly or through others) form a cluster, checked by
+    `_cluster_shares`; views interleaved in one buffer (x[0::2], x[1::2]) share none."""
     cluster: list[int] = []
     storage, end = None, 0
-    for (other, first, last), k in spans:
+    for (other, first, last), k in sorted((span, k) for k, span in enumerate(spans)):
         if cluster and other == storage and first < end:
             cluster.append(k)
             end = max(end, last)
             continue
-        if _cluster_shares([tensors[j] for j in cluster]):
+        if _cluster_shares([tensors[j] for j in cluster], [spans[j] for j in cluster]):
             return True
         cluster, storage, end = [k], other, last
-    return _cluster_shares([tensors[j] for j in cluster])
+    return _cluster_shares([tensors[j] for j in cluster], [spans[j] for j in cluster])
 
 
-def _cluster_shares(views: list[torch.Tensor]) -> bool:
+def _cluster_shares(views: list[torch.Tensor], spans: list[tuple[int, int, int]]) -> bool:
     """Whether views of one storage whose spans intersect share an element: each marks its
     elements in a byte per element of the cluster's span (on the CPU, whatever their device)
     after checking that none is marked yet. Views of other element sizes or alignments, or a span
@@ -330,7 +329,6 @@ def _cluster_shares(views: list[torch.Tensor]) -> bool:
     if len(views) < 2:
         return False
     size = views[0].element_size()
-    spans = [_span(v) for v in views]
     base, end = min(s[1] for s in spans), max(s[2] for s in spans)
     if (end - base) // size > _MARKS_LIMIT or any(
         v.element_size() != size or (v.data_ptr() - base) % size for v in views

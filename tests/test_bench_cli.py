@@ -67,7 +67,7 @@ TINY_MODEL = ["--context", "4", "--embed", "4", "--hidden", "8", "--batch", "2",
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--nprocs", "0"], "--nprocs must be >= 1, got 0"),
+        (["--nprocs", "0"], "--nprocs must be at least 1, got 0"),
         (["--methods", ","], "--methods names no method"),
         (["--lr-adam", "0"], "--lr-adam must be a positive number, got 0"),
         (["--lr-sgd", "-0.1"], "--lr-sgd must be a positive number, got -0.1"),
@@ -228,7 +228,7 @@ PHASES = ROOT / "bench" / "phases.py"
         (["--iters", "0"], "--iters must be >= 1, got 0"),
         (["--parts", ","], "--parts names no part"),
         (["--parts", "scan,bogus"], "unknown parts ['bogus']"),
-        (["--nprocs", "0"], "--nprocs must be >= 1, got 0"),
+        (["--nprocs", "0"], "--nprocs must be at least 1, got 0"),
         (["--nprocs", "1", "--parts", "rs"], "rs, share, hier time the hierarchical call"),
     ],
 )
