@@ -51,6 +51,7 @@ from .backends.ordering import Channel
 from .error_feedback import ErrorFeedback
 from .errors import NonFiniteError
 from .layout import is_integer
+from .tensor_memory import Span, any_in, overlaps_itself, share_elements, span
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OPS = ("mean", "sum")
@@ -222,14 +223,14 @@ class CallSpec:
         if len({id(ef) for ef in efs}) != len(efs):
             raise ValueError("the same ErrorFeedback was passed for two tensors of one call; use one per tensor")
         given = [t for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
-        spans = [_span(t) for t in given]
-        if _share_elements(given, spans):
+        spans = [span(t) for t in given]
+        if share_elements(given, spans):
             raise ValueError(
                 "two tensors of one call share memory (views of one buffer with elements in common, "
                 "or one tensor passed twice): each result would overwrite the other's; pass tensors "
                 "of their own (.clone())"
             )
-        written = [_span(t) for t in self.outputs or () if isinstance(t, torch.Tensor) and t.numel()]
+        written = [span(t) for t in self.outputs or () if isinstance(t, torch.Tensor) and t.numel()]
         _check_apart_from_errors(spans + written, efs, outs)
         if outs is None:
             return
@@ -247,19 +248,12 @@ class CallSpec:
             )
 
 
-def _check_apart_from_errors(
-    spans: list[tuple[int, int, int]], efs: list[ErrorFeedback], outs: list[ErrorFeedback] | None
-) -> None:
-    """ValueError when a tensor (of `spans`, `_span` each) lies in the memory of one of the
-    call's error states (e.g. an ErrorFeedback's `worker_error` read while it is held as e
-    itself, passed as the input): the result would be written over the errors that the call
-    commits. Only buffers in a tensor's allocation are measured (a call holds a few per tensor)."""
-    storages = {storage for storage, _, _ in spans}
+def _check_apart_from_errors(spans: list[Span], efs: list[ErrorFeedback], outs: list[ErrorFeedback] | None) -> None:
+    """ValueError when a tensor (of `spans`) lies in the memory of one of the call's error states
+    (e.g. an ErrorFeedback's `worker_error` read while it is held as e itself, passed as the
+    input): the result would be written over the errors that the call commits."""
     states = [ef for ef in [*efs, *(outs or [])] if isinstance(ef, ErrorFeedback)]
-    errors = [
-        _span(t) for ef in states for t in ef.held_buffers() if t.numel() and t.untyped_storage().data_ptr() in storages
-    ]
-    if any(s == e and first < end and start < stop for s, start, end in spans for e, first, stop in errors):
+    if any_in(spans, [t for ef in states for t in ef.held_buffers()]):
         raise ValueError(
             "a tensor of the call shares memory with an ErrorFeedback's error state (its "
             "worker_error or server_error): the result would overwrite the errors; reduce a "
@@ -285,7 +279,7 @@ def check_arguments(
             f"the {be.name} backend cannot reduce tensors on {tensor.device} "
             f"(it serves {be.device.type}); move the tensor or pick another backend"
         )
-    if _overlaps(tensor):
+    if overlaps_itself(tensor):
         raise ValueError(
             f"the tensor's elements overlap in memory (shape {tuple(tensor.shape)}, strides "
             f"{tensor.stride()}, e.g. from expand()); the result cannot be written back: "
@@ -294,69 +288,6 @@ def check_arguments(
     why = ef.mismatch(*serves(tensor.numel()))
     if why:
         raise ValueError(why)
-
-
-def _span(tensor: torch.Tensor) -> tuple[int, int, int]:
-    """(storage address, first byte, byte past the last) of the memory the tensor's elements lie in."""
-    size = tensor.element_size()
-    first = tensor.data_ptr() + size * sum(st * (n - 1) for n, st in zip(tensor.shape, tensor.stride()) if st < 0)
-    last = tensor.data_ptr() + size * sum(st * (n - 1) for n, st in zip(tensor.shape, tensor.stride()) if st > 0)
-    return tensor.untyped_storage().data_ptr(), first, last + size
-
-
-def _share_elements(tensors: Sequence[torch.Tensor], spans: Sequence[tuple[int, int, int]]) -> bool:
-    """Whether two of `tensors` (of `spans`: `_span`) address a common element. Tensors whose
-    spans in one storage intersect (directly or through others) form a cluster, checked by
-    `_cluster_shares`; views interleaved in one buffer (x[0::2], x[1::2]) share none."""
-    cluster: list[int] = []
-    storage, end = None, 0
-    for (other, first, last), k in sorted((span, k) for k, span in enumerate(spans)):
-        if cluster and other == storage and first < end:
-            cluster.append(k)
-            end = max(end, last)
-            continue
-        if _cluster_shares([tensors[j] for j in cluster], [spans[j] for j in cluster]):
-            return True
-        cluster, storage, end = [k], other, last
-    return _cluster_shares([tensors[j] for j in cluster], [spans[j] for j in cluster])
-
-
-def _cluster_shares(views: list[torch.Tensor], spans: list[tuple[int, int, int]]) -> bool:
-    """Whether views of one storage whose spans intersect share an element: each marks its
-    elements in a byte per element of the cluster's span (on the CPU, whatever their device)
-    after checking that none is marked yet. Views of other element sizes or alignments, or a span
-    of more than `_MARKS_LIMIT` elements, count as sharing (refused as before this check)."""
-    if len(views) < 2:
-        return False
-    size = views[0].element_size()
-    base, end = min(s[1] for s in spans), max(s[2] for s in spans)
-    if (end - base) // size > _MARKS_LIMIT or any(
-        v.element_size() != size or (v.data_ptr() - base) % size for v in views
-    ):
-        return True
-    marks = torch.zeros((end - base) // size, dtype=torch.bool)
-    for v in views:
-        mine = torch.as_strided(marks, v.shape, v.stride(), (v.data_ptr() - base) // size)
-        if mine.any():
-            return True
-        mine.fill_(True)
-    return False
-
-
-_MARKS_LIMIT = 1 << 28
-"""Elements of the largest span whose views `_cluster_shares` marks one by one (256 MiB)."""
-
-
-def _overlaps(tensor: torch.Tensor) -> bool:
-    """Whether two indices of the tensor can address the same element (strides alone decide:
-    sorted by stride, each dimension must step past everything the smaller ones span)."""
-    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1)
-    span = 0
-    for stride, size in dims:
-        if stride <= span:
-            return True
-        span += stride * (size - 1)
-    return False
 
 
 # ----------------------------------------------------------------------------------- phase 0
