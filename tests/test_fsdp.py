@@ -39,11 +39,11 @@ def local_grads(model: torch.nn.Module) -> list[np.ndarray]:
     return [p.grad.to_local().double().numpy() for p in model.parameters()]
 
 
-def run_fsdp(members: tuple[int, ...], start_iter: int, steps: int) -> list[dict]:
+def run_fsdp(members: tuple[int, ...], start_iter: int, steps: int, reduce_dtype: str | None = None) -> list[dict]:
     import torch.distributed as dist
 
     rank = dist.get_rank(group(members))
-    model = shard(make_model(), members)
+    model = shard(make_model(), members, None if reduce_dtype is None else getattr(torch, reduce_dtype))
     state = compcomm.fsdp.compress(model, start_iter=start_iter)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     records = []
@@ -94,19 +94,27 @@ def row_of(output: np.ndarray, grads_shapes: list[tuple[int, ...]], indices: lis
     return np.concatenate(parts)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_fsdp_mode_matches_reference(pool, world):
+@pytest.mark.parametrize("world, reduce_dtype", [(2, None), (3, None), (4, None), (3, "bfloat16"), (3, "float16")])
+def test_fsdp_mode_matches_reference(pool, world, reduce_dtype):
     """Two exact iterations, then the 1-bit reduce-scatter with error feedback, each rank's
-    gradient shard against the float64 reference of the whole model's layout."""
+    gradient shard against the float64 reference of the whole model's layout. With a
+    MixedPrecisionPolicy's reduce_dtype, FSDP hands compcomm the gradients in that dtype (fp16:
+    divided before and after, as FSDP does against overflow) and compcomm sums them in fp32: the
+    reference's inputs are the rounded gradients, its outputs are rounded once."""
     members = tuple(range(world))
     steps, start_iter = 4, 2
-    res = pool.run(run_fsdp, members, start_iter, steps, ranks=members)
+    res = pool.run(run_fsdp, members, start_iter, steps, reduce_dtype, ranks=members)
     shapes = [g.shape for g in res[0][0]["plain"]]
+    rounded = torch.float32 if reduce_dtype is None else getattr(torch, reduce_dtype)
+    rtol = max(1e-5, 2 * torch.finfo(rounded).eps)
     errors = {}
     for step in range(steps):
         assert all(r[step]["iteration"] == step + 1 for r in res)
         for m, indices in enumerate(MODULES):
-            inputs = [module_rows(res[r][step]["plain"], indices, world) for r in range(world)]
+            inputs = [
+                torch.from_numpy(module_rows(res[r][step]["plain"], indices, world)).to(rounded).double().numpy()
+                for r in range(world)
+            ]
             length = inputs[0].size // world
             if step < start_iter:
                 expected = np.stack(inputs).mean(0).reshape(world, length)
@@ -117,7 +125,7 @@ def test_fsdp_mode_matches_reference(pool, world):
             for r in range(world):
                 got = sharded_values(res[r][step]["sharded"], indices)
                 want = row_of(expected[r], shapes, indices, world, r)
-                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
+                np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max(initial=1.0))
 
 
 class Experts(torch.nn.Module):

@@ -13,16 +13,18 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
 
 
-def shard(model: torch.nn.Module, members: tuple[int, ...]) -> torch.nn.Module:
-    """fully_shard every Linear and the model, on a 1-D mesh over the pool's group `members`."""
+def shard(model: torch.nn.Module, members: tuple[int, ...], reduce_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """fully_shard every Linear and the model, on a 1-D mesh over the pool's group `members`
+    (gradients reduced in `reduce_dtype` if given: FSDP2's MixedPrecisionPolicy)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group(members), "cpu")
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
