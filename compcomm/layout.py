@@ -60,30 +60,40 @@ def _check_count(name: str, value: object, low: int) -> None:
 
 
 def flatten(tensors: Sequence[torch.Tensor], numel: int | None = None) -> torch.Tensor:
-    """Copy same-dtype, same-device tensors into one new contiguous 1-D buffer.
+    """Copy same-dtype, same-device tensors into one new contiguous 1-D buffer: their data, also
+    of tensors that require grad (parameters), with no autograd graph (as `Bucket.gather`).
 
     `numel` (>= the total) sizes the buffer larger, zero-filled, e.g. to a padded size.
     """
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"flatten takes a sequence of tensors (list or tuple), got {type(tensors).__name__}")
     if not tensors:
         raise ValueError("flatten needs at least one tensor")
     _check_uniform(tensors)
     total = sum(t.numel() for t in tensors)
+    if numel is not None:
+        _check_count("numel", numel, total)
     buffer = torch.zeros(total if numel is None else numel, dtype=tensors[0].dtype, device=tensors[0].device)
-    if buffer.numel() < total:
-        raise ValueError(f"numel {buffer.numel()} is smaller than the tensors' total {total}")
     for view, t in zip(unflatten(buffer, [t.shape for t in tensors]), tensors):
-        view.copy_(t)
+        view.copy_(t.detach())
     return buffer
 
 
 def unflatten(buffer: torch.Tensor, shapes: Iterable[torch.Size | Sequence[int]]) -> list[torch.Tensor]:
-    """Views of consecutive stretches of a 1-D buffer, shaped as given (no copy)."""
+    """Views of consecutive stretches of a 1-D buffer, shaped as given (no copy); every size of
+    every shape given (no -1: a stretch's length is what its shape says)."""
+    if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1:
+        given = tuple(buffer.shape) if isinstance(buffer, torch.Tensor) else type(buffer).__name__
+        raise ValueError(f"unflatten takes a 1-D buffer, got {given}")
     views, offset = [], 0
     for shape in shapes:
-        n = int(torch.Size(shape).numel())
+        size = torch.Size(shape)
+        if any(d < 0 for d in size):
+            raise ValueError(f"unflatten takes shapes of sizes >= 0, got {tuple(size)}")
+        n = size.numel()
         if offset + n > buffer.numel():
             raise ValueError("shapes need more elements than the buffer holds")
-        views.append(buffer[offset : offset + n].view(shape))
+        views.append(buffer[offset : offset + n].view(size))
         offset += n
     return views
 
@@ -145,8 +155,7 @@ def bucket_groups(
     tensors: Sequence[torch.Tensor], bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> list[list[int]]:
     """The tensor indices of each bucket that `Bucketer` makes (see there), allocating nothing."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    _check_count("bucket_bytes", bucket_bytes, 1)
     groups: list[list[int]] = []
     keys: list[tuple[torch.dtype, torch.device]] = []
     sizes: list[int] = []

@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from compcomm.layout import Bucketer, chunk_range, chunk_size, flatten, padded_size, real_count, unflatten
+from compcomm.layout import (
+    Bucketer,
+    bucket_groups,
+    chunk_range,
+    chunk_size,
+    flatten,
+    padded_size,
+    real_count,
+    unflatten,
+)
 
 
 @pytest.mark.parametrize(
@@ -100,3 +109,32 @@ def test_bucket_refuses_a_tensor_shaped_unlike_its_slot():
     with pytest.raises(ValueError, match="laid out for"):
         bucket.scatter([wide, tensors[1]])
     assert torch.equal(bucket.buffer, before) and not wide.any()
+
+
+def test_flatten_copies_parameters_as_data():
+    """flatten of parameters (leaves that require grad) raised RuntimeError from autograd's
+    in-place check; it copies their data, as Bucket.gather does."""
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
+    flat = flatten(params, numel=8)
+    assert not flat.requires_grad and flat.grad_fn is None
+    assert torch.equal(flat, torch.cat([params[0].detach(), params[1].detach().reshape(-1), torch.zeros(1)]))
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: unflatten(torch.zeros(4), [(-1,)]), ValueError, "sizes >= 0"),  # gave 3 of the 4 elements
+        (lambda: unflatten(torch.zeros(4, 4), [(4,)]), ValueError, "1-D buffer"),
+        (lambda: flatten(torch.ones(3)), TypeError, "sequence of tensors"),
+        (lambda: flatten([torch.ones(3)], numel=-1), ValueError, "numel must be >= 3"),
+        (lambda: flatten([torch.ones(3)], numel=2), ValueError, "numel must be >= 3"),
+        (lambda: bucket_groups([torch.ones(3)], None), TypeError, "bucket_bytes must be an integer"),
+        (lambda: bucket_groups([torch.ones(3)], 1.5), TypeError, "bucket_bytes must be an integer"),
+        (lambda: Bucketer([torch.ones(3)], bucket_bytes=0), ValueError, "bucket_bytes must be >= 1"),
+    ],
+)
+def test_layout_helpers_refuse_what_they_cannot_lay_out(call, error, message):
+    """A -1 in a shape took a stretch one element short, silently; the others raised torch's or
+    Python's errors from inside (a 2-D buffer, a tensor for a list, None bytes), or took 1.5 bytes."""
+    with pytest.raises(error, match=message):
+        call()
