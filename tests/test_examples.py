@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-SCRIPTS = ("collective", "ddp_hook_sgd", "onebit_adam", "fsdp", "hsdp", "diloco")
+SCRIPTS = ("collective", "ddp_hook_sgd", "onebit_adam", "fsdp", "hsdp", "diloco", "hierarchical")
 HELPER = "_ranks"  # the launcher the examples share
 
 
