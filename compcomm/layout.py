@@ -59,14 +59,15 @@ def _check_count(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
-def flatten(tensors: Sequence[torch.Tensor], numel: int | None = None) -> torch.Tensor:
+def flatten(tensors: Iterable[torch.Tensor], numel: int | None = None) -> torch.Tensor:
     """Copy same-dtype, same-device tensors into one new contiguous 1-D buffer: their data, also
     of tensors that require grad (parameters), with no autograd graph (as `Bucket.gather`).
 
     `numel` (>= the total) sizes the buffer larger, zero-filled, e.g. to a padded size.
     """
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Iterable):
         raise TypeError(f"flatten takes a sequence of tensors (list or tuple), got {type(tensors).__name__}")
+    tensors = list(tensors)  # also model.parameters() or a ParameterList
     if not tensors:
         raise ValueError("flatten needs at least one tensor")
     _check_uniform(tensors)

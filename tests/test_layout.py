@@ -116,6 +116,7 @@ def test_flatten_copies_parameters_as_data():
     in-place check; it copies their data, as Bucket.gather does."""
     params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
     flat = flatten(params, numel=8)
+    assert torch.equal(flatten(iter(params), numel=8), flat)  # e.g. model.parameters()
     assert not flat.requires_grad and flat.grad_fn is None
     assert torch.equal(flat, torch.cat([params[0].detach(), params[1].detach().reshape(-1), torch.zeros(1)]))
 
