@@ -904,6 +904,18 @@ def test_a_parameter_unfrozen_after_construction_warns_that_it_is_not_synced():
         opt.step()
 
 
+def test_a_state_saved_with_other_parameters_frozen_is_refused_naming_them():
+    """Parameters frozen at construction are left out of the synced buckets, so a state saved
+    with another choice of them does not fit; the refusal named parameters and bucket_bytes only."""
+    model, inner = local_model()
+    model[0].bias.requires_grad_(False)
+    saved = DiLoCo(model.parameters(), inner, backend="local").state_dict()
+    model[0].bias.requires_grad_(True)
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), backend="local")
+    with pytest.raises(ValueError, match="requires_grad=False at construction"):
+        opt.load_state_dict(saved)
+
+
 def test_inner_must_be_a_local_optimizer_over_the_same_parameters():
     model, inner = local_model()
     with pytest.raises(TypeError):

@@ -73,7 +73,8 @@ def own_part(extra: dict[str, Any], be: Backend, layout: BucketLayout) -> tuple[
     ):
         return {}, (
             f"the checkpoint's buckets ({extra.get('bucket_numels')} elements) do not match "
-            f"this optimizer's ({numels}): different parameters or bucket_bytes"
+            f"this optimizer's ({numels}): different parameters or bucket_bytes (for DiLoCo, also "
+            "parameters frozen otherwise: those with requires_grad=False at construction are not synced)"
         )
     if "ranks" in extra:
         return extra["ranks"][rank], None
