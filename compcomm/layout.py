@@ -66,7 +66,7 @@ def flatten(tensors: Iterable[torch.Tensor], numel: int | None = None) -> torch.
     `numel` (>= the total) sizes the buffer larger, zero-filled, e.g. to a padded size.
     """
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Iterable):
-        raise TypeError(f"flatten takes a sequence of tensors (list or tuple), got {type(tensors).__name__}")
+        raise TypeError(f"flatten takes tensors (a list, or model.parameters()), got {type(tensors).__name__}")
     tensors = list(tensors)  # also model.parameters() or a ParameterList
     if not tensors:
         raise ValueError("flatten needs at least one tensor")
@@ -83,9 +83,10 @@ def flatten(tensors: Iterable[torch.Tensor], numel: int | None = None) -> torch.
 def unflatten(buffer: torch.Tensor, shapes: Iterable[torch.Size | Sequence[int]]) -> list[torch.Tensor]:
     """Views of consecutive stretches of a 1-D buffer, shaped as given (no copy); every size of
     every shape given (no -1: a stretch's length is what its shape says)."""
-    if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1:
-        given = tuple(buffer.shape) if isinstance(buffer, torch.Tensor) else type(buffer).__name__
-        raise ValueError(f"unflatten takes a 1-D buffer, got {given}")
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"unflatten takes a 1-D tensor, got {type(buffer).__name__}")
+    if buffer.dim() != 1:
+        raise ValueError(f"unflatten takes a 1-D buffer, got shape {tuple(buffer.shape)}")
     views, offset = [], 0
     for shape in shapes:
         size = torch.Size(shape)

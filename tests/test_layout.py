@@ -126,7 +126,8 @@ def test_flatten_copies_parameters_as_data():
     [
         (lambda: unflatten(torch.zeros(4), [(-1,)]), ValueError, "sizes >= 0"),  # gave 3 of the 4 elements
         (lambda: unflatten(torch.zeros(4, 4), [(4,)]), ValueError, "1-D buffer"),
-        (lambda: flatten(torch.ones(3)), TypeError, "sequence of tensors"),
+        (lambda: flatten(torch.ones(3)), TypeError, "flatten takes tensors"),
+        (lambda: unflatten([0.0] * 4, [(4,)]), TypeError, "1-D tensor"),
         (lambda: flatten([torch.ones(3)], numel=-1), ValueError, "numel must be >= 3"),
         (lambda: flatten([torch.ones(3)], numel=2), ValueError, "numel must be >= 3"),
         (lambda: bucket_groups([torch.ones(3)], None), TypeError, "bucket_bytes must be an integer"),
