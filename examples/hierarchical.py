@@ -62,7 +62,7 @@ def main() -> None:
         if step in (0, 7):
             say(f"step {step}: loss {loss.item():.4f}")
     assert same_on_every_rank(list(model.parameters()))
-    say(f"hierarchical: OK ({dist.get_world_size() // k} nodes of {k} ranks)")
+    say(f"hierarchical: OK (nodes x ranks per node: {dist.get_world_size() // k} x {k})")
 
 
 if __name__ == "__main__":
