@@ -55,9 +55,11 @@ def saved_order(extra: dict[str, Any], count: int) -> list[int] | None:
     return order if isinstance(order, list) and sorted(order) == list(range(count)) else None
 
 
-def own_part(extra: dict[str, Any], be: Backend, layout: BucketLayout) -> tuple[dict[str, Any], str | None]:
+def own_part(
+    extra: dict[str, Any], be: Backend, layout: BucketLayout, causes: str = "different parameters or bucket_bytes"
+) -> tuple[dict[str, Any], str | None]:
     """This rank's share of a checkpoint's "compcomm" entry, and why it cannot be loaded here
-    (None if it can)."""
+    (None if it can); `causes` names what makes the caller's buckets differ from the saved ones."""
     world, rank = be.world_size, be.rank
     saved_world = extra.get("world_size")
     if saved_world is not None and saved_world != world:
@@ -73,8 +75,7 @@ def own_part(extra: dict[str, Any], be: Backend, layout: BucketLayout) -> tuple[
     ):
         return {}, (
             f"the checkpoint's buckets ({extra.get('bucket_numels')} elements) do not match "
-            f"this optimizer's ({numels}): different parameters or bucket_bytes (for DiLoCo, also "
-            "parameters frozen otherwise: those with requires_grad=False at construction are not synced)"
+            f"this optimizer's ({numels}): {causes}"
         )
     if "ranks" in extra:
         return extra["ranks"][rank], None

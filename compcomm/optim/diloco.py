@@ -492,7 +492,13 @@ class DiLoCo(torch.optim.Optimizer):
                 f"{self._backend.world_size}: its error feedback, inner optimizer state and "
                 "parameters belong to each of those ranks"
             )
-        mine, problem = checkpoints.own_part(extra, self._backend, self._sync.layout)
+        mine, problem = checkpoints.own_part(
+            extra,
+            self._backend,
+            self._sync.layout,
+            "different parameters, bucket_bytes, or parameters frozen otherwise (those with "
+            "requires_grad=False at construction are not synced)",
+        )
         if problem is not None:
             return mine, problem
         saved_groups = mine["rank_local"]["inner"]["param_groups"]
