@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .backends.mpi_runtime import launched_by_mpi
+from .layout import is_integer
 
 HOST = "127.0.0.1"
 _AFTER_FAILURE_S = 30.0
@@ -104,8 +105,12 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | 
     when `timeout` seconds pass (the ranks are then killed). On Linux the ranks also end when
     this process does, however it ends (a SIGTERM or SIGKILL included).
     """
+    if not is_integer(world_size):
+        raise TypeError(f"world_size must be an integer, got {type(world_size).__name__} {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

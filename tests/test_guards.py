@@ -1,5 +1,6 @@
 """The misuses a new user falls into, each a clear error or warning on every rank: a compcomm
-optimizer given a DDP-wrapped model, and the 1-bit DDP hook behind an Adam-like optimizer."""
+optimizer given a DDP-wrapped model (or one wrapped after it was built), and the 1-bit DDP hook
+behind an Adam-like optimizer."""
 
 from __future__ import annotations
 
@@ -34,6 +35,28 @@ def test_compcomm_optimizer_on_a_ddp_wrapped_model_is_an_error(pool, name, unwra
     """The parameters are DDP's whether taken from the wrapper or from the module it wraps."""
     for failure in pool.run(optimizer_on_ddp, name, unwrapped):
         assert failure is not None and failure[0] == "ValueError" and "DistributedDataParallel" in failure[1]
+
+
+def wrapped_after_building(name: str) -> tuple[tuple[str, str] | None, bool]:
+    """The optimizer built on the bare module, which is then wrapped in DDP (construction
+    cannot see that): the first step refuses, with the parameters as they were."""
+    net = model()
+    if name == "diloco":
+        opt = compcomm.optim.DiLoCo(net.parameters(), torch.optim.SGD(net.parameters(), lr=0.1), sync_every=2)
+    else:
+        opt = OPTIMIZERS[name](net.parameters())
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    before = [p.detach().clone() for p in net.parameters()]
+    ddp(torch.randn(4, 6)).sum().backward()
+    failure = caught(opt.step)
+    return failure, all(torch.equal(b, p) for b, p in zip(before, net.parameters()))
+
+
+@pytest.mark.parametrize("name", [*OPTIMIZERS, "diloco"])
+def test_a_model_wrapped_in_ddp_after_the_optimizer_was_built_is_refused_at_the_first_step(pool, name):
+    for failure, unchanged in pool.run(wrapped_after_building, name):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert "wrapped in DistributedDataParallel after" in failure[1] and unchanged
 
 
 def optimizer_without_ddp() -> tuple[str, str] | None:

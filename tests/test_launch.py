@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +66,22 @@ def crash_after_returning() -> None:
 def test_a_rank_crashing_after_its_result_raises():
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[0, 1\] returned a result but then exited with codes"):
         launch.spawn(crash_after_returning, 2)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "timeout", "error", "match"),
+    [
+        (1.5, None, TypeError, "world_size must be an integer, got float 1.5"),
+        (0, None, ValueError, "world_size must be >= 1, got 0"),
+        (2, 0, ValueError, "timeout must be a number of seconds > 0 or None, got 0"),
+        (2, -1.0, ValueError, "got -1.0"),
+        (2, float("nan"), ValueError, "got nan"),
+        (2, "60", ValueError, "got '60'"),
+    ],
+)
+def test_spawn_refuses_bad_arguments_before_starting_a_rank(world_size, timeout, error, match):
+    with pytest.raises(error, match=re.escape(match)):
+        launch.spawn(environment, world_size, "x", timeout=timeout)
 
 
 def test_spawn_gives_torchrun_environment_and_results_in_rank_order():

@@ -28,7 +28,7 @@ from ..error_feedback import ErrorFeedback
 from ..gather_objects import agree_on_values
 from ..layout import DEFAULT_BUCKET_BYTES
 from . import checkpoints
-from .replicas import equalize_from_rank0, refuse_ddp_wrapped
+from .replicas import ddp_refusal, equalize_from_rank0, refuse_ddp_wrapped
 from .rounds import COMPRESSED, EXACT, LOCAL, GradientRounds
 from .sharded import ShardedSteps, is_sharded
 from .timing import CommTiming
@@ -252,7 +252,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
             # different collectives from the first compressed step on (every rank would wait).
             if self._sharded is None:
                 be = self._transport  # resolved first: it may be refused
-                equalize_from_rank0(self._params(), be, self._settings(), self._settings_differ, self._backend_refused)
+                failure = self._backend_refused or ddp_refusal(self._params(), type(self).__name__, since_built=True)
+                equalize_from_rank0(self._params(), be, self._settings(), self._settings_differ, failure)
             else:  # FSDP made the shards; the settings alone are compared, over the model's ranks
                 world = self._sharded.state.world
                 raise_agreed(self._backend_unused(), world)

@@ -47,16 +47,29 @@ def check_plain_replicas(params: Sequence[torch.Tensor], owner: str) -> None:
 def refuse_ddp_wrapped(params: Sequence[torch.Tensor], owner: str) -> None:
     """ValueError for parameters of a DDP-wrapped module: `owner` averages them itself, and DDP
     would average every gradient as well, silently paying twice."""
+    refusal = ddp_refusal(params, owner)
+    if refusal is not None:
+        raise refusal
+
+
+def ddp_refusal(params: Sequence[torch.Tensor], owner: str, since_built: bool = False) -> ValueError | None:
+    """The ValueError `refuse_ddp_wrapped` raises, or None. `since_built`: the check at the first
+    step, for a model wrapped after `owner` was built (which its construction could not see);
+    the caller raises it on every rank alike."""
     # DDP puts no mark on the parameters it wraps, so the live DDP modules are found through the
-    # garbage collector's list of objects (once, when the optimizer is built).
-    if _wrapped_by_ddp(params):
-        gc.collect()  # a wrapper already dropped may still be listed, waiting for a collection
-        if _wrapped_by_ddp(params):
-            raise ValueError(
-                f"{owner} was given the parameters of a DistributedDataParallel model: it does its "
-                "own communication, and DDP would average every gradient as well; pass the "
-                "parameters of the unwrapped module (ddp_model.module) and drop the DDP wrapper"
-            )
+    # garbage collector's list of objects (once when the optimizer is built, once at its first step).
+    if not _wrapped_by_ddp(params):
+        return None
+    gc.collect()  # a wrapper already dropped may still be listed, waiting for a collection
+    if not _wrapped_by_ddp(params):
+        return None
+    if since_built:
+        what = f"the model {owner} steps was wrapped in DistributedDataParallel after {owner} was built"
+        fix = "keep the unwrapped module and drop the DDP wrapper"
+    else:
+        what = f"{owner} was given the parameters of a DistributedDataParallel model"
+        fix = "pass the parameters of the unwrapped module (ddp_model.module) and drop the DDP wrapper"
+    return ValueError(f"{what}: it does its own communication, and DDP would average every gradient as well; {fix}")
 
 
 def _wrapped_by_ddp(params: Sequence[torch.Tensor]) -> bool:
