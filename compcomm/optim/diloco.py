@@ -75,7 +75,7 @@ from .base import OnebitOptimizer
 from .buckets import BucketLayout
 from .fragments import FragmentSchedule
 from .outer import EXACT_BYTES, InFlight, OuterSync
-from .replicas import check_plain_replicas, ddp_refusal, equalize_from_rank0
+from .replicas import check_plain_replicas, equalize_from_rank0, refuse_ddp_wrapped
 from .scaler import BackwardAgreement, unscale_and_check
 from .updates import check_count, check_range
 
@@ -274,9 +274,7 @@ class DiLoCo(torch.optim.Optimizer):
         t = self._step_count + 1
         if t == 1:  # a DDP wrapper made after DiLoCo was built. Its constructor is collective, so
             # every rank has one and raises alike, with no message of DiLoCo's own at step 1.
-            refusal = ddp_refusal(self._params, "DiLoCo", since_built=True)
-            if refusal is not None:
-                raise refusal
+            refuse_ddp_wrapped(self._params, "DiLoCo", since_built=True)
         skip = unscale_and_check(self._params, scale)
         if not self._unfrozen_warned and any(p.grad is not None for p in self._frozen):
             self._unfrozen_warned = True

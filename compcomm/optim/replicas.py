@@ -44,10 +44,10 @@ def check_plain_replicas(params: Sequence[torch.Tensor], owner: str) -> None:
     refuse_ddp_wrapped(params, owner)
 
 
-def refuse_ddp_wrapped(params: Sequence[torch.Tensor], owner: str) -> None:
+def refuse_ddp_wrapped(params: Sequence[torch.Tensor], owner: str, since_built: bool = False) -> None:
     """ValueError for parameters of a DDP-wrapped module: `owner` averages them itself, and DDP
-    would average every gradient as well, silently paying twice."""
-    refusal = ddp_refusal(params, owner)
+    would average every gradient as well, silently paying twice (`since_built`: see `ddp_refusal`)."""
+    refusal = ddp_refusal(params, owner, since_built)
     if refusal is not None:
         raise refusal
 
