@@ -761,6 +761,91 @@ def test_grad_scaler_unscales_exactly(pool, start_iter):
     assert len({r[3] for r in scaled}) == 4, "between syncs the ranks differ"
 
 
+def late_scaler(case: str, given: bool) -> dict:
+    """A GradScaler that DiLoCo would learn of only at the first `scaler.step` (unless `given`
+    as grad_scaler). "accumulated": two backward passes per step from the first step on, rank
+    1's second one of step 0 inf. "later": three steps without a scaler, then with one, rank 1's
+    loss inf at step 3, the first scaled one. "resumed": the same, the scaled steps after a
+    resume from a state saved without a scaler."""
+    rank = rank_of(WORLD)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)  # powers of two: exact
+    schedule: dict = dict(sync_every=3, fragments=1, overlap_steps=0)
+    settings = dict(schedule, **({"grad_scaler": scaler} if given else {}))
+    model = make_model()
+    opt = make_diloco(model, **(schedule if case == "resumed" else settings))
+    first_scaled = 0 if case == "accumulated" else 3
+    micro_batches = 2 if case == "accumulated" else 1
+    out: dict = {"scales": [], "skipped": [], "failure": None}
+    for step in range(6):
+        if step < first_scaled:
+            backward(model, rank, step)
+            opt.step()
+            continue
+        if step == first_scaled and case == "resumed":
+            saved = copy.deepcopy(opt.state_dict())
+            model = make_model()
+            opt = make_diloco(model, **settings)
+            opt.load_state_dict(saved)
+        model.zero_grad(set_to_none=True)
+        for m in range(micro_batches):
+            x, y = batch(rank, 10 * step + m)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            overflow = step == first_scaled and rank == 1 and m == micro_batches - 1
+            scaler.scale(loss * math.inf if overflow else loss).backward()
+        before = raw(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out["failure"] = caught(scaler.step, opt)
+        if out["failure"] is not None:
+            out["unchanged"] = raw(model) == before and opt.step_count == step
+            out["left_on_the_optimizer"] = [a for a in ("grad_scale", "found_inf") if hasattr(opt, a)]
+            return out
+        scaler.update()
+        out["scales"].append(scaler.get_scale())
+        out["skipped"].append(opt.last_step_skipped)
+    return out
+
+
+@pytest.mark.parametrize("case", ["accumulated", "later", "resumed"])
+def test_a_scaler_given_to_diloco_skips_everywhere_with_equal_scales(pool, case):
+    results = pool.run(late_scaler, case, True)
+    steps = 6 if case == "accumulated" else 3
+    for r in results:
+        assert r["failure"] is None, r
+        assert r["scales"] == results[0]["scales"]
+        assert r["skipped"] == [s == 0 for s in range(steps)]
+    assert results[0]["scales"][0] == 2.0**9
+
+
+@pytest.mark.parametrize("case", ["accumulated", "later"])
+def test_a_scaler_not_given_whose_unagreed_verdicts_differ_is_refused_on_every_rank(pool, case):
+    """The scales used to part silently: now a ValueError on every rank at that step, nothing
+    changed, and nothing of the scaler's left on the optimizer for the next step to read."""
+    for r in pool.run(late_scaler, case, False):
+        assert r["failure"] is not None and r["failure"][0] == "ValueError", r
+        assert "found inf/NaN on 1 of 4 ranks" in r["failure"][1] and "grad_scaler=scaler" in r["failure"][1]
+        assert r["unchanged"] and r["left_on_the_optimizer"] == []
+
+
+def uneven_accumulation() -> list[int]:
+    """No scaler: rank 0 accumulates two micro-batches before each step, the others one (the
+    ranks are independent between syncs)."""
+    rank = rank_of(WORLD)
+    model = make_model()
+    opt = make_diloco(model, sync_every=3, fragments=1, overlap_steps=0)
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        for m in range(2 if rank == 0 else 1):
+            x, y = batch(rank, 10 * step + m)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [opt.step_count]
+
+
+def test_ranks_may_run_different_numbers_of_backward_passes_without_a_scaler(pool):
+    assert pool.run(uneven_accumulation) == [[4]] * WORLD
+
+
 def nan_pseudo_gradient(passes: int) -> dict:
     """H = 3. Step 2: rank 1's gradient is NaN (it alone skips its inner step). Step 6 (a sync):
     rank 2's parameters are poisoned, so its pseudo-gradient is NaN."""

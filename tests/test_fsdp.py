@@ -5,6 +5,7 @@ checkpoints and misuse, every error raised on every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -16,7 +17,7 @@ import compcomm
 
 from fsdp_models import batch, full_params, loss_of, make_model, shard
 from rankpool import caught, group
-from reference import reference_allreduce, reference_reduce_scatter
+from reference import assert_close, reference_allreduce, reference_reduce_scatter
 
 SHARDS = {"2x2": ((0, 1), (2, 3))}  # HSDP: the shard groups (one per replica)
 REPLICAS = {"2x2": ((0, 2), (1, 3))}
@@ -126,7 +127,7 @@ def test_fsdp_mode_matches_reference(pool, world, reduce_dtype):
             for r in range(world):
                 got = sharded_values(res[r][step]["sharded"], indices)
                 want = row_of(expected[r], shapes, indices, world, r)
-                np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * np.abs(want).max(initial=1.0))
+                assert_close(got, want, rtol=rtol, atol=atol * np.abs(want).max(initial=1.0))
 
 
 class Experts(torch.nn.Module):
@@ -194,7 +195,7 @@ def test_a_parameter_without_a_gradient_keeps_its_own_error_feedback(pool):
             assert all(g is not None for g in res[r][step]["sharded"]), (step, r)
             got = sharded_values(res[r][step]["sharded"], [0, 1])
             want = row_of(expected[r], shapes, [0, 1], 2, r)
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
+            assert_close(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
 
 
 def unfrozen_midway() -> dict:
@@ -386,7 +387,7 @@ def test_hsdp_replicas_start_equal_stay_bitwise_equal_and_match_reference(pool, 
                 for r in (s, s + 2):
                     got = sharded_values(res[r][step]["sharded"], indices)
                     want = row_of(expected, shapes, indices, 2, s)
-                    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
+                    assert_close(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
 
 
 def test_hsdp_intra_shm_trains_bit_for_bit_as_fsdp_own_group(pool):
@@ -395,6 +396,119 @@ def test_hsdp_intra_shm_trains_bit_for_bit_as_fsdp_own_group(pool):
     own, shm = pool.run(run_hsdp, 3, 1, True), pool.run(run_hsdp, 3, 1, True, "shm")
     for r in range(4):
         assert [step["after"] for step in own[r]] == [step["after"] for step in shm[r]]
+
+
+# ----------------------------------------------------------------- activation checkpointing
+
+
+@dataclasses.dataclass
+class Boxed:
+    """A model output that is not a tensor (FSDP finds the tensors in dataclasses too)."""
+
+    y: torch.Tensor
+
+
+class Checkpointed(torch.nn.Module):
+    """make_model's layers, each run under activation checkpointing in the model's forward,
+    the output `boxed` in a dataclass or not."""
+
+    def __init__(self, reentrant: bool, boxed: bool) -> None:
+        super().__init__()
+        self.layers, self.reentrant, self.boxed = make_model(), reentrant, boxed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Boxed:
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=self.reentrant)
+        return Boxed(x) if self.boxed else x
+
+
+def checkpointed(reentrant: bool, hsdp: bool, boxed: bool) -> dict:
+    """Four steps of OnebitAdam (freeze_step = start_iter = 2) on a model whose layers are
+    checkpointed: reentrant checkpointing differentiates each layer in a backward nested in the
+    model's. Each step's gradients and parameters, and the iteration after each backward."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = Checkpointed(reentrant, boxed)
+    members = SHARDS["2x2"][rank // 2] if hsdp else (0, 1, 2, 3)
+    shard(model.layers, members)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=DeviceMesh.from_group(group(members), "cpu"))
+    replicas = group(REPLICAS["2x2"][rank % 2]) if hsdp else None
+    state = compcomm.fsdp.compress(model, start_iter=2, replicate_group=replicas)
+    opt = compcomm.optim.OnebitAdam(model.parameters(), lr=0.01, freeze_step=2)
+    records = []
+    for step in range(4):
+        out = model(batch(rank, step).requires_grad_())
+        (out.y if boxed else out).pow(2).sum().backward()
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        records.append({"iteration": state.iteration, "grads": grads, "params": full_params(model)})
+    return {"records": records, "errors": {k: v.worker_error.clone() for k, v in state.error_feedback.items()}}
+
+
+@pytest.mark.parametrize("hsdp, boxed", [(False, False), (True, False), (False, True)])
+def test_reentrant_activation_checkpointing_counts_one_iteration_per_backward(pool, hsdp, boxed):
+    """Reentrant checkpointing runs the reductions of each layer in a nested backward: they
+    belong to the model's backward (one iteration each, the 1-bit stage and OnebitAdam's frozen
+    variance at step 3), bit for bit as with non-reentrant checkpointing; also when the model's
+    output is a dataclass."""
+    nested, flat = pool.run(checkpointed, True, hsdp, boxed), pool.run(checkpointed, False, hsdp, boxed)
+    for a, b in zip(nested, flat):
+        assert [r["iteration"] for r in a["records"]] == [1, 2, 3, 4]
+        for ra, rb in zip(a["records"], b["records"]):
+            assert all(torch.equal(x, y) for x, y in zip(ra["grads"], rb["grads"]))
+            assert all(torch.equal(x, y) for x, y in zip(ra["params"], rb["params"]))
+        assert a["errors"].keys() == b["errors"].keys()
+        assert all(torch.equal(a["errors"][k], b["errors"][k]) for k in a["errors"])
+
+
+def raised_midway() -> dict:
+    """A backward that raises after a reduction, outside compcomm (a gradient hook of the
+    user's, on every rank), then FSDP's recovery: the next backward is the model's second
+    iteration, with the errors of the first alone (those of the raising one dropped)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    runs = {}
+    for raising in (False, True):
+        model = shard(make_model(), (0, 1, 2, 3))
+        state = compcomm.fsdp.compress(model, start_iter=0)
+        loss_of(model, batch(rank, 0)).backward()
+        model.zero_grad()
+        failure = None
+        if raising:
+
+            def refuse(grad: torch.Tensor) -> None:
+                raise RuntimeError("the user's hook")
+
+            def arm(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+                out.register_hook(refuse)
+
+            armed = model[0].register_forward_hook(arm)
+            failure = caught(lambda: loss_of(model, batch(rank, 5)).backward())
+            armed.remove()
+            model.reset_iter_state()
+            model.zero_grad()
+        loss_of(model, batch(rank, 1)).backward()
+        runs[raising] = {
+            "failure": failure,
+            "iteration": state.iteration,
+            "grads": [p.grad.to_local().clone() for p in model.parameters()],
+        }
+    return runs
+
+
+def test_a_backward_that_raised_outside_compcomm_is_not_counted(pool):
+    for r in pool.run(raised_midway):
+        assert r[True]["failure"] is not None and "the user's hook" in r[True]["failure"][1], r
+        assert r[True]["iteration"] == r[False]["iteration"] == 2
+        assert all(torch.equal(x, y) for x, y in zip(r[True]["grads"], r[False]["grads"]))
 
 
 # ----------------------------------------------------------------- accumulation, non-finite gradients
@@ -426,7 +540,7 @@ def test_accumulation_without_sync_reduces_once(pool):
         expected, _ = reference_reduce_scatter(inputs, np.zeros((4, 4, padded)), "mean")
         for r in range(4):
             got = sharded_values(res[r]["sharded"], indices)
-            np.testing.assert_allclose(got, row_of(expected[r], shapes, indices, 4, r), rtol=1e-5, atol=1e-6)
+            assert_close(got, row_of(expected[r], shapes, indices, 4, r), rtol=1e-5, atol=1e-6)
 
 
 class NaNGradient(torch.autograd.Function):
@@ -686,7 +800,8 @@ def test_rank0_state_loaded_everywhere_raises_on_every_rank(pool):
 
 
 def other_saves() -> dict:
-    """Refused loads: rank 2 loads an earlier iteration's per-rank file than the others; a state
+    """Refused loads: rank 2 loads an earlier iteration's per-rank file than the others, or one
+    of another start_iter (it would switch to 1 bit at another backward than they); a state
     of a model whose modules have the same names but other shapes. A model built anew on an
     equal but new mesh is accepted."""
     import torch.distributed as dist
@@ -699,6 +814,10 @@ def other_saves() -> dict:
     earlier = state.state_dict()
     loss_of(model, batch(rank, 1)).backward()
     out = {"stale": caught(state.load_state_dict, earlier if rank == 2 else state.state_dict())}
+    later = state.state_dict()
+    if rank == 2:
+        later["start_iter"] = 5
+    out["start_iter"] = caught(state.load_state_dict, later)
     torch.manual_seed(1)
     wide = torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
     mesh = DeviceMesh.from_group(group((0, 1, 2, 3)), "cpu")
@@ -717,6 +836,7 @@ def test_other_saves_and_layouts_are_refused_on_every_rank(pool):
     results = pool.run(other_saves)
     for res in results:
         assert res["stale"][0] == "ValueError" and "different saves" in res["stale"][1], res["stale"]
+        assert res["start_iter"][0] == "ValueError" and "different saves" in res["start_iter"][1], res
         assert res["reshaped"][0] == "ValueError" and "shapes" in res["reshaped"][1], res["reshaped"]
         assert res["rebuilt"] is None, res["rebuilt"]
 
@@ -773,6 +893,12 @@ def misuse(case: str) -> tuple[str, str] | None:
         model = shard(make_model(), SHARDS["2x2"][rank // 2])
         mine = ("gloo" if case == "intra_bad_on_one_rank" else None) if rank == 2 else "shm"
         return caught(compcomm.fsdp.compress, model, replicate_group=group(REPLICAS["2x2"][rank % 2]), intra=mine)
+    if case == "intra_sizes_differ":  # one replica's shm reduce-scatter refused it; the other waited
+        model = shard(make_model(), SHARDS["2x2"][rank // 2])
+        compcomm.fsdp.compress(model, replicate_group=group(REPLICAS["2x2"][rank % 2]), intra="shm")
+        if rank == 0:
+            model[2].bias.requires_grad_(False)  # FSDP leaves it out of this rank's reduce-scatter
+        return caught(lambda: loss_of(model, batch(rank, 0)).backward())
     if case == "intra_in_fsdp_mode":
         return caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), intra="shm")
     if case == "intra_unknown":
@@ -809,6 +935,7 @@ def misuse(case: str) -> tuple[str, str] | None:
         ("backend_differs", "ValueError", "ranks passed different backend"),
         ("intra_differs", "ValueError", "ranks passed different intra"),
         ("intra_bad_on_one_rank", "ValueError", "rank 2: intra must be None or 'shm'"),
+        ("intra_sizes_differ", "ValueError", "ranks made different calls"),
     ],
 )
 def test_misuse_is_a_clear_error_on_every_rank(pool, case, error, words):

@@ -48,6 +48,9 @@ any error state, whichever module failed, and does not count as an iteration: ea
 errors go into its spare, which replaces its state only when every module of the backward
 succeeded.
 
+Activation checkpointing, reentrant or not, inside the model's forward: the reductions of the
+backward that reentrant checkpointing runs nested in the model's belong to the model's.
+
 Gradient accumulation: `model.set_requires_gradient_sync(False)` on the micro-batches that only
 accumulate (FSDP then reduces nothing; the iteration counts the backward that reduces).
 `set_requires_all_reduce(False)` does not hold the HSDP hook back: use the former.
@@ -72,6 +75,8 @@ from ..loss_scale import check_grad_scaler
 from ..optim.shards import compression_of as state_of
 
 try:
+    from torch.distributed.fsdp import FSDPModule
+
     from .comms import CompressedReduceScatter, IntraAllGather, IntraReduceScatter, all_reduce_hook
     from .modules import ShardedModule, group_ranks, sharded_modules
 except ImportError as exc:  # an older torch, whose FSDP2 lacks the seams compcomm fills
@@ -126,7 +131,10 @@ def compress(
         start_iter = int(start_iter)  # a numpy integer would make the state dict's file unloadable
     except Exception as exc:  # agreed by the state first thing, so no other rank waits on this one
         refused, backend, grad_scaler = exc, None, None
-    state = CompressionState(modules, start_iter, replicate_group, backend, nonfinite, refused, intra, grad_scaler)
+    watched = [model, *(m for m in model.modules() if isinstance(m, FSDPModule) and m is not model)]
+    state = CompressionState(
+        modules, start_iter, replicate_group, backend, nonfinite, refused, intra, grad_scaler, watched
+    )
     intra_backends: dict[int, Any] = {}
     for m in modules:
         # A parameter without a gradient in a backward is left out of FSDP's reduce-scatter by
@@ -142,7 +150,7 @@ def compress(
                 intra_backends[id(m.shard_group)] = get(intra, group=m.shard_group)
             be = intra_backends[id(m.shard_group)]
             m.module.set_custom_all_gather(IntraAllGather(be))
-            m.module.set_custom_reduce_scatter(IntraReduceScatter(be))
+            m.module.set_custom_reduce_scatter(IntraReduceScatter(be, state.intra_failed_for(m.name)))
     if replicate_group is not None:
         _equalize_replicas(state.params, replicate_group)
     for m in modules:

@@ -83,10 +83,12 @@ class IntraAllGather(_FreshBuffers, AllGather):
 class IntraReduceScatter(_FreshBuffers, ReduceScatter):
     """FSDP2's exact gradient reduce-scatter inside a replica, through the shm backend's
     `exchange_blocks` (the blocks summed in rank order, then the mean's division), before compcomm's 1-bit
-    average across replicas."""
+    average across replicas. A failure goes to `failed` instead of up: raised here, it would
+    reach this replica's ranks alone, while the other replicas wait for them in the average;
+    the average refuses it on every rank instead."""
 
-    def __init__(self, be: ShmBackend) -> None:
-        self.be = be
+    def __init__(self, be: ShmBackend, failed: Callable[[Exception], None]) -> None:
+        self.be, self.failed = be, failed
 
     def __call__(
         self,
@@ -96,12 +98,16 @@ class IntraReduceScatter(_FreshBuffers, ReduceScatter):
         op: object,
         async_op: bool = False,
     ) -> None:
-        name = _op_name(op)
-        check_called_over(group, self.be, "a reduce-scatter")
-        out = output_tensor.view(-1)
-        self.be.exchange_blocks(
-            input_tensor.reshape(-1), out.numel(), out.dtype, lambda blocks: sum_in_rank_order(blocks, out)
-        )
+        try:
+            name = _op_name(op)
+            check_called_over(group, self.be, "a reduce-scatter")
+            out = output_tensor.view(-1)
+            self.be.exchange_blocks(
+                input_tensor.reshape(-1), out.numel(), out.dtype, lambda blocks: sum_in_rank_order(blocks, out)
+            )
+        except Exception as exc:
+            self.failed(exc)
+            return
         if name == "mean":
             output_tensor.div_(self.be.world_size)
 

@@ -1,21 +1,27 @@
 """What `compcomm.fsdp.compress` keeps: one error state per FSDP module, the iteration count,
 and the rule that a backward either changes them all or none.
 
-Every reduction of a backward (one per FSDP module) goes through `CompressionState`: the first
-one of a backward queues a callback that autograd runs once the backward is over (after FSDP's
-own), which counts the iteration. Each module's new errors go into a spare ErrorFeedback that
-replaces its state only there, when every module of the backward succeeded: a backward that
-raises NonFiniteError, or whose step a GradScaler skips, leaves no trace in any error state,
-whichever module failed.
+Every reduction of a backward (one per FSDP module) goes through `CompressionState`. A backward
+begins where the gradient of a compressed model's output first arrives (a hook on the outputs
+of the model and of its FSDP modules), or at its first reduction if none came: there a callback
+is queued that autograd runs once that backward is over (after FSDP's own), which counts the
+iteration. The reductions of a backward that autograd runs nested in it (reentrant activation
+checkpointing recomputes and differentiates its region in a backward of its own) belong to it.
+Each module's new errors go into a spare ErrorFeedback that replaces its state only there, when
+every module of the backward succeeded: a backward that raises NonFiniteError, or whose step a
+GradScaler skips, leaves no trace in any error state, whichever module failed.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._common_utils import collect_grad_tensors
 
 from .. import schedules
 from ..agreement import CallSpec, raise_agreed
@@ -105,6 +111,24 @@ def _transports(
     return _Transports(shards, shards[id(modules[0].shard_group)], replicas)
 
 
+class _BackwardEnd:
+    """The end of one backward, queued with autograd when it begins. Its first call, among the
+    backward's final callbacks, queues it once more, so that the commit runs after every final
+    callback queued so far: FSDP's own, which reduces the modules whose gradients arrived by no
+    hook, may have been queued after it. Autograd holds it alone: a backward that raises drops
+    it unrun, which is how its state learns that that backward is over."""
+
+    def __init__(self, commit: Callable[[_BackwardEnd], None]) -> None:
+        self._commit, self._deferred = commit, False
+
+    def __call__(self) -> None:
+        if not self._deferred:
+            self._deferred = True
+            torch.autograd.Variable._execution_engine.queue_callback(self)
+            return
+        self._commit(self)
+
+
 class CompressionState:
     """compcomm's part of a compressed FSDP2 / HSDP model (see `compcomm.fsdp.compress`).
 
@@ -126,11 +150,14 @@ class CompressionState:
         refused: Exception | None = None,
         intra: str | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        watched: list[torch.nn.Module] | None = None,
     ) -> None:
-        """`refused`: what was wrong with this rank's arguments (`compress` checks them), and
-        `intra`, compress's choice inside a replica: agreed on every rank before anything else,
-        over the default transport of the model's groups (which every rank can build, whatever
-        it was given), so that no rank waits on one that gave up or chose another transport."""
+        """`watched`: the modules (the model and its FSDP modules) whose outputs' gradients mark
+        the beginning of a backward. `refused`: what was wrong with this rank's arguments
+        (`compress` checks them), and `intra`, compress's choice inside a replica: agreed on
+        every rank before anything else, over the default transport of the model's groups
+        (which every rank can build, whatever it was given), so that no rank waits on one that
+        gave up or chose another transport."""
         self.start_iter, self.nonfinite = start_iter, nonfinite
         self.mode = "fsdp" if replicate_group is None else "hsdp"
         self.iteration = 0
@@ -171,14 +198,17 @@ class CompressionState:
         self._loss_scale = LossScale(grad_scaler)
         self.world: Backend = agreeing if chosen is default else chosen.world()
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
-        self._backward: int | None = None  # autograd's id of the backward whose reductions are pending
+        self._backward: weakref.ref[_BackwardEnd] | None = None  # the end of the backward under way
         self._pending: list[_Module] = []
         self._failed = False
+        self._intra_failures: dict[str, Exception] = {}  # HSDP: the failed reduce-scatter inside the replica
         self._shard_of = {id(p): self._modules[m.name].shard for m in modules for p in m.params}
         self._shapes = {m.name: [list(p.shape) for p in m.params] for m in modules}
         self._fsdp_modules = [m.module for m in modules]
         for p in self.params:
             register(p, self)
+        for module in watched or []:
+            module.register_forward_hook(self._watch_outputs)
 
     @property
     def error_feedback(self) -> dict[str, ErrorFeedback]:
@@ -218,6 +248,11 @@ class CompressionState:
         spec.outputs = [output]
         self._run(module, output, lambda: be.ordered(lambda: schedules.reduce_scatter(spec, be)))
 
+    def intra_failed_for(self, name: str) -> Callable[[Exception], None]:
+        """HSDP mode: where module `name`'s reduce-scatter inside the replica reports that it
+        failed (with `intra=`); the average across replicas that follows refuses it."""
+        return lambda exc: self._intra_failures.__setitem__(name, exc)
+
     def all_reduce(self, name: str, shard: torch.Tensor) -> None:
         """HSDP mode: module `name`'s reduced gradient shard, averaged across the replicas; the
         verdict is then agreed among the shards, so that every rank raises alike."""
@@ -225,7 +260,7 @@ class CompressionState:
         self._enter()
         replicas = module.replicas
         assert replicas is not None
-        spec = self._spec(module, shard, "mean")
+        spec = self._spec(module, shard, "mean", self._intra_failures.pop(name, None))
         failure: Exception | None = None
         try:
             replicas.ordered(lambda: schedules.allreduce(spec, replicas))
@@ -233,13 +268,15 @@ class CompressionState:
             failure = exc
         self._run(module, shard, lambda: raise_agreed(failure, module.shard, context="across replicas: "))
 
-    def _spec(self, module: _Module, tensor: torch.Tensor, op: str) -> CallSpec:
-        """Module `module`'s call on `tensor`: its new errors go into its spare; a changed layout
-        of its gradients is refused in the call's agreement, on every rank."""
+    def _spec(self, module: _Module, tensor: torch.Tensor, op: str, failed: Exception | None = None) -> CallSpec:
+        """Module `module`'s call on `tensor`: its new errors go into its spare; what `failed`
+        before it on this rank, and a changed layout of its gradients, are refused in the call's
+        agreement, on every rank."""
         exact = [not self.compressing]
         if self.compressing:
             self._loss_scale.follow(m.errors for m in self._modules.values())
-        return CallSpec([tensor], [module.errors], op, [module.spare], exact=exact, refused=module.layout_changed())
+        refused = failed or module.layout_changed()
+        return CallSpec([tensor], [module.errors], op, [module.spare], exact=exact, refused=refused)
 
     def _run(self, module: _Module, output: torch.Tensor, reduce: Any) -> None:
         """`reduce()`, then note the module for the end of the backward; a non-finite verdict
@@ -267,31 +304,53 @@ class CompressionState:
         backward to add to. Dropped here, as FSDP's `reset_iter_state` says a failed iteration's
         gradients are; the next backward starts afresh."""
         self._backward = None
+        self._intra_failures.clear()
         for module in self._fsdp_modules:
             unsharded_gradients_dropped(module)
 
-    def _enter(self) -> None:
-        """The first reduction of a backward queues the commit at its end."""
-        task = torch._C._current_graph_task_id()
-        if task == self._backward and task is not None and task >= 0:
-            return
-        self._backward, self._pending, self._failed = task, [], False
-        self._loss_scale.new_backward()
-        if task >= 0:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+    def _watch_outputs(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """A forward hook: the first gradient of these outputs to arrive begins a backward. The
+        outputs are found as FSDP finds those it hooks its pre-backward to (in dataclasses too);
+        a leaf (a parameter returned as it is) lives on past this forward, and would gather a
+        hook at each one."""
+        if torch.is_grad_enabled():
+            for t in collect_grad_tensors(output):
+                if t.grad_fn is not None:
+                    t.register_hook(self._gradient_arrived)
 
-    def _end_of_backward(self) -> None:
+    def _gradient_arrived(self, grad: torch.Tensor) -> None:
+        self._enter()
+
+    def _enter(self) -> None:
+        """Begin a backward unless one is under way: its end is queued with the autograd
+        backward running now (none outside one: each reduction there stands alone)."""
+        under_way = None if self._backward is None else self._backward()
+        if under_way is not None:
+            return
+        self._pending, self._failed = [], False
+        self._loss_scale.new_backward()
+        if torch._C._current_graph_task_id() < 0:
+            self._backward = None
+            return
+        end = _BackwardEnd(self._end_of_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+        self._backward = weakref.ref(end)
+
+    def _end_of_backward(self, end: _BackwardEnd) -> None:
         """Every reduction of the backward succeeded on every rank (or the step is skipped: with
         nonfinite="propagate" every gradient shard is then NaN, also those of the modules whose
-        reductions passed, so that the whole backward reads as the failed one it is)."""
-        if not self._failed:
-            for module in self._pending:
-                module.keep()
-            self.iteration += 1
-        elif self.nonfinite == "propagate":
+        reductions passed, so that the whole backward reads as the failed one it is). A backward
+        that reduced nothing (a micro-batch without sync) is not an iteration."""
+        if self._backward is None or self._backward() is not end:
+            return  # a backward that raised in a reduction, and went on: it was ended there
+        if self._failed and self.nonfinite == "propagate":
             for p in self.params:
                 if p.grad is not None:
                     p.grad.to_local().fill_(float("nan"))  # type: ignore[attr-defined]
+        elif not self._failed and self._pending:
+            for module in self._pending:
+                module.keep()
+            self.iteration += 1
         self._backward, self._pending, self._failed = None, [], False
 
     # ----------------------------------------------------------------- checkpoints
@@ -340,7 +399,8 @@ class CompressionState:
         except Exception as exc:  # reported to every rank, then raised everywhere
             failure = ValueError(f"{type(exc).__name__}: {exc}")
         raise_agreed(failure, self.world, context="cannot load the compcomm.fsdp state: ")
-        agree_on_position({"iteration": int(mine["iteration"]), ERRORS_SCALE: mine.get(ERRORS_SCALE)}, self.world)
+        position = {"iteration": int(mine["iteration"]), "start_iter": int(mine["start_iter"])}
+        agree_on_position({**position, ERRORS_SCALE: mine.get(ERRORS_SCALE)}, self.world)
         self.iteration, self.start_iter = int(mine["iteration"]), int(mine["start_iter"])
         self._loss_scale.load(mine)  # the scale checked by _own_part
         layouts = mine.get("requires_grad") or {}  # absent from states saved before it was kept

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from .. import schedules
-from ..agreement import all_sum, raise_agreed
+from ..agreement import raise_agreed
 from ..allreduce import compressed_allreduce_coalesced
 from ..backends import Backend
 from ..backends.registry import resolve_for_call
@@ -70,6 +70,7 @@ from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values
 from ..layout import DEFAULT_BUCKET_BYTES, bucket_groups
+from ..loss_scale import check_grad_scaler
 from . import checkpoints
 from .base import OnebitOptimizer
 from .buckets import BucketLayout
@@ -124,7 +125,12 @@ class DiLoCo(torch.optim.Optimizer):
     into one gradient element of every other rank, and every rank skips its first inner step.
     With torch.amp.GradScaler (`scaler.step(opt)`), the ranks agree at the end of every
     backward, every rank skips alike and the scales stay equal; that agreement is one 8-byte
-    all-reduce per backward, which waits behind a fragment still in flight. A sync whose
+    all-reduce per backward, which waits behind a fragment still in flight, so the ranks then
+    run the same number of backward passes. Pass the scaler as `grad_scaler`: DiLoCo then
+    agrees from the start, where it would otherwise learn of it at the first `scaler.step`, too
+    late for a backward before it other than the run's first (a later micro-batch of the first
+    step, a scaler switched on after steps without one, a resume from a state saved without
+    one), whose verdicts, if they differ, are a ValueError on every rank at that step. A sync whose
     pseudo-gradient is non-finite on any rank, or whose mean would overflow fp32 or take the
     outer step beyond it (the collective's bound against `OuterSync.step_limit`, from theta's
     and the momentum's largest magnitudes and the outer SGD's settings), is skipped on every
@@ -159,6 +165,7 @@ class DiLoCo(torch.optim.Optimizer):
         passes: int = 1,
         passes_until: int | None = None,
         rotate: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         super().__init__(params, {})
         mine = [p for group in self.param_groups for p in group["params"]]
@@ -181,6 +188,7 @@ class DiLoCo(torch.optim.Optimizer):
                 raise ValueError("rotate=True needs compress=True: it serves the 1-bit code; an exact mean needs none")
             if nesterov and outer_momentum == 0:
                 raise ValueError("nesterov=True needs outer_momentum > 0")
+            check_grad_scaler(grad_scaler)
         except (TypeError, ValueError) as exc:
             failure = failure or exc
         raise_agreed(failure, be)
@@ -196,6 +204,7 @@ class DiLoCo(torch.optim.Optimizer):
                 passes=passes,
                 passes_until=passes_until,
                 rotate=rotate,
+                grad_scaler=grad_scaler is not None,
                 **outer,
                 requires_grad=[p.requires_grad for p in mine],
             ),
@@ -221,7 +230,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._sync = OuterSync(mine, layout, schedule, outer, compress, be, rotate)
         with torch.no_grad():
             self._sync.reset_from_params()
-        self._agreement = BackwardAgreement(mine, lambda: self._backend)
+        self._agreement = BackwardAgreement(mine, lambda: self._backend, given=grad_scaler is not None)
         self._step_count = 0
         self.skipped_steps = 0
         self.skipped_syncs = 0
@@ -275,7 +284,13 @@ class DiLoCo(torch.optim.Optimizer):
         if t == 1:  # a DDP wrapper made after DiLoCo was built. Its constructor is collective, so
             # every rank has one and raises alike, with no message of DiLoCo's own at step 1.
             refuse_ddp_wrapped(self._params, "DiLoCo", since_built=True)
-        skip = unscale_and_check(self._params, scale)
+        try:
+            found = None if found_inf is None else self._agreement.scaler_verdict(bool(float(found_inf)))
+        except ValueError:  # the scaler deletes what it set on the optimizer only after a step that returns
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
+        skip = unscale_and_check(self._params, scale) or bool(found)
         if not self._unfrozen_warned and any(p.grad is not None for p in self._frozen):
             self._unfrozen_warned = True
             warnings.warn(
@@ -285,11 +300,6 @@ class DiLoCo(torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        if found_inf is not None:  # a GradScaler: its verdict was agreed at the end of backward
-            self._agreement.scaler_seen = True
-            skip = skip or bool(float(found_inf))
-            if not self._agreement.agreed:  # no backward since the last step: agree now
-                skip = bool(all_sum([float(skip)], self._backend)[0])
         self._agreement.agreed = False
         if t <= self.start_iter:
             skip = not self._average_gradients(skip)

@@ -54,13 +54,15 @@ def agree_nonfinite(grads: Sequence[torch.Tensor | None], backend: Backend) -> b
 
 class BackwardAgreement:
     """Runs `agree_nonfinite` at the end of the first backward (whether a scaler is used is not
-    known yet) and of every backward once `scaler_seen` is set: one 8-byte all-reduce each, and
-    none at all without a scaler. `agreed` tells `step()` whether the last backward agreed."""
+    known yet) and of every backward once a scaler is known (`given` at construction, or seen
+    at a step): one 8-byte all-reduce each, and none at all without a scaler. `agreed` tells
+    `step()` whether the last backward agreed."""
 
-    def __init__(self, params: Sequence[torch.Tensor], backend: Callable[[], Backend]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], backend: Callable[[], Backend], given: bool = False) -> None:
         self._params = list(params)
         self._backend = backend
-        self.scaler_seen = False
+        self._given = given
+        self.scaler_seen = given
         self.agreed = False
         self._first = True
         self.readiness = Readiness(self._params, lambda i: None, self._backward_done)
@@ -71,11 +73,33 @@ class BackwardAgreement:
         return {"first_done": not self._first, "scaler_seen": self.scaler_seen}
 
     def load_state_dict(self, state: dict[str, bool]) -> None:
-        self._first, self.scaler_seen = not state["first_done"], bool(state["scaler_seen"])
+        self._first, self.scaler_seen = not state["first_done"], bool(state["scaler_seen"]) or self._given
         self.agreed = False
+
+    def scaler_verdict(self, found: bool) -> bool:
+        """At a `GradScaler.step`: whether its check found inf/NaN, the same on every rank. Agreed
+        at the end of the backward; else (no backward since the last step, or one that was not
+        agreed because the scaler was not known yet) agreed now, and ValueError on every rank if
+        the ranks' scalers found different answers: each one has already taken its own, so their
+        scales would part."""
+        if not self.agreed:
+            be = self._backend()
+            total = int(all_sum([float(found)], be)[0])
+            if 0 < total < be.world_size:
+                raise ValueError(
+                    f"DiLoCo: the GradScaler found inf/NaN on {total} of {be.world_size} ranks in a backward that "
+                    "DiLoCo did not compare across ranks, not knowing of the scaler yet (one past the run's first "
+                    "before the first scaler.step: a later micro-batch, a scaler switched on after steps without "
+                    "one, a resume from a state saved without one): the ranks' scales would part. Build DiLoCo "
+                    "with grad_scaler=scaler, so that every backward is compared"
+                )
+            found = total > 0
+        self.scaler_seen = True
+        return found
 
     def _backward_done(self) -> None:
         if not (self._first or self.scaler_seen):
+            self.agreed = False
             return
         self._first = False
         agree_nonfinite([p.grad for p in self._params], self._backend())
