@@ -19,7 +19,7 @@ from compcomm import ErrorFeedback
 from compcomm.layout import padded_size
 
 from rankpool import caught, group
-from reference import reference_allreduce
+from reference import assert_close, reference_allreduce
 
 WORLD = 4
 
@@ -238,11 +238,11 @@ def test_the_x_prime_form_gives_the_single_buffer_bits_and_the_reference(pool, n
         records = [r["records"][step] for r in results]
         expected, ref_worker, ref_server = reference_allreduce([rec["input"] for rec in records], worker, server)
         scale = np.abs(expected).max()
-        np.testing.assert_allclose(records[0]["output"], expected, rtol=1e-5, atol=1e-5 * scale)
+        assert_close(records[0]["output"], expected, rtol=1e-5, atol=1e-5 * scale)
         got_worker = np.stack([rec["worker"] for rec in records])
         got_server = np.stack([rec["server"] for rec in records])
-        np.testing.assert_allclose(got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale)
-        np.testing.assert_allclose(got_server, ref_server, rtol=1e-5, atol=1e-5 * scale)
+        assert_close(got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale)
+        assert_close(got_server, ref_server, rtol=1e-5, atol=1e-5 * scale)
         worker, server = got_worker, got_server
 
 

@@ -11,7 +11,7 @@ import torch
 import compcomm
 
 from rankpool import caught, group
-from reference import reference_reduce_scatter
+from reference import assert_close, reference_reduce_scatter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
@@ -62,11 +62,9 @@ def test_matches_reference_step_by_step(pool, world, row, dtype, op):
         expected, ref_worker = reference_reduce_scatter([rec["input"] for rec in records], worker, op)
         scale = np.abs(expected).max()
         for j in range(world):
-            np.testing.assert_allclose(
-                records[j]["output"], expected[j], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * scale
-            )
+            assert_close(records[j]["output"], expected[j], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * scale)
         got_worker = np.stack([rec["worker"].reshape(world, padded) for rec in records])
-        np.testing.assert_allclose(got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale)
+        assert_close(got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale)
         worker = got_worker  # next step from our state: no drift from rounding
 
 
@@ -100,7 +98,7 @@ def test_error_feedback_identity(pool, op):
             exact += rows.mean(0) if op == "mean" else rows.sum(0)
         carried = np.sum([res[r]["worker"][j] for r in range(world)], axis=0)
         carried = carried / world if op == "mean" else carried
-        np.testing.assert_allclose(res[j]["out_sum"] + carried, exact, atol=1e-4 * np.abs(exact).max())
+        assert_close(res[j]["out_sum"] + carried, exact, atol=1e-4 * np.abs(exact).max())
 
 
 def exact_call(world: int, row: int) -> tuple[np.ndarray, bool]:

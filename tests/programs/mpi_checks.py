@@ -26,7 +26,7 @@ from compcomm.launch import free_port  # noqa: E402
 from compcomm.layout import chunk_size, padded_size  # noqa: E402
 
 from rank_checks import DTYPES, TOLERANCE, CheckFailed, digest, expect, make_input, raw, run_checks  # noqa: E402
-from reference import reference_allreduce  # noqa: E402
+from reference import assert_close, reference_allreduce  # noqa: E402
 
 MPI = import_mpi()
 WORLD = MPI.COMM_WORLD
@@ -65,22 +65,16 @@ def check_reference_and_parity() -> dict:
             expect(raw(ef_mpi.server_error) == raw(ef_gloo.server_error), f"{where}: server errors differ")
             digests = WORLD.allgather(digest(a))
             expect(len(set(digests)) == 1, f"{where}: outputs differ between ranks")
-            inputs = [make_input(r, step, numel, dtype).double().numpy() for r in range(SIZE)]
-            expected, ref_worker, ref_server = reference_allreduce(inputs, worker, server, op)
-            scale = float(np.abs(expected).max())
-            tol = TOLERANCE[dtype]
-            np.testing.assert_allclose(
-                a.double().numpy(), expected, rtol=tol, atol=tol * scale, err_msg=f"{where}: output vs reference"
-            )
-            got_worker = np.stack(WORLD.allgather(ef_mpi.worker_error.double().numpy()))
-            got_server = np.stack(WORLD.allgather(ef_mpi.server_error.double().numpy()))
-            np.testing.assert_allclose(
-                got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{where}: worker error vs reference"
-            )
-            np.testing.assert_allclose(
-                got_server, ref_server, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{where}: server error vs reference"
-            )
-            worker, server = got_worker, got_server
+            got_worker = WORLD.gather(ef_mpi.worker_error.double().numpy(), root=0)
+            got_server = WORLD.gather(ef_mpi.server_error.double().numpy(), root=0)
+            verdict = None
+            if RANK == 0:  # the float64 reference once, not on every rank: the outputs are equal (above)
+                try:
+                    worker, server = compare_with_reference(a, got_worker, got_server, worker, server, step, op)
+                except AssertionError as exc:
+                    verdict = str(exc)
+            verdict = WORLD.bcast(verdict, root=0)  # every rank fails alike, leaving none mid-collective
+            expect(verdict is None, f"{where}: {verdict}")
             compared += 1
     # a non-contiguous 2-D input goes the same way on both
     ef_mpi, ef_gloo = compcomm.ErrorFeedback(), compcomm.ErrorFeedback()
@@ -94,6 +88,29 @@ def check_reference_and_parity() -> dict:
             "non-contiguous input: mpi and gloo differ",
         )
     return {"compared_steps": compared, "configs": len(configs)}
+
+
+def compare_with_reference(
+    out: torch.Tensor,
+    got_worker: list[np.ndarray],
+    got_server: list[np.ndarray],
+    worker: np.ndarray,
+    server: np.ndarray,
+    step: int,
+    op: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """AssertionError unless the output and every rank's errors are the float64 reference's for
+    this step (of `make_input`'s inputs); returns the reference's errors for the next step."""
+    numel, dtype = out.numel(), str(out.dtype).removeprefix("torch.")
+    inputs = [make_input(r, step, numel, dtype).double().numpy() for r in range(SIZE)]
+    expected, ref_worker, ref_server = reference_allreduce(inputs, worker, server, op)
+    scale = float(np.abs(expected).max())
+    tol = TOLERANCE[dtype]
+    assert_close(out.double().numpy(), expected, rtol=tol, atol=tol * scale, err_msg="output")
+    got_w, got_s = np.stack(got_worker), np.stack(got_server)
+    assert_close(got_w, ref_worker, rtol=1e-5, atol=1e-5 * scale, err_msg="worker error vs reference")
+    assert_close(got_s, ref_server, rtol=1e-5, atol=1e-5 * scale, err_msg="server error vs reference")
+    return got_w, got_s
 
 
 # -- (2) COMM_WORLD split into two groups ----------------------------------------------------
@@ -113,7 +130,7 @@ def check_split() -> dict:
         compcomm.compressed_allreduce(t, ef, backend=be)
         inputs = [make_input(r, step, numel, "float32", seed=11).double().numpy() for r in members]
         expected, worker, server = reference_allreduce(inputs, worker, server, "mean")
-        np.testing.assert_allclose(
+        assert_close(
             t.double().numpy(),
             expected,
             rtol=1e-5,
@@ -121,7 +138,7 @@ def check_split() -> dict:
             err_msg=f"group {color} step {step}",
         )
         got = np.stack(sub.allgather(ef.worker_error.double().numpy()))
-        np.testing.assert_allclose(got, worker, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        assert_close(got, worker, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
         worker = got
         server = np.stack(sub.allgather(ef.server_error.double().numpy()))
         outputs.append(digest(t))

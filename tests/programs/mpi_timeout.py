@@ -10,7 +10,8 @@ Then two backends over one more communicator, timeouts 4 s and 2 s: an async cal
 is in flight when the second's call is made, which queues behind it. The first call raises after
 its 4 s and breaks the communicator's channel, so the queued call raises then too, not after its
 own 2 s on top; a third backend made over the same communicator afterwards refuses at once. Each
-rank writes OUT_DIR/rank<r>.json.
+rank writes OUT_DIR/rank<r>.json; the frozen rank stays frozen until the others have written
+theirs (at most 16 s).
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ def main(out_dir: str) -> int:
     slow.barrier()  # opens the communicator's private duplicate (a collective) while every rank answers
     world.Barrier()
     result: dict = {"rank": rank}
-    if rank == FROZEN_RANK:
-        time.sleep(8 * TIMEOUT_S)  # frozen: the others' collectives never complete
+    if rank == FROZEN_RANK:  # frozen to MPI (the others' collectives never complete) until they are done
+        others = [os.path.join(out_dir, f"rank{r}.json") for r in range(world.Get_size()) if r != rank]
+        deadline = time.monotonic() + 8 * TIMEOUT_S
+        while not all(os.path.exists(path) for path in others) and time.monotonic() < deadline:
+            time.sleep(0.1)
         result["frozen"] = True
     else:
         compressed, plain, barrier = backends
