@@ -4,14 +4,37 @@ A post-accumulate-grad hook on every parameter reports, in the order autograd fi
 them, that the parameter's `.grad` now holds this backward's (accumulated) gradient; the
 first report of a backward queues a callback that autograd runs once the whole backward is
 done. Outside `with paused():` (the optimizer's `no_sync`), both are forwarded to the owner.
+
+Reentrant activation checkpointing differentiates each region in a backward of its own, which
+autograd runs nested in the one that reached it: a callback queued there runs at the nested
+one's end, while the outer backward still has gradients to make. Such an end is not reported;
+the outer backward's next gradient queues the callback again, in the outer backward (if none
+comes, the optimizer's step finds that no backward ended, as after a missed one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 
 import torch
+from torch.autograd.function import BackwardCFunction
+
+_PYTHON_NODE = BackwardCFunction.apply.__code__  # how autograd runs a Python Function's backward
+
+
+def in_nested_backward() -> bool:
+    """Whether this runs inside a backward that autograd runs nested in another: one started from
+    a Python autograd Function's backward (reentrant checkpointing's), whose frame is then below
+    this one on the thread's stack, as it never is at the end of a backward started otherwise."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _PYTHON_NODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Readiness:
@@ -44,7 +67,8 @@ class Readiness:
 
     def _finish(self) -> None:
         self._queued = False
-        self._done()
+        if not in_nested_backward():
+            self._done()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
