@@ -139,3 +139,47 @@ def test_reentrant_activation_checkpointing_gives_the_steps_of_non_reentrant(poo
     for (params, sent), (flat_params, flat_sent) in zip(nested, flat):
         assert params == flat_params
         assert abs(sent - flat_sent) <= 0.01 * flat_sent, (sent, flat_sent)
+
+
+def checkpointed_under_a_scaler(name: str) -> tuple[list[float], list[bool]]:
+    """Every Linear under reentrant checkpointing (so every gradient comes in a nested backward
+    and no outer end follows the last one) with a GradScaler; rank 1's loss is inf at step 0
+    (the first backward, before the buckets are laid out) and at step 4. The scale after each
+    step and whether it was skipped."""
+    import math
+    import warnings
+
+    from torch.utils.checkpoint import checkpoint
+
+    rank = rank_of(4)
+    model = deeper_model()
+    opt = make_optimizer(name, model, 4, 3)
+    opt.bucket_bytes = 1200
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=100)
+    scales, skipped = [], []
+    for step in range(6):
+        model.zero_grad(set_to_none=True)
+        g = torch.Generator().manual_seed(step * 7 + rank)
+        h = x = torch.randn(16, 8, generator=g).requires_grad_()
+        for layer in model:
+            h = checkpoint(layer, h, use_reentrant=True) if isinstance(layer, torch.nn.Linear) else layer(h)
+        loss = torch.nn.functional.mse_loss(h, x[:, :4].detach().sin())
+        scaler.scale(loss * math.inf if rank == 1 and step in (0, 4) else loss).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(opt.last_step_skipped)
+    return scales, skipped
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_scaler_skips_everywhere_when_every_gradient_comes_in_nested_backwards(pool, name):
+    """The end of such a backward is found in step(), after the scaler's check for inf: the
+    ranks agreed on non-finite gradients at the nested ends (before, step() refused it as a
+    step without a backward)."""
+    results = pool.run(checkpointed_under_a_scaler, name)
+    for scales, skipped in results:
+        assert scales == results[0][0]
+        assert skipped == [step in (0, 4) for step in range(6)]

@@ -7,9 +7,10 @@ done. Outside `with paused():` (the optimizer's `no_sync`), both are forwarded t
 
 Reentrant activation checkpointing differentiates each region in a backward of its own, which
 autograd runs nested in the one that reached it: a callback queued there runs at the nested
-one's end, while the outer backward still has gradients to make. Such an end is not reported;
-the outer backward's next gradient queues the callback again, in the outer backward (if none
-comes, the optimizer's step finds that no backward ended, as after a missed one).
+one's end, while the outer backward still has gradients to make. Such an end is reported apart
+(`nested_done`); the outer backward's next gradient queues the callback again, in the outer
+backward (if none comes, the optimizer's step finds that no backward ended, as after a missed
+one).
 """
 
 from __future__ import annotations
@@ -41,8 +42,14 @@ class Readiness:
     """Forwards `ready(i)` (parameter i's gradient is accumulated) and `done()` (the backward
     finished) to the owner, and remembers the order in which parameters first became ready."""
 
-    def __init__(self, params: Sequence[torch.Tensor], ready: Callable[[int], None], done: Callable[[], None]) -> None:
-        self._ready, self._done = ready, done
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        ready: Callable[[int], None],
+        done: Callable[[], None],
+        nested_done: Callable[[], None] | None = None,
+    ) -> None:
+        self._ready, self._done, self._nested_done = ready, done, nested_done
         self.order: list[int] = []
         self._seen: set[int] = set()
         self._queued = False
@@ -69,6 +76,8 @@ class Readiness:
         self._queued = False
         if not in_nested_backward():
             self._done()
+        elif self._nested_done is not None:
+            self._nested_done()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -103,8 +103,9 @@ class GradientRounds:
         self.round: Round | None = None
         self.last_scale: float | None = None  # the GradScaler scale of the last step (None: no scaler)
         self._missed_under_scaler = False  # this step's backward was missed under a GradScaler
+        self._agreed_nested = False  # a nested backward's end agreed on non-finite gradients since the last end
         self._group_of = [group for group in owner.param_groups for _ in group["params"]]
-        self.readiness = Readiness(self.params(), self._grad_ready, self._backward_done)
+        self.readiness = Readiness(self.params(), self._grad_ready, self._backward_done, self._nested_backward_done)
 
     # ----------------------------------------------------------------- layout
 
@@ -285,6 +286,17 @@ class GradientRounds:
             if self.last_scale is not None:
                 self._agree_before_scaler([])
         rnd.versions = self._versions(self.grads())
+        self._agreed_nested = False
+
+    def _nested_backward_done(self) -> None:
+        """A backward nested in this one ended (reentrant checkpointing's region): nothing starts,
+        the outer one may bring more gradients. Where a GradScaler may check the gradients before
+        `step()` (one was seen, or this is the first backward, where one may be), the ranks agree
+        on non-finite ones here all the same: if every gradient comes in nested backward passes,
+        no later end comes before that check, and `step()` relies on this agreement."""
+        if self.layout is None or self.last_scale is not None:
+            self._agree_before_scaler([])
+            self._agreed_nested = True
 
     def backward_missed(self, t: int, scale: float | None) -> None:
         """Before step t's first collective: if no backward ended on this rank since the last
@@ -296,7 +308,7 @@ class GradientRounds:
         scale would part from the others'."""
         rnd = self.round
         if rnd is None or rnd.t != t or rnd.versions is None:
-            self._missed_under_scaler = scale is not None
+            self._missed_under_scaler = scale is not None and not self._agreed_nested
             self._backward_done()
 
     def _agree_before_scaler(self, extra: list[float]) -> list[Any]:

@@ -55,7 +55,9 @@ def agree_nonfinite(grads: Sequence[torch.Tensor | None], backend: Backend) -> b
 class BackwardAgreement:
     """Runs `agree_nonfinite` at the end of the first backward (whether a scaler is used is not
     known yet) and of every backward once a scaler is known (`given` at construction, or seen
-    at a step): one 8-byte all-reduce each, and none at all without a scaler. `agreed` tells
+    at a step): one 8-byte all-reduce each, and none at all without a scaler. The end of a
+    backward nested in one (reentrant checkpointing's region) counts as an end: if every
+    gradient comes in nested ones, no other comes before the scaler's check. `agreed` tells
     `step()` whether the last backward agreed."""
 
     def __init__(self, params: Sequence[torch.Tensor], backend: Callable[[], Backend], given: bool = False) -> None:
@@ -65,7 +67,7 @@ class BackwardAgreement:
         self.scaler_seen = given
         self.agreed = False
         self._first = True
-        self.readiness = Readiness(self._params, lambda i: None, self._backward_done)
+        self.readiness = Readiness(self._params, lambda i: None, self._backward_done, self._backward_done)
 
     def state_dict(self) -> dict[str, bool]:
         """What a resumed run needs to agree where this one would: whether the first backward has
