@@ -846,6 +846,48 @@ def test_ranks_may_run_different_numbers_of_backward_passes_without_a_scaler(poo
     assert pool.run(uneven_accumulation) == [[4]] * WORLD
 
 
+def checkpointed_first_step() -> tuple[list[float], list[bool]]:
+    """Every Linear under reentrant activation checkpointing, a GradScaler not given to DiLoCo;
+    at step 0 (the run's first backward, agreed since the scaler is not known yet) rank 1's
+    gradient of the first Linear's weight is inf: it comes in the last of the nested backward
+    passes, after the first nested one ended. The scale after each step, and whether it was
+    skipped."""
+    from torch.utils.checkpoint import checkpoint
+
+    rank = rank_of(WORLD)
+    model = make_model()
+    opt = make_diloco(model, sync_every=3, fragments=1, overlap_steps=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=100)
+    scales, skipped = [], []
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        h = x.requires_grad_()
+        for layer in model:
+            h = checkpoint(layer, h, use_reentrant=True) if isinstance(layer, torch.nn.Linear) else layer(h)
+        poison = next(model.parameters()).register_hook(lambda g: g * math.inf) if rank == 1 and step == 0 else None
+        scaler.scale(torch.nn.functional.mse_loss(h, y)).backward()
+        if poison is not None:
+            poison.remove()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(opt.last_step_skipped)
+    return scales, skipped
+
+
+def test_the_first_backward_is_agreed_whole_under_reentrant_checkpointing(pool):
+    """Its nested backward passes agree as they end without ending it: the inf of the last one
+    is agreed too, so every rank skips and the scales stay equal (the first nested end used to
+    count as the run's first backward, the rest went unagreed: a ValueError at the step)."""
+    results = pool.run(checkpointed_first_step)
+    for scales, skipped in results:
+        assert scales == results[0][0]
+        assert skipped == [True, False, False]
+
+
 def nan_pseudo_gradient(passes: int) -> dict:
     """H = 3. Step 2: rank 1's gradient is NaN (it alone skips its inner step). Step 6 (a sync):
     rank 2's parameters are poisoned, so its pseudo-gradient is NaN."""

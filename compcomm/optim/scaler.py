@@ -67,7 +67,7 @@ class BackwardAgreement:
         self.scaler_seen = given
         self.agreed = False
         self._first = True
-        self.readiness = Readiness(self._params, lambda i: None, self._backward_done, self._backward_done)
+        self.readiness = Readiness(self._params, lambda i: None, self._backward_done, self._nested_backward_done)
 
     def state_dict(self) -> dict[str, bool]:
         """What a resumed run needs to agree where this one would: whether the first backward has
@@ -106,3 +106,10 @@ class BackwardAgreement:
         self._first = False
         agree_nonfinite([p.grad for p in self._params], self._backend())
         self.agreed = True
+
+    def _nested_backward_done(self) -> None:
+        """Agreed like the end of the backward it is nested in, which it does not end: the run's
+        first backward stays the first until its own end."""
+        if self._first or self.scaler_seen:
+            agree_nonfinite([p.grad for p in self._params], self._backend())
+            self.agreed = True
