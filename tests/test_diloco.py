@@ -852,7 +852,7 @@ def checkpointed_first_step() -> tuple[list[float], list[bool]]:
     gradient of the first Linear's weight is inf: it comes in the last of the nested backward
     passes, after the first nested one ended. The scale after each step, and whether it was
     skipped."""
-    from torch.utils.checkpoint import checkpoint
+    from reentrant import scaled_step, through_reentrant_checkpoints
 
     rank = rank_of(WORLD)
     model = make_model()
@@ -862,17 +862,12 @@ def checkpointed_first_step() -> tuple[list[float], list[bool]]:
     for step in range(3):
         model.zero_grad(set_to_none=True)
         x, y = batch(rank, step)
-        h = x.requires_grad_()
-        for layer in model:
-            h = checkpoint(layer, h, use_reentrant=True) if isinstance(layer, torch.nn.Linear) else layer(h)
+        h = through_reentrant_checkpoints(model, x.requires_grad_())
         poison = next(model.parameters()).register_hook(lambda g: g * math.inf) if rank == 1 and step == 0 else None
         scaler.scale(torch.nn.functional.mse_loss(h, y)).backward()
         if poison is not None:
             poison.remove()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            scaler.step(opt)
-        scaler.update()
+        scaled_step(scaler, opt)
         scales.append(scaler.get_scale())
         skipped.append(opt.last_step_skipped)
     return scales, skipped
