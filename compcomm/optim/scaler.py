@@ -100,16 +100,12 @@ class BackwardAgreement:
         return found
 
     def _backward_done(self) -> None:
-        if not (self._first or self.scaler_seen):
-            self.agreed = False
-            return
+        self._nested_backward_done()
         self._first = False
-        agree_nonfinite([p.grad for p in self._params], self._backend())
-        self.agreed = True
 
     def _nested_backward_done(self) -> None:
-        """Agreed like the end of the backward it is nested in, which it does not end: the run's
+        """Agreed as the end of the backward it is nested in is, without ending it: the run's
         first backward stays the first until its own end."""
-        if self._first or self.scaler_seen:
+        self.agreed = self._first or self.scaler_seen
+        if self.agreed:
             agree_nonfinite([p.grad for p in self._params], self._backend())
-            self.agreed = True
