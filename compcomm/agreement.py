@@ -644,7 +644,9 @@ def raise_agreed(failure: BaseException | None, be: Backend, context: str = "") 
 
 def agreed_failure(failure: BaseException | None, be: Backend, context: str = "") -> Exception | None:
     """What `raise_agreed` raises, returned instead (None when no rank has a failure): for a
-    caller that must tell the ranks' agreed verdict from a failure of the transport itself."""
+    caller that must tell the ranks' agreed verdict from a failure of the transport itself. A
+    failure that was itself agreed (over an inner group) already names its rank there, and
+    keeps that name alone."""
     code = 0 if failure is None else error_code(failure)
     codes = torch.empty(be.world_size, 1, dtype=torch.uint8, device=be.device)
     be.all_gather(torch.tensor([code], dtype=torch.uint8, device=be.device), codes)
@@ -652,9 +654,10 @@ def agreed_failure(failure: BaseException | None, be: Backend, context: str = ""
     if not failed:
         return None
     first = failed[0]
-    message = gather_messages(str(failure or ""), be)[first]
+    own = "" if failure is None or getattr(failure, AGREED, False) else f"rank {be.rank}: "
+    message = gather_messages(f"{own}{failure or ''}", be)[first]
     ranks = f"rank(s) {failed} failed; " if len(failed) > 1 else ""
-    return _agreed(ERRORS[int(codes[first, 0]) - 1](f"{context}{ranks}rank {first}: {message}"))
+    return _agreed(ERRORS[int(codes[first, 0]) - 1](f"{context}{ranks}{message}"))
 
 
 def _agreed(error: Exception) -> Exception:

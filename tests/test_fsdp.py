@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import re
 
 import numpy as np
 import pytest
@@ -941,6 +942,7 @@ def misuse(case: str) -> tuple[str, str] | None:
 def test_misuse_is_a_clear_error_on_every_rank(pool, case, error, words):
     for failure in pool.run(misuse, case):
         assert failure is not None and failure[0] == error and words in failure[1], failure
+        assert not re.search(r"(rank \d+: )\1", failure[1]), failure  # each agreement names the rank once
 
 
 def wire(world: int) -> tuple[int, int]:
