@@ -469,6 +469,75 @@ def test_reentrant_activation_checkpointing_counts_one_iteration_per_backward(po
         assert all(torch.equal(a["errors"][k], b["errors"][k]) for k in a["errors"])
 
 
+def probed_first(probe: bool, hsdp: bool) -> dict:
+    """Four steps of OnebitAdam (freeze_step = start_iter = 2), each backward preceded (`probe`)
+    by `torch.autograd.grad` of the loss with respect to the input (a saliency map, an
+    adversarial example): a pass that takes no gradient into the parameters. Each step's
+    gradients and parameters, the iteration after each backward, the bytes sent, the errors."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    members = SHARDS["2x2"][rank // 2] if hsdp else (0, 1, 2, 3)
+    model = shard(make_model(), members)
+    replicas = group(REPLICAS["2x2"][rank % 2]) if hsdp else None
+    state = compcomm.fsdp.compress(model, start_iter=2, replicate_group=replicas)
+    opt = compcomm.optim.OnebitAdam(model.parameters(), lr=0.01, freeze_step=2)
+    records = []
+    for step in range(4):
+        if probe:
+            x = batch(rank, 10 + step).requires_grad_()
+            (saliency,) = torch.autograd.grad(loss_of(model, x), x)
+            assert saliency.abs().sum() > 0
+        loss_of(model, batch(rank, step)).backward()
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        records.append({"iteration": state.iteration, "grads": grads, "params": full_params(model)})
+    errors = {k: v.worker_error.clone() for k, v in state.error_feedback.items()}
+    return {"records": records, "errors": errors, "sent": state.bytes_sent}
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_a_pass_that_takes_no_parameter_gradient_reduces_nothing(pool, hsdp):
+    """torch.autograd.grad through the model before each backward: no iteration counted, no
+    error state touched, no gradient bytes sent (as FSDP sends none there), bit for bit the
+    run without it."""
+    probed, plain = pool.run(probed_first, True, hsdp), pool.run(probed_first, False, hsdp)
+    for a, b in zip(probed, plain):
+        assert [r["iteration"] for r in a["records"]] == [1, 2, 3, 4]
+        for ra, rb in zip(a["records"], b["records"]):
+            assert all(torch.equal(x, y) for x, y in zip(ra["grads"], rb["grads"]))
+            assert all(torch.equal(x, y) for x, y in zip(ra["params"], rb["params"]))
+        assert all(torch.equal(a["errors"][k], b["errors"][k]) for k in b["errors"])
+        assert a["sent"] - b["sent"] < 1024, (a["sent"], b["sent"])  # the passes' small verdicts alone
+
+
+def probed_after_accumulating(probe: bool) -> dict:
+    """A micro-batch without sync, then with sync either `torch.autograd.grad` with respect to
+    the input (`probe`) or the backward of a zero loss: FSDP reduces the kept gradients in
+    either pass, and so does the compression."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    state = compcomm.fsdp.compress(model, start_iter=0)
+    model.set_requires_gradient_sync(False)
+    loss_of(model, batch(rank, 0)).backward()
+    model.set_requires_gradient_sync(True)
+    x = batch(rank, 1).requires_grad_()
+    if probe:
+        torch.autograd.grad(loss_of(model, x), x)
+    else:
+        (0 * loss_of(model, x)).backward()
+    return {"iteration": state.iteration, "grads": [p.grad.to_local().clone() for p in model.parameters()]}
+
+
+def test_a_pass_that_takes_no_parameter_gradient_reduces_gradients_kept_without_sync(pool):
+    for a, b in zip(pool.run(probed_after_accumulating, True), pool.run(probed_after_accumulating, False)):
+        assert a["iteration"] == b["iteration"] == 1
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+
+
 def raised_midway() -> dict:
     """A backward that raises after a reduction, outside compcomm (a gradient hook of the
     user's, on every rank), then FSDP's recovery: the next backward is the model's second

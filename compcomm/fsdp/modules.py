@@ -9,6 +9,7 @@ all-reduces across replicas inside FSDP, where no seam reaches.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,12 +120,23 @@ def unsharded_gradients_dropped(module: FSDPModule) -> None:
     for p in module.parameters():
         if not isinstance(p, DTensor):
             p.grad = None
+    for record in _parameter_records(module):
+        unsharded = getattr(record, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+        if getattr(record, "unsharded_accumulated_grad", None) is not None:
+            record.unsharded_accumulated_grad = None
+
+
+def unsharded_parameters(module: FSDPModule) -> list[torch.nn.Parameter]:
+    """The unsharded parameters FSDP has made for `module` (those its forward computes with, whose
+    gradients autograd accumulates), from FSDP's own records (`FSDPParam`)."""
+    found = (getattr(record, "_unsharded_param", None) for record in _parameter_records(module))
+    return [p for p in found if p is not None]
+
+
+def _parameter_records(module: FSDPModule) -> list[Any]:
+    """FSDP's records (`FSDPParam`) of `module`'s parameters, past its seams, where they exist."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
-    for group in groups:
-        for record in getattr(group, "fsdp_params", ()):
-            unsharded = getattr(record, "_unsharded_param", None)
-            if unsharded is not None:
-                unsharded.grad = None
-            if getattr(record, "unsharded_accumulated_grad", None) is not None:
-                record.unsharded_accumulated_grad = None
+    return [record for group in groups for record in getattr(group, "fsdp_params", ())]

@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._common_utils import collect_grad_tensors
 
 from .. import schedules
-from ..agreement import CallSpec, raise_agreed
+from ..agreement import CallSpec, all_sum, raise_agreed
 from ..backends import Backend, HierarchicalBackend
 from ..backends.registry import falling_back, over_group
 from ..error_feedback import ErrorFeedback
@@ -34,7 +36,7 @@ from ..layout import is_integer
 from ..loss_scale import ERRORS_SCALE, LossScale
 from ..optim.checkpoints import agree_on_position
 from ..optim.shards import register
-from .modules import ShardedModule, check_called_over, unsharded_gradients_dropped
+from .modules import ShardedModule, check_called_over, unsharded_gradients_dropped, unsharded_parameters
 
 FORMAT = "compcomm.fsdp.CompressionState/1"
 NONFINITE = ("raise", "propagate")
@@ -46,6 +48,7 @@ class _Module:
 
     name: str
     params: list[torch.nn.Parameter]
+    fsdp: FSDPModule
     errors: ErrorFeedback
     spare: ErrorFeedback  # where a backward's new errors go until it succeeds
     shard: Backend  # the group FSDP reduce-scatters over
@@ -109,6 +112,23 @@ def _transports(
             chosen = backend if replicate_group is None else None  # HSDP: FSDP's own group is the node's
             shards[id(m.shard_group)] = over_group(m.shard_group, chosen, device, "the shard group")
     return _Transports(shards, shards[id(modules[0].shard_group)], replicas)
+
+
+def takes_gradients(params: list[torch.nn.Parameter]) -> bool:
+    """Whether the autograd pass running now accumulates a gradient into any of `params` (as
+    `backward()` does into every parameter it reaches; `torch.autograd.grad` into none). Outside
+    a backward: True (a reduction there stands alone, as it always has)."""
+    if torch._C._current_graph_task_id() < 0:
+        return True
+    for p in params:
+        if not p.requires_grad:
+            continue
+        try:
+            if torch._C._will_engine_execute_node(get_gradient_edge(p).node):
+                return True
+        except RuntimeError:  # one of torch.autograd.grad's inputs: its gradient is returned, not accumulated
+            continue
+    return False
 
 
 class _BackwardEnd:
@@ -188,6 +208,7 @@ class CompressionState:
             m.name: _Module(
                 m.name,
                 m.params,
+                m.module,
                 ErrorFeedback(tag=f"compcomm.fsdp:{m.name}"),
                 ErrorFeedback(tag=f"compcomm.fsdp:{m.name}"),
                 chosen.shards[id(m.shard_group)],
@@ -199,6 +220,7 @@ class CompressionState:
         self.world: Backend = agreeing if chosen is default else chosen.world()
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
         self._backward: weakref.ref[_BackwardEnd] | None = None  # the end of the backward under way
+        self._takes_gradients = False  # whether the backward under way has been seen to take parameter gradients
         self._pending: list[_Module] = []
         self._failed = False
         self._intra_failures: dict[str, Exception] = {}  # HSDP: the failed reduce-scatter inside the replica
@@ -244,6 +266,9 @@ class CompressionState:
         self._enter()
         be = module.shard
         check_called_over(group, be, f"module {name!r}'s reduce-scatter")
+        if self._nothing_to_reduce(module, tensor):
+            output.zero_()
+            return
         spec = self._spec(module, tensor, op)
         spec.outputs = [output]
         self._run(module, output, lambda: be.ordered(lambda: schedules.reduce_scatter(spec, be)))
@@ -260,6 +285,8 @@ class CompressionState:
         self._enter()
         replicas = module.replicas
         assert replicas is not None
+        if self._nothing_to_reduce(module, shard, name in self._intra_failures):
+            return  # the shard is the exact sum of zeros inside the replica
         spec = self._spec(module, shard, "mean", self._intra_failures.pop(name, None))
         failure: Exception | None = None
         try:
@@ -267,6 +294,23 @@ class CompressionState:
         except Exception as exc:  # agreed across these replicas: now agreed among the shards too
             failure = exc
         self._run(module, shard, lambda: raise_agreed(failure, module.shard, context="across replicas: "))
+
+    def _nothing_to_reduce(self, module: _Module, tensor: torch.Tensor, failed: bool = False) -> bool:
+        """Whether this reduction belongs to an autograd pass that takes no gradient into the
+        parameters (`torch.autograd.grad` through the model: a saliency map, an adversarial
+        example) and has nothing to reduce on any rank. FSDP reduces there too, since `compress`
+        has it reduce unused parameters as zeros, where on its own it would send nothing: such
+        a reduction leaves its gradient shard zero, sends no gradient and touches no error, and
+        the pass counts no iteration. The first reduction of a backward that takes parameter
+        gradients settles it for the rest of that backward (its unused modules reduce their
+        zeros as before), so a training backward pays for one look at one module's parameters.
+        A pass that takes none agrees per module, in one small all-reduce over the model's
+        ranks, whether any rank has something to reduce (gradients kept from micro-batches
+        without sync, which FSDP reduces there), or a failure (`failed`) to refuse."""
+        if self._takes_gradients or takes_gradients(unsharded_parameters(module.fsdp)):
+            self._takes_gradients = True
+            return False
+        return all_sum([float(failed or bool(tensor.any()))], self.world)[0] == 0
 
     def _spec(self, module: _Module, tensor: torch.Tensor, op: str, failed: Exception | None = None) -> CallSpec:
         """Module `module`'s call on `tensor`: its new errors go into its spare; what `failed`
@@ -327,7 +371,7 @@ class CompressionState:
         under_way = None if self._backward is None else self._backward()
         if under_way is not None:
             return
-        self._pending, self._failed = [], False
+        self._pending, self._failed, self._takes_gradients = [], False, False
         self._loss_scale.new_backward()
         if torch._C._current_graph_task_id() < 0:
             self._backward = None
