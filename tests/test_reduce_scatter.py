@@ -68,6 +68,18 @@ def test_matches_reference_step_by_step(pool, world, row, dtype, op):
         worker = got_worker  # next step from our state: no drift from rounding
 
 
+@pytest.mark.parametrize("row", [1, 4, 5, 8, 100, 1024])
+@pytest.mark.parametrize("backend", [None, "local"])
+def test_a_world_of_one_matches_reference(row, backend):
+    """In one process (no launcher): the lone row is this rank's, compressed and decoded."""
+    ef, worker = compcomm.ErrorFeedback(), np.zeros((1, 1, -(-row // 8) * 8))
+    for step in range(3):
+        x, out = make_input(0, step, row), torch.empty(row)
+        compcomm.compressed_reduce_scatter(out, x, ef, backend=backend)
+        expected, worker = reference_reduce_scatter([x.double().numpy()], worker, "mean")
+        assert_close(out.double().numpy(), expected[0], rtol=1e-5, atol=1e-6)
+
+
 def identity_terms(world: int, row: int, op: str, calls: int) -> dict:
     be = _backend(world)
     ef = compcomm.ErrorFeedback()

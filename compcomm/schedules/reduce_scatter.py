@@ -15,7 +15,8 @@ each row padded to L8 = ceil(L / 8) * 8 in the error and sign buffers:
 sign(v) is +1 for v >= 0 (so for -0.0 too); bits are packed MSB-first, 1 meaning +1. There is no
 server error: each row has one owner, which decodes it exactly. Summed over calls, the outputs
 plus the owners' shares of the worker errors ((1/d) sum_r e_r[row j]) equal the sums of the true
-reductions. Per rank on the wire: (n-1)/n x (N/8 + 4n) bytes, against (n-1)/n x 4N for fp32.
+reductions. Per rank on the wire: (n-1)/n x (N/8 + 4n) bytes and a 16-byte header to each peer,
+against (n-1)/n x 4N for fp32.
 
 One scale per row: the scale is what the row's owner needs, it costs 4 bytes per row and the
 existing fused kernels take a row per launch; finer blocks would need kernels of their own.
@@ -165,7 +166,7 @@ class ShardCall:
         received = self._exchange(self._update_errors)
         length = self.flat_input.numel() // n
         coder = codec.codec_for(output.device)
-        scales = received[:, :ROW_SCALE_BYTES].contiguous().view(torch.float32).view(-1)
+        scales = received[:, :ROW_SCALE_BYTES].reshape(-1).clone().view(torch.float32)
         padded = -(-length // 8) * 8
         # The sum accumulates in fp32 from zero; an fp32 output of whole bytes of signs takes it
         # directly, which spares a buffer of 1/n of the input (the call's largest).
