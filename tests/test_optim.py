@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch.optim.lr_scheduler import OneCycleLR
 
 import compcomm
 from compcomm.optim import OnebitAdam, OnebitLamb, OnebitOptimizer
@@ -177,13 +178,23 @@ def test_lamb_compressed_update_matches_formula(weight_decay):
 # ------------------------------------------------------------------ checkpoints
 
 
-def straight_vs_resumed(name: str, steps: int, stop: int, freeze_step: int) -> tuple[bytes, bytes, bytes, bytes]:
+def scheduler_for(opt: torch.optim.Optimizer, steps: int, scheduled: bool) -> OneCycleLR | None:
+    """OneCycleLR (it moves the learning rate and betas[0] at every step), or None."""
+    return OneCycleLR(opt, max_lr=0.01, total_steps=steps) if scheduled else None
+
+
+def straight_vs_resumed(
+    name: str, steps: int, stop: int, freeze_step: int, scheduled: bool = False
+) -> tuple[bytes, bytes, bytes, bytes]:
     rank = rank_of(4)
     model = make_model()
     opt = make_optimizer(name, model, 4, freeze_step, weight_decay=0.01)
+    scheduler = scheduler_for(opt, steps, scheduled)
     for step in range(steps):
         backward(model, rank, step)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
     straight = raw(model)
     straight_ef = b"".join(
         ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
@@ -193,11 +204,15 @@ def straight_vs_resumed(name: str, steps: int, stop: int, freeze_step: int) -> t
 
     model = make_model()
     opt = make_optimizer(name, model, 4, freeze_step, weight_decay=0.01)
+    scheduler = scheduler_for(opt, steps, scheduled)
     for step in range(stop):
         backward(model, rank, step)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    schedule = None if scheduler is None else scheduler.state_dict()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scheduler": schedule}, buf)
     for p in model.parameters():  # make sure nothing survives but the checkpoint
         p.data.fill_(123.0)
     del model, opt
@@ -206,11 +221,16 @@ def straight_vs_resumed(name: str, steps: int, stop: int, freeze_step: int) -> t
     model = make_model()
     model.load_state_dict(saved["model"])
     opt = make_optimizer(name, model, 4, freeze_step, weight_decay=0.01)
+    scheduler = scheduler_for(opt, steps, scheduled)
     opt.load_state_dict(saved["opt"])
+    if scheduler is not None:
+        scheduler.load_state_dict(saved["scheduler"])
     assert opt.step_count == stop
     for step in range(stop, steps):
         backward(model, rank, step)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
     resumed_ef = b"".join(
         ef.worker_error.numpy().tobytes() + ef.server_error.numpy().tobytes()
         for ef in opt.error_feedback
@@ -223,6 +243,15 @@ def straight_vs_resumed(name: str, steps: int, stop: int, freeze_step: int) -> t
 @pytest.mark.parametrize("stage,freeze_step", [("warmup", 100), ("at_freeze", 4), ("compression", 2)])
 def test_state_dict_resumes_bit_for_bit(pool, name, stage, freeze_step):
     for straight, resumed, ef_a, ef_b in pool.run(straight_vs_resumed, name, 8, 4, freeze_step):
+        assert straight == resumed
+        assert ef_a == ef_b
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_dict_resumes_bit_for_bit_under_a_scheduler(pool, name):
+    """The loaded groups' settings, which a scheduler moves from step to step, are the ones the
+    resumed run uses (the payloads read them too: the momentum's beta1, 0/1 Adam's lr)."""
+    for straight, resumed, ef_a, ef_b in pool.run(straight_vs_resumed, name, 8, 4, 2, True):
         assert straight == resumed
         assert ef_a == ef_b
 

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from test_optim import DTYPES, backward, make_model, rank_of, raw, snapshot
+from test_optim import DTYPES, backward, make_model, rank_of, raw, scheduler_for, snapshot
 from test_optim_reliability import error_bytes, from_rank0
 
 import compcomm
@@ -122,33 +122,45 @@ def test_schedule_follows_deepspeeds_parameters():
 # ------------------------------------------------------------------ checkpoints in every stage
 
 
-def straight_vs_resumed(stop: int, gathered: bool) -> tuple[bytes, bytes, bytes, bytes]:
+def straight_vs_resumed(stop: int, gathered: bool, scheduled: bool = False) -> tuple[bytes, bytes, bytes, bytes]:
     rank = rank_of(4)
     model = make_model()
     opt = make_zeroone(model)
+    scheduler = scheduler_for(opt, STEPS, scheduled)
     for step in range(STEPS):
         backward(model, rank, step)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
     straight, straight_ef = raw(model), error_bytes(opt)
 
     model = make_model()
     opt = make_zeroone(model)
+    scheduler = scheduler_for(opt, STEPS, scheduled)
     for step in range(stop):
         backward(model, rank, step)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
+    schedule = None if scheduler is None else scheduler.state_dict()
     if gathered:  # one file from rank 0, loaded everywhere
-        saved = from_rank0({"model": model.state_dict(), "opt": opt.gathered_state_dict()})
+        saved = from_rank0({"model": model.state_dict(), "opt": opt.gathered_state_dict(), "scheduler": schedule})
     else:
         buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scheduler": schedule}, buf)
         saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
     model = make_model()
     model.load_state_dict(saved["model"])
     opt = make_zeroone(model)
+    scheduler = scheduler_for(opt, STEPS, scheduled)
     opt.load_state_dict(saved["opt"])
+    if scheduler is not None:
+        scheduler.load_state_dict(saved["scheduler"])
     for step in range(stop, STEPS):
         backward(model, rank, step)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
     return straight, raw(model), straight_ef, error_bytes(opt)
 
 
@@ -157,6 +169,14 @@ def straight_vs_resumed(stop: int, gathered: bool) -> tuple[bytes, bytes, bytes,
 )  # phase 1, freeze, first sync, mid-interval
 def test_resumes_bit_for_bit_in_any_stage(pool, stop, gathered):
     for straight, resumed, ef_a, ef_b in pool.run(straight_vs_resumed, stop, gathered):
+        assert straight == resumed
+        assert ef_a == ef_b
+
+
+def test_resumes_bit_for_bit_under_a_scheduler(pool):
+    """The synchronization's payload scales by the learning rate the scheduler set after the
+    load, not by the one of the groups the optimizer was built with."""
+    for straight, resumed, ef_a, ef_b in pool.run(straight_vs_resumed, 13, False, True):
         assert straight == resumed
         assert ef_a == ef_b
 

@@ -104,13 +104,17 @@ class GradientRounds:
         self.last_scale: float | None = None  # the GradScaler scale of the last step (None: no scaler)
         self._missed_under_scaler = False  # this step's backward was missed under a GradScaler
         self._agreed_nested = False  # a nested backward's end agreed on non-finite gradients since the last end
-        self._group_of = [group for group in owner.param_groups for _ in group["params"]]
         self.readiness = Readiness(self.params(), self._grad_ready, self._backward_done, self._nested_backward_done)
 
     # ----------------------------------------------------------------- layout
 
     def params(self) -> list[torch.Tensor]:
         return [p for group in self.owner.param_groups for p in group["params"]]
+
+    def groups(self) -> list[dict[str, Any]]:
+        """Each parameter's group, read where it lives now: `load_state_dict` replaces the group
+        dicts, and a scheduler moves their settings, which the payloads read."""
+        return [group for group in self.owner.param_groups for _ in group["params"]]
 
     @property
     def backend(self) -> Backend:
@@ -208,7 +212,7 @@ class GradientRounds:
 
     def _launch(self, rnd: Round, b: int) -> None:
         """Fill bucket b with this rank's payloads and start its collective (if the step sends)."""
-        layout, params = self.lay_out(), self.params()
+        layout, params, groups = self.lay_out(), self.params(), self.groups()
         bucket = layout.buckets[b]
         with record_function("compcomm.optim.payload"):
             for view, i in zip(bucket.views, layout.parameters_of(b)):
@@ -220,7 +224,7 @@ class GradientRounds:
                     g = g.float()
                 if rnd.scale is not None:
                     g = g / rnd.scale
-                self.owner._payload(rnd.t, rnd.kind, p, self._group_of[i], g, view.view_as(p))
+                self.owner._payload(rnd.t, rnd.kind, p, groups[i], g, view.view_as(p))
         if rnd.kind == LOCAL:
             rnd.launches[b] = Launch(None, None)
             return
