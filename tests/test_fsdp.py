@@ -538,6 +538,76 @@ def test_a_pass_that_takes_no_parameter_gradient_reduces_gradients_kept_without_
         assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
 
 
+class Skippable(torch.nn.Module):
+    """A block that a forward may pass by (an early exit, stochastic depth): its parameters then
+    take no gradient in that backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.skip = torch.nn.Linear(7, 7), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.skip else torch.tanh(self.lin(x))
+
+
+def last_block_errors(state: compcomm.fsdp.CompressionState | None) -> torch.Tensor | None:
+    errors = None if state is None else state.error_feedback["2"].worker_error
+    return None if errors is None else errors.clone()
+
+
+def skipping(compressed: bool, start_iter: int, skips: str) -> dict:
+    """Three training backwards of a model whose last block, the module reduced first, is passed
+    by on rank 0 alone (`skips="rank0"`) or on every rank at the second step (`"all"`)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), Skippable(), Skippable())
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group((0, 1, 2, 3)), "cpu")
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = compcomm.fsdp.compress(model, start_iter=start_iter) if compressed else None
+    if state is None:
+        model.set_reduce_scatter_unused_params(True)  # as compress has FSDP do
+    records = []
+    for step in range(3):
+        model[2].skip = rank == 0 if skips == "rank0" else step == 1
+        errors = last_block_errors(state)
+        loss_of(model, batch(rank, step)).backward()
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        after = last_block_errors(state)
+        records.append({"grads": grads, "errors": (errors, after)})
+        model.zero_grad()
+    return {"records": records, "iteration": None if state is None else state.iteration}
+
+
+def test_a_block_passed_by_on_one_rank_reduces_as_fsdp_does(pool):
+    """The module reduced first takes no gradient on rank 0 alone: every rank still reduces it
+    (rank 0's zeros) as FSDP does (the exact path, to fp32 rounding: its sums run in rank
+    order), and each backward counts."""
+    compressed, plain = pool.run(skipping, True, 1000, "rank0"), pool.run(skipping, False, 1000, "rank0")
+    for a, b in zip(compressed, plain):
+        assert a["iteration"] == 3
+        for ra, rb in zip(a["records"], b["records"]):
+            for x, y in zip(ra["grads"], rb["grads"]):
+                assert_close(x.double().numpy(), y.double().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_block_passed_by_everywhere_still_sends_its_carried_error(pool):
+    """In 1 bit, a module without gradients in a training backward reduces its zeros: its
+    carried error goes out (a gradient of it, an error that shrinks), wherever it falls in the
+    order of reductions."""
+    for res in pool.run(skipping, True, 0, "all"):
+        before, after = res["records"][1]["errors"]
+        assert res["iteration"] == 3
+        assert after.abs().max() < before.abs().max()
+        assert any(g.abs().max() > 0 for g in res["records"][1]["grads"][-2:])
+
+
 def raised_midway() -> dict:
     """A backward that raises after a reduction, outside compcomm (a gradient hook of the
     user's, on every rank), then FSDP's recovery: the next backward is the model's second

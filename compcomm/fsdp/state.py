@@ -14,6 +14,8 @@ GradScaler skips, leaves no trace in any error state, whichever module failed.
 
 from __future__ import annotations
 
+import collections
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.graph import get_gradient_edge
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._common_utils import collect_grad_tensors
 
@@ -114,21 +115,32 @@ def _transports(
     return _Transports(shards, shards[id(modules[0].shard_group)], replicas)
 
 
-def takes_gradients(params: list[torch.nn.Parameter]) -> bool:
-    """Whether the autograd pass running now accumulates a gradient into any of `params` (as
-    `backward()` does into every parameter it reaches; `torch.autograd.grad` into none). Outside
-    a backward: True (a reduction there stands alone, as it always has)."""
-    if torch._C._current_graph_task_id() < 0:
-        return True
-    for p in params:
-        if not p.requires_grad:
-            continue
-        try:
-            if torch._C._will_engine_execute_node(get_gradient_edge(p).node):
-                return True
-        except RuntimeError:  # one of torch.autograd.grad's inputs: its gradient is returned, not accumulated
-            continue
-    return False
+def takes_gradients(output: torch.autograd.graph.Node, params: list[torch.nn.Parameter]) -> bool:
+    """Whether the autograd pass running now, which has reached `output` (the grad_fn of a
+    watched module's output), accumulates a gradient into any of `params` (as `backward()` does
+    into every parameter it reaches; `torch.autograd.grad` into none). The graph behind `output`
+    is searched for their AccumulateGrad nodes, until one that the pass runs; a graph in which
+    none of them lies (the model under a reentrant checkpoint, whose parameters are reached in
+    nested passes) is taken to take them, as `backward()` is the only pass such a checkpoint
+    allows. The answer is the pass's, not the model's usage: the same on every rank that runs
+    the same kind of pass, whatever parameters its data left unused."""
+    wanted = {id(p) for p in params if p.requires_grad}
+    seen, todo, found = {id(output)}, collections.deque([output]), False
+    while todo:  # breadth first: a training backward meets a parameter of the last layer at once
+        node = todo.popleft()
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None and id(variable) in wanted:
+            found = True
+            try:
+                if torch._C._will_engine_execute_node(node):
+                    return True
+            except RuntimeError:  # one of torch.autograd.grad's inputs: its gradient is returned, not accumulated
+                pass
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                todo.append(child)
+    return not found
 
 
 class _BackwardEnd:
@@ -220,7 +232,7 @@ class CompressionState:
         self.world: Backend = agreeing if chosen is default else chosen.world()
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
         self._backward: weakref.ref[_BackwardEnd] | None = None  # the end of the backward under way
-        self._takes_gradients = False  # whether the backward under way has been seen to take parameter gradients
+        self._no_gradients = False  # the backward under way takes no parameter gradient (torch.autograd.grad)
         self._pending: list[_Module] = []
         self._failed = False
         self._intra_failures: dict[str, Exception] = {}  # HSDP: the failed reduce-scatter inside the replica
@@ -266,7 +278,7 @@ class CompressionState:
         self._enter()
         be = module.shard
         check_called_over(group, be, f"module {name!r}'s reduce-scatter")
-        if self._nothing_to_reduce(module, tensor):
+        if self._nothing_to_reduce(tensor):
             output.zero_()
             return
         spec = self._spec(module, tensor, op)
@@ -285,7 +297,7 @@ class CompressionState:
         self._enter()
         replicas = module.replicas
         assert replicas is not None
-        if self._nothing_to_reduce(module, shard, name in self._intra_failures):
+        if self._nothing_to_reduce(shard, name in self._intra_failures):
             return  # the shard is the exact sum of zeros inside the replica
         spec = self._spec(module, shard, "mean", self._intra_failures.pop(name, None))
         failure: Exception | None = None
@@ -295,20 +307,19 @@ class CompressionState:
             failure = exc
         self._run(module, shard, lambda: raise_agreed(failure, module.shard, context="across replicas: "))
 
-    def _nothing_to_reduce(self, module: _Module, tensor: torch.Tensor, failed: bool = False) -> bool:
+    def _nothing_to_reduce(self, tensor: torch.Tensor, failed: bool = False) -> bool:
         """Whether this reduction belongs to an autograd pass that takes no gradient into the
         parameters (`torch.autograd.grad` through the model: a saliency map, an adversarial
         example) and has nothing to reduce on any rank. FSDP reduces there too, since `compress`
         has it reduce unused parameters as zeros, where on its own it would send nothing: such
         a reduction leaves its gradient shard zero, sends no gradient and touches no error, and
-        the pass counts no iteration. The first reduction of a backward that takes parameter
-        gradients settles it for the rest of that backward (its unused modules reduce their
-        zeros as before), so a training backward pays for one look at one module's parameters.
-        A pass that takes none agrees per module, in one small all-reduce over the model's
-        ranks, whether any rank has something to reduce (gradients kept from micro-batches
-        without sync, which FSDP reduces there), or a failure (`failed`) to refuse."""
-        if self._takes_gradients or takes_gradients(unsharded_parameters(module.fsdp)):
-            self._takes_gradients = True
+        the pass counts no iteration. The kind of pass is settled where it begins (`_enter`),
+        alike on every rank; a training backward reduces every module as before, its unused
+        ones' zeros too. In a pass that takes no gradient the ranks agree per module, in one
+        small all-reduce over the model's ranks, whether any rank has something to reduce
+        (gradients kept from micro-batches without sync, which FSDP reduces there) or a
+        failure (`failed`) to refuse."""
+        if not self._no_gradients:
             return False
         return all_sum([float(failed or bool(tensor.any()))], self.world)[0] == 0
 
@@ -360,25 +371,33 @@ class CompressionState:
         if torch.is_grad_enabled():
             for t in collect_grad_tensors(output):
                 if t.grad_fn is not None:
-                    t.register_hook(self._gradient_arrived)
+                    t.register_hook(functools.partial(self._gradient_arrived, t.grad_fn))
 
-    def _gradient_arrived(self, grad: torch.Tensor) -> None:
-        self._enter()
+    def _gradient_arrived(self, output: torch.autograd.graph.Node, grad: torch.Tensor) -> None:
+        self._enter(output)
 
-    def _enter(self) -> None:
+    def _enter(self, output: torch.autograd.graph.Node | None = None) -> None:
         """Begin a backward unless one is under way: its end is queued with the autograd
-        backward running now (none outside one: each reduction there stands alone)."""
+        backward running now (none outside one: each reduction there stands alone). Where it
+        begins at a watched output (`output`, its grad_fn), whether it takes parameter
+        gradients is read from the graph behind it; a backward found begun by a reduction is
+        taken to."""
         under_way = None if self._backward is None else self._backward()
         if under_way is not None:
             return
-        self._pending, self._failed, self._takes_gradients = [], False, False
+        self._pending, self._failed = [], False
         self._loss_scale.new_backward()
         if torch._C._current_graph_task_id() < 0:
-            self._backward = None
+            self._backward, self._no_gradients = None, False
             return
+        self._no_gradients = output is not None and not takes_gradients(output, self._unsharded())
         end = _BackwardEnd(self._end_of_backward)
         torch.autograd.Variable._execution_engine.queue_callback(end)
         self._backward = weakref.ref(end)
+
+    def _unsharded(self) -> list[torch.nn.Parameter]:
+        """The model's unsharded parameters, as FSDP has made them (what autograd accumulates)."""
+        return [p for m in self._modules.values() for p in unsharded_parameters(m.fsdp)]
 
     def _end_of_backward(self, end: _BackwardEnd) -> None:
         """Every reduction of the backward succeeded on every rank (or the step is skipped: with
