@@ -28,8 +28,11 @@ def error_bytes(opt: OnebitOptimizer) -> bytes:
 # ------------------------------------------------------------------ GradScaler
 
 
-def scaled_run(name: str, bad_step: int, bad_rank: int) -> tuple[list[float], list[bool], bool, bytes]:
-    """Train with torch.amp.GradScaler; at `bad_step` one rank's scaled gradient overflows.
+def scaled_run(
+    name: str, bad_step: int, bad_rank: int, clipped: bool = False
+) -> tuple[list[float], list[bool], bool, bytes]:
+    """Train with torch.amp.GradScaler; at `bad_step` one rank's scaled gradient overflows;
+    `clipped`: the gradients unscaled (`scaler.unscale_`) and clipped before each step.
     Returns the scale after every step, which steps were skipped, whether the skipped step
     changed anything, and the final parameters."""
     rank = rank_of(4)
@@ -44,6 +47,9 @@ def scaled_run(name: str, bad_step: int, bad_rank: int) -> tuple[list[float], li
         if step == bad_step and rank == bad_rank:
             loss = loss * math.inf
         scaler.scale(loss).backward()
+        if clipped:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         before = snapshot(model, opt)
         scaler.step(opt)
         scaler.update()
@@ -56,8 +62,9 @@ def scaled_run(name: str, bad_step: int, bad_rank: int) -> tuple[list[float], li
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("bad_step", [0, 2, 5])  # the first step, warm-up, compression stage
-def test_grad_scaler_skips_everywhere_and_scales_stay_equal(pool, name, bad_step):
-    results = pool.run(scaled_run, name, bad_step, 1)
+@pytest.mark.parametrize("clipped", [False, True])
+def test_grad_scaler_skips_everywhere_and_scales_stay_equal(pool, name, bad_step, clipped):
+    results = pool.run(scaled_run, name, bad_step, 1, clipped)
     for scales, skipped, unchanged, final in results:
         assert scales == results[0][0]
         assert skipped == [s == bad_step for s in range(8)]
@@ -430,10 +437,12 @@ def test_sparse_gradients_on_one_rank_raise_on_every_rank(pool, name):
         assert kind_a == kind_b == "RuntimeError" and "1 rank(s)" in says_a and "sparse gradients" in says_b
 
 
-def batchless_rank_under_scaler(name: str, zero_loss: bool) -> tuple[tuple[str, str] | None, list[float], int]:
+def batchless_rank_under_scaler(
+    name: str, zero_loss: bool, clipped: bool = False
+) -> tuple[tuple[str, str] | None, list[float], int]:
     """GradScaler training where rank 1 has no batch at step 2 and rank 0's loss overflows
     there: rank 1 calls step() without a backward, or (`zero_loss`) runs a backward of a zero
-    loss as the refusal asks."""
+    loss as the refusal asks; `clipped`: the gradients unscaled and clipped before each step."""
     rank = rank_of(4)
     model = make_model()
     opt = make_optimizer(name, model, 4, 2)
@@ -448,6 +457,9 @@ def batchless_rank_under_scaler(name: str, zero_loss: bool) -> tuple[tuple[str, 
             x, y = batch(rank, step)
             loss = torch.nn.functional.mse_loss(model(x), y) * (math.inf if rank == 0 and step == 2 else 1.0)
             failure = failure or caught(scaler.scale(loss).backward)
+        if clipped and failure is None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         failure = failure or caught(scaler.step, opt)
         if failure is not None:
             break
@@ -457,12 +469,13 @@ def batchless_rank_under_scaler(name: str, zero_loss: bool) -> tuple[tuple[str, 
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_step_without_backward_under_a_grad_scaler_is_refused_on_every_rank(pool, name):
+@pytest.mark.parametrize("clipped", [False, True])
+def test_a_step_without_backward_under_a_grad_scaler_is_refused_on_every_rank(pool, name, clipped):
     """The scaler checks for inf before step(), where a batchless rank's agreement came too late
     to mark its gradients: rank 0 backed off while rank 1 grew, for good (scales 4x apart)."""
-    for failure, scales, steps in pool.run(batchless_rank_under_scaler, name, False):
+    for failure, scales, steps in pool.run(batchless_rank_under_scaler, name, False, clipped):
         assert failure is not None and failure[0] == "ValueError" and "without a backward" in failure[1]
         assert scales == [2.0**11, 2.0**12] and steps == 2
-    results = pool.run(batchless_rank_under_scaler, name, True)
+    results = pool.run(batchless_rank_under_scaler, name, True, clipped)
     assert all(failure is None for failure, _, _ in results)
     assert len({tuple(scales) for _, scales, _ in results}) == 1 and results[0][1][2] == 2.0**11

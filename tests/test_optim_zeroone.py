@@ -215,7 +215,7 @@ def test_non_finite_gradient_skips_everywhere(pool, bad_step):
         assert skipped and unchanged and final == clean
 
 
-def scaled(bad_step: int) -> tuple[list[float], list[bool]]:
+def scaled(bad_step: int, clipped: bool = False) -> tuple[list[float], list[bool]]:
     rank = rank_of(4)
     model = make_model()
     opt = make_zeroone(model)
@@ -230,6 +230,9 @@ def scaled(bad_step: int) -> tuple[list[float], list[bool]]:
         if step == bad_step and rank == 3:
             loss = loss * math.inf
         scaler.scale(loss).backward()
+        if clipped:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
@@ -237,8 +240,9 @@ def scaled(bad_step: int) -> tuple[list[float], list[bool]]:
     return scales, skipped
 
 
-def test_grad_scaler_in_local_steps(pool):
-    results = pool.run(scaled, 17)
+@pytest.mark.parametrize("clipped", [False, True])
+def test_grad_scaler_in_local_steps(pool, clipped):
+    results = pool.run(scaled, 17, clipped)
     for scales, skipped in results:
         assert scales == results[0][0]
         assert skipped == [s == 17 for s in range(STEPS)]

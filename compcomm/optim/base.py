@@ -240,10 +240,12 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 loss = closure()
         scale_tensor = getattr(self, "grad_scale", None)
         scale = None if scale_tensor is None else float(scale_tensor)
+        # A GradScaler sets found_inf on every step it drives; grad_scale is None after its unscale_.
+        scaled = getattr(self, "found_inf", None) is not None
         found_inf = bool(float(getattr(self, "found_inf", 0.0)))
         t = self._step_count + 1
         if self._sharded is None:  # a rank without a backward this step pairs its collectives first
-            self._rounds.backward_missed(t, scale)
+            self._rounds.backward_missed(t, scaled)
         if t == 1 and not self._replicas_checked:
             # Ranks that started from different parameters (a forgotten seed) would stay apart
             # for good: make them rank 0's before the first update, as DDP does at construction
@@ -270,6 +272,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
             with record_function("compcomm.optim.wait"):  # the verdict queues behind the collectives
                 nonfinite, rnd = rounds.agree(t, scale, found_inf)
                 rounds.last_scale = scale
+                rounds.scaler_seen = rounds.scaler_seen or scaled
                 rounds.launch_rest(rnd)
                 values, failure = rounds.collect(rnd)
             if failure is not None or nonfinite:

@@ -101,7 +101,8 @@ class GradientRounds:
         self.owner, self._backend, self._tag = owner, backend, tag
         self.layout: BucketLayout | None = None
         self.round: Round | None = None
-        self.last_scale: float | None = None  # the GradScaler scale of the last step (None: no scaler)
+        self.last_scale: float | None = None  # the GradScaler scale of the last step (None: none, or unscaled)
+        self.scaler_seen = False  # a GradScaler drove a step: every backward's end agrees on non-finite gradients
         self._missed_under_scaler = False  # this step's backward was missed under a GradScaler
         self._agreed_nested = False  # a nested backward's end agreed on non-finite gradients since the last end
         self.readiness = Readiness(self.params(), self._grad_ready, self._backward_done, self._nested_backward_done)
@@ -287,7 +288,7 @@ class GradientRounds:
             rnd.clock.backward_ended()
             if self.owner.overlap and rnd.kind != LOCAL:
                 self.launch_rest(rnd)
-            if self.last_scale is not None:
+            if self.scaler_seen:
                 self._agree_before_scaler([])
         rnd.versions = self._versions(self.grads())
         self._agreed_nested = False
@@ -298,21 +299,21 @@ class GradientRounds:
         `step()` (one was seen, or this is the first backward, where one may be), the ranks agree
         on non-finite ones here all the same: if every gradient comes in nested backward passes,
         no later end comes before that check, and `step()` relies on this agreement."""
-        if self.layout is None or self.last_scale is not None:
+        if self.layout is None or self.scaler_seen:
             self._agree_before_scaler([])
             self._agreed_nested = True
 
-    def backward_missed(self, t: int, scale: float | None) -> None:
+    def backward_missed(self, t: int, scaled: bool) -> None:
         """Before step t's first collective: if no backward ended on this rank since the last
         step, do what the end of one does (start the buckets, from the gradients as they are,
         None counting as zeros; the agreements taken there), as the ranks that ran one did.
-        Under a GradScaler (`scale`) that is refused on every rank in the next agreement: the
+        Under a GradScaler (`scaled`) that is refused on every rank in the next agreement: the
         scaler checked this rank's gradients for inf before `step()`, without the NaN that the
         agreement at the end of a backward gives them when another rank's overflowed, so its
         scale would part from the others'."""
         rnd = self.round
         if rnd is None or rnd.t != t or rnd.versions is None:
-            self._missed_under_scaler = scale is not None and not self._agreed_nested
+            self._missed_under_scaler = scaled and not self._agreed_nested
             self._backward_done()
 
     def _agree_before_scaler(self, extra: list[float]) -> list[Any]:
