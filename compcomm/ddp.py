@@ -28,7 +28,9 @@ in the order gradients became ready. The state numbers parameters in the order i
 bucket by its parameter numbers, so a bucket keeps its error feedback across iterations and
 across the rebuild. A bucket made of buckets the state already knows (a freshly built DDP after a
 checkpoint resume: one big bucket) is reduced as those known buckets, so a resumed run makes the
-same collectives, bit for bit, as the run that never stopped.
+same collectives, bit for bit, as the run that never stopped; but for a state saved after DDP's
+first iteration alone with compression begun, which knows only the big bucket of before the
+rebuild: the resumed run's first iteration reduces that bucket whole.
 
 Every collective goes through a compcomm backend in submission order, asynchronously: the hook
 returns at once and the bucket is reduced while backward computes the next ones. Errors are
