@@ -1,0 +1,1 @@
+python bench/netsim.py --hosts 4 --rate 10gbit --cpus-per-host 1 --subnet 10.77.152.0/24 -- python bench/timeline.py --size 100M --calls 7 --warmup 2 --json bench/results/timeline_4h_10gbit_emul_c1.json --png bench/results/timeline_4h_10gbit_emul_c1.png
