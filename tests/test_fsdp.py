@@ -608,6 +608,47 @@ def test_a_block_passed_by_everywhere_still_sends_its_carried_error(pool):
         assert any(g.abs().max() > 0 for g in res["records"][1]["grads"][-2:])
 
 
+class Box:
+    """A saved activation, held where a weak reference can watch it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def forwards_dropped(compressed: bool) -> list[bool]:
+    """Which of the activations a forward saved are freed as soon as its output is dropped (no
+    backward ran; the cycle collector kept off)."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    model = shard(make_model(), (0, 1, 2, 3))
+    if compressed:
+        compcomm.fsdp.compress(model)
+    boxes: list[weakref.ref] = []
+
+    def pack(tensor: torch.Tensor) -> Box:
+        box = Box(tensor)
+        boxes.append(weakref.ref(box))
+        return box
+
+    gc.disable()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+            out = loss_of(model, batch(dist.get_rank(), 0))
+        del out
+        return [box() is None for box in boxes]
+    finally:
+        gc.enable()
+
+
+def test_a_dropped_forward_frees_its_graph_at_once(pool):
+    """As much as without compcomm: its hooks on the outputs tie no graph to itself."""
+    for compressed, plain in zip(pool.run(forwards_dropped, True), pool.run(forwards_dropped, False)):
+        assert compressed == plain and sum(compressed) >= 3, (compressed, plain)
+
+
 def raised_midway() -> dict:
     """A backward that raises after a reduction, outside compcomm (a gradient hook of the
     user's, on every rank), then FSDP's recovery: the next backward is the model's second

@@ -135,6 +135,12 @@ def unsharded_parameters(module: FSDPModule) -> list[torch.nn.Parameter]:
     return [p for p in found if p is not None]
 
 
+def held_unreduced(module: FSDPModule) -> bool:
+    """Whether FSDP keeps gradients of `module` aside unreduced, in the reduce dtype (micro-batches
+    run under `set_requires_gradient_sync(False)`)."""
+    return any(getattr(record, "unsharded_accumulated_grad", None) is not None for record in _parameter_records(module))
+
+
 def _parameter_records(module: FSDPModule) -> list[Any]:
     """FSDP's records (`FSDPParam`) of `module`'s parameters, past its seams, where they exist."""
     state = module._get_fsdp_state()

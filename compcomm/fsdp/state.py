@@ -15,7 +15,6 @@ GradScaler skips, leaves no trace in any error state, whichever module failed.
 from __future__ import annotations
 
 import collections
-import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +36,13 @@ from ..layout import is_integer
 from ..loss_scale import ERRORS_SCALE, LossScale
 from ..optim.checkpoints import agree_on_position
 from ..optim.shards import register
-from .modules import ShardedModule, check_called_over, unsharded_gradients_dropped, unsharded_parameters
+from .modules import (
+    ShardedModule,
+    check_called_over,
+    held_unreduced,
+    unsharded_gradients_dropped,
+    unsharded_parameters,
+)
 
 FORMAT = "compcomm.fsdp.CompressionState/1"
 NONFINITE = ("raise", "propagate")
@@ -233,6 +238,7 @@ class CompressionState:
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
         self._backward: weakref.ref[_BackwardEnd] | None = None  # the end of the backward under way
         self._no_gradients = False  # the backward under way takes no parameter gradient (torch.autograd.grad)
+        self._kept = False  # and some rank holds gradients that FSDP kept unreduced, which it reduces there
         self._pending: list[_Module] = []
         self._failed = False
         self._intra_failures: dict[str, Exception] = {}  # HSDP: the failed reduce-scatter inside the replica
@@ -298,6 +304,7 @@ class CompressionState:
         replicas = module.replicas
         assert replicas is not None
         if self._nothing_to_reduce(shard, name in self._intra_failures):
+            self._intra_failures.pop(name, None)
             return  # the shard is the exact sum of zeros inside the replica
         spec = self._spec(module, shard, "mean", self._intra_failures.pop(name, None))
         failure: Exception | None = None
@@ -315,12 +322,15 @@ class CompressionState:
         a reduction leaves its gradient shard zero, sends no gradient and touches no error, and
         the pass counts no iteration. The kind of pass is settled where it begins (`_enter`),
         alike on every rank; a training backward reduces every module as before, its unused
-        ones' zeros too. In a pass that takes no gradient the ranks agree per module, in one
-        small all-reduce over the model's ranks, whether any rank has something to reduce
-        (gradients kept from micro-batches without sync, which FSDP reduces there) or a
-        failure (`failed`) to refuse."""
+        ones' zeros too. A pass that takes no gradient agrees there, in one small all-reduce,
+        whether any rank holds gradients kept from micro-batches without sync (which FSDP
+        reduces in it); only then do the ranks agree per module whether any has something to
+        reduce, or a failure (`failed`) to refuse. Where none holds any, a failure inside the
+        replica (HSDP) went with zeros: it is dropped with them."""
         if not self._no_gradients:
             return False
+        if not self._kept:
+            return True
         return all_sum([float(failed or bool(tensor.any()))], self.world)[0] == 0
 
     def _spec(self, module: _Module, tensor: torch.Tensor, op: str, failed: Exception | None = None) -> CallSpec:
@@ -371,10 +381,12 @@ class CompressionState:
         if torch.is_grad_enabled():
             for t in collect_grad_tensors(output):
                 if t.grad_fn is not None:
-                    t.register_hook(functools.partial(self._gradient_arrived, t.grad_fn))
+                    t.register_hook(self._gradient_arrived)
 
-    def _gradient_arrived(self, output: torch.autograd.graph.Node, grad: torch.Tensor) -> None:
-        self._enter(output)
+    def _gradient_arrived(self, grad: torch.Tensor) -> None:
+        """The hook of a watched output: the node running now is that output's grad_fn (a hook
+        holding it itself would tie the graph to itself, past the output's life)."""
+        self._enter(torch._C._current_autograd_node())
 
     def _enter(self, output: torch.autograd.graph.Node | None = None) -> None:
         """Begin a backward unless one is under way: its end is queued with the autograd
@@ -391,9 +403,18 @@ class CompressionState:
             self._backward, self._no_gradients = None, False
             return
         self._no_gradients = output is not None and not takes_gradients(output, self._unsharded())
+        if self._no_gradients:  # is there anything FSDP will reduce in it on some rank?
+            self._kept = all_sum([float(self._holds_unreduced_gradients())], self.world)[0] > 0
         end = _BackwardEnd(self._end_of_backward)
         torch.autograd.Variable._execution_engine.queue_callback(end)
         self._backward = weakref.ref(end)
+
+    def _holds_unreduced_gradients(self) -> bool:
+        """Whether FSDP holds gradients of this rank's that it has not reduced (micro-batches run
+        without sync), on the unsharded parameters or aside in the reduce dtype."""
+        return any(p.grad is not None for p in self._unsharded()) or any(
+            held_unreduced(m.fsdp) for m in self._modules.values()
+        )
 
     def _unsharded(self) -> list[torch.nn.Parameter]:
         """The model's unsharded parameters, as FSDP has made them (what autograd accumulates)."""

@@ -102,6 +102,7 @@ class GradientRounds:
         self.layout: BucketLayout | None = None
         self.round: Round | None = None
         self.last_scale: float | None = None  # the GradScaler scale of the last step (None: none, or unscaled)
+        self._groups: tuple[list[dict[str, Any]] | None, list[dict[str, Any]]] = (None, [])  # see `groups`
         self.scaler_seen = False  # a GradScaler drove a step: every backward's end agrees on non-finite gradients
         self._missed_under_scaler = False  # this step's backward was missed under a GradScaler
         self._agreed_nested = False  # a nested backward's end agreed on non-finite gradients since the last end
@@ -113,9 +114,13 @@ class GradientRounds:
         return [p for group in self.owner.param_groups for p in group["params"]]
 
     def groups(self) -> list[dict[str, Any]]:
-        """Each parameter's group, read where it lives now: `load_state_dict` replaces the group
-        dicts, and a scheduler moves their settings, which the payloads read."""
-        return [group for group in self.owner.param_groups for _ in group["params"]]
+        """Each parameter's group, as the optimizer holds it now: `load_state_dict` replaces the
+        list of group dicts (a scheduler moves the settings inside them, which the payloads
+        read), so the lookup is rebuilt whenever the list is another."""
+        groups = self.owner.param_groups
+        if self._groups[0] is not groups:
+            self._groups = (groups, [group for group in groups for _ in group["params"]])
+        return self._groups[1]
 
     @property
     def backend(self) -> Backend:
