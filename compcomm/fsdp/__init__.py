@@ -15,8 +15,9 @@ elements, fp32, carried from step to step),
     rank j's shard = (sum_r s_(r,j) sign(x'_r[row j])) / d      (rank order, fp32; d = n for FSDP's mean)
 
 one scale per row, one all-to-all: per rank (n-1)/n x (N/8 + 4n) bytes on the wire (and a 16-byte
-header to each peer) against (n-1)/n x 4N for fp32. There is no server error: each row has one owner. FSDP's parameter
-all-gathers stay fp32, which caps what the whole step can gain (see the benchmarks).
+header to each peer) against (n-1)/n x 4N for fp32. There is no server error: each row has one
+owner. FSDP's parameter all-gathers stay fp32, which caps what the whole step can gain (see the
+benchmarks).
 
 HSDP mode (`replicate_group=G`). Each replica (e.g. a node) is sharded on a 1-D mesh of its own;
 FSDP's reduce-scatter inside the replica stays exact, and each rank's gradient shard is then
