@@ -512,14 +512,14 @@ def test_a_pass_that_takes_no_parameter_gradient_reduces_nothing(pool, hsdp):
         assert a["sent"] - b["sent"] < 1024, (a["sent"], b["sent"])  # the passes' small verdicts alone
 
 
-def probed_after_accumulating(probe: bool) -> dict:
+def probed_after_accumulating(probe: bool, reduce_dtype: torch.dtype | None) -> dict:
     """A micro-batch without sync, then with sync either `torch.autograd.grad` with respect to
     the input (`probe`) or the backward of a zero loss: FSDP reduces the kept gradients in
-    either pass, and so does the compression."""
+    either pass (kept aside in the reduce dtype where it differs), and so does the compression."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    model = shard(make_model(), (0, 1, 2, 3))
+    model = shard(make_model(), (0, 1, 2, 3), reduce_dtype)
     state = compcomm.fsdp.compress(model, start_iter=0)
     model.set_requires_gradient_sync(False)
     loss_of(model, batch(rank, 0)).backward()
@@ -532,8 +532,13 @@ def probed_after_accumulating(probe: bool) -> dict:
     return {"iteration": state.iteration, "grads": [p.grad.to_local().clone() for p in model.parameters()]}
 
 
-def test_a_pass_that_takes_no_parameter_gradient_reduces_gradients_kept_without_sync(pool):
-    for a, b in zip(pool.run(probed_after_accumulating, True), pool.run(probed_after_accumulating, False)):
+@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16])
+def test_a_pass_that_takes_no_parameter_gradient_reduces_gradients_kept_without_sync(pool, reduce_dtype):
+    probed, plain = (
+        pool.run(probed_after_accumulating, True, reduce_dtype),
+        pool.run(probed_after_accumulating, False, reduce_dtype),
+    )
+    for a, b in zip(probed, plain):
         assert a["iteration"] == b["iteration"] == 1
         assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
 
