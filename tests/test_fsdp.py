@@ -654,6 +654,74 @@ def test_a_dropped_forward_frees_its_graph_at_once(pool):
         assert compressed == plain and sum(compressed) >= 3, (compressed, plain)
 
 
+def probed_on_one_rank_without_sync(probe: bool) -> dict:
+    """Micro-batches without sync (nor resharding after backward, as FSDP advises), in the second
+    of which rank 0 alone first takes `torch.autograd.grad` (a logged saliency), then the
+    syncing micro-batch: FSDP communicates nothing in rank 0's extra pass, nor does compcomm."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    state = compcomm.fsdp.compress(model, start_iter=0)
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    for micro in range(2):
+        x = batch(rank, micro).requires_grad_()
+        loss = loss_of(model, x)
+        if probe and rank == 0 and micro == 1:
+            torch.autograd.grad(loss, x, retain_graph=True)
+        loss.backward()
+    model.set_requires_gradient_sync(True)
+    model.set_reshard_after_backward(True)
+    loss_of(model, batch(rank, 2)).backward()
+    return {"iteration": state.iteration, "grads": [p.grad.to_local().clone() for p in model.parameters()]}
+
+
+def test_a_gradient_free_pass_on_one_rank_without_sync_waits_on_no_one(pool):
+    for a, b in zip(pool.run(probed_on_one_rank_without_sync, True), pool.run(probed_on_one_rank_without_sync, False)):
+        assert a["iteration"] == b["iteration"] == 1
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+
+
+class Shortcut(torch.nn.Module):
+    """make_model's layers, passed by (the input doubled) for an `easy` batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers, self.easy = make_model(), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :3] * 2 if self.easy else self.layers(x)
+
+
+def saliency_with_a_shortcut() -> list[int]:
+    """`torch.autograd.grad` with respect to the input on every rank, where rank 0's output
+    took no parameter at the second step: every rank sees a gradient-free pass (the input's
+    leaf says so where no parameter can); the iterations after each step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    model = Shortcut()  # one FSDP module: its forward gathers its parameters on every rank alike
+    fully_shard(model, mesh=DeviceMesh.from_group(group((0, 1, 2, 3)), "cpu"))
+    state = compcomm.fsdp.compress(model, start_iter=0)
+    iterations = []
+    for step in range(3):
+        model.easy = rank == 0 and step == 1
+        x = batch(rank, step).requires_grad_()
+        torch.autograd.grad(loss_of(model, x), x)
+        model.easy = False
+        loss_of(model, batch(rank, 10 + step)).backward()
+        model.zero_grad()
+        iterations.append(state.iteration)
+    return iterations
+
+
+def test_a_gradient_free_pass_through_a_parameter_free_shortcut_on_one_rank(pool):
+    assert pool.run(saliency_with_a_shortcut) == [[1, 2, 3]] * 4
+
+
 def raised_midway() -> dict:
     """A backward that raises after a reduction, outside compcomm (a gradient hook of the
     user's, on every rank), then FSDP's recovery: the next backward is the model's second

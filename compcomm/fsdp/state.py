@@ -127,20 +127,26 @@ def takes_gradients(output: torch.autograd.graph.Node, params: list[torch.nn.Par
     is searched for their AccumulateGrad nodes, until one that the pass runs; a graph in which
     none of them lies (the model under a reentrant checkpoint, whose parameters are reached in
     nested passes) is taken to take them, as `backward()` is the only pass such a checkpoint
-    allows. The answer is the pass's, not the model's usage: the same on every rank that runs
-    the same kind of pass, whatever parameters its data left unused."""
+    allows. Any leaf that is one of `torch.autograd.grad`'s inputs (the engine refuses to say
+    whether it runs) marks that pass as one. The answer is the pass's, not the model's usage:
+    the same on every rank that runs the same kind of pass, whatever parameters its data left
+    unused, but for a rank whose graph holds no parameter and no such leaf (its output computed
+    without the model's parameters, differentiated with respect to a non-leaf), which is taken
+    for a training backward."""
     wanted = {id(p) for p in params if p.requires_grad}
     seen, todo, found = {id(output)}, collections.deque([output]), False
     while todo:  # breadth first: a training backward meets a parameter of the last layer at once
         node = todo.popleft()
         variable = getattr(node, "variable", None)  # an AccumulateGrad node
-        if variable is not None and id(variable) in wanted:
-            found = True
+        if variable is not None:
             try:
-                if torch._C._will_engine_execute_node(node):
-                    return True
+                runs = torch._C._will_engine_execute_node(node)
             except RuntimeError:  # one of torch.autograd.grad's inputs: its gradient is returned, not accumulated
-                pass
+                return False
+            if id(variable) in wanted:
+                if runs:
+                    return True
+                found = True
         for child, _ in node.next_functions:
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
@@ -238,7 +244,7 @@ class CompressionState:
         """Every rank of the model: where verdicts that concern the whole step are agreed."""
         self._backward: weakref.ref[_BackwardEnd] | None = None  # the end of the backward under way
         self._no_gradients = False  # the backward under way takes no parameter gradient (torch.autograd.grad)
-        self._kept = False  # and some rank holds gradients that FSDP kept unreduced, which it reduces there
+        self._kept: bool | None = None  # and some rank holds gradients FSDP kept unreduced (None: not asked yet)
         self._pending: list[_Module] = []
         self._failed = False
         self._intra_failures: dict[str, Exception] = {}  # HSDP: the failed reduce-scatter inside the replica
@@ -322,16 +328,21 @@ class CompressionState:
         a reduction leaves its gradient shard zero, sends no gradient and touches no error, and
         the pass counts no iteration. The kind of pass is settled where it begins (`_enter`),
         alike on every rank; a training backward reduces every module as before, its unused
-        ones' zeros too. A pass that takes no gradient agrees there, in one small all-reduce,
-        whether any rank holds gradients kept from micro-batches without sync (which FSDP
-        reduces in it); only then do the ranks agree per module whether any has something to
-        reduce, or a failure (`failed`) to refuse. Where none holds any, a failure inside the
-        replica (HSDP) went with zeros: it is dropped with them."""
+        ones' zeros too. At its first reduction (FSDP reduces only where gradient sync is on, so
+        a rank that runs such a pass alone during micro-batches without sync asks nothing), a
+        pass that takes no gradient agrees in one small all-reduce whether any rank holds
+        gradients kept from micro-batches without sync, which FSDP reduces in it; only then do
+        the ranks agree per module whether any has something to reduce, or a failure (`failed`)
+        to refuse. Where none holds any, a failure inside the replica (HSDP) went with zeros: it
+        is dropped with them."""
         if not self._no_gradients:
             return False
+        something = failed or bool(tensor.any())  # FSDP has taken this module's kept gradients into `tensor`
+        if self._kept is None:
+            self._kept = all_sum([float(something or self._holds_unreduced_gradients())], self.world)[0] > 0
         if not self._kept:
             return True
-        return all_sum([float(failed or bool(tensor.any()))], self.world)[0] == 0
+        return all_sum([float(something)], self.world)[0] == 0
 
     def _spec(self, module: _Module, tensor: torch.Tensor, op: str, failed: Exception | None = None) -> CallSpec:
         """Module `module`'s call on `tensor`: its new errors go into its spare; what `failed`
@@ -403,8 +414,7 @@ class CompressionState:
             self._backward, self._no_gradients = None, False
             return
         self._no_gradients = output is not None and not takes_gradients(output, self._unsharded())
-        if self._no_gradients:  # is there anything FSDP will reduce in it on some rank?
-            self._kept = all_sum([float(self._holds_unreduced_gradients())], self.world)[0] > 0
+        self._kept = None
         end = _BackwardEnd(self._end_of_backward)
         torch.autograd.Variable._execution_engine.queue_callback(end)
         self._backward = weakref.ref(end)
