@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -72,6 +73,49 @@ def test_grad_scaler_skips_everywhere_and_scales_stay_equal(pool, name, bad_step
         assert final == results[0][3]
     before = results[0][0][bad_step - 1] if bad_step else 2.0**10
     assert results[0][0][bad_step] < before  # the scaler backed off on every rank
+
+
+def scaled_resumed(name: str) -> tuple[list[float], list[bool]]:
+    """GradScaler training saved after 4 steps and resumed (model, optimizer and scaler) in
+    fresh objects, where rank 1's loss overflows at the first step after the resume."""
+    rank = rank_of(4)
+
+    def step(model: torch.nn.Module, opt: Any, scaler: torch.amp.GradScaler, t: int) -> None:
+        x, y = batch(rank, t)
+        loss = torch.nn.functional.mse_loss(model(x), y) * (math.inf if t == 4 and rank == 1 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    for t in range(4):
+        step(model, opt, scaler, t)
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()}
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    opt = make_optimizer(name, model, 4, 2)
+    opt.load_state_dict(saved["opt"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler.load_state_dict(saved["scaler"])
+    scales, skipped = [], []
+    for t in range(4, 7):
+        step(model, opt, scaler, t)
+        scales.append(scaler.get_scale())
+        skipped.append(opt.last_step_skipped)
+    return scales, skipped
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_grad_scaler_after_a_resume_backs_off_alike(pool, name):
+    """The first backward after a resume agrees on non-finite gradients, as a run's first does:
+    the scales stayed 2x apart for good."""
+    results = pool.run(scaled_resumed, name)
+    for scales, skipped in results:
+        assert scales == results[0][0]
+        assert skipped == [True, False, False]
 
 
 def scaled_matches_unscaled(name: str) -> tuple[bytes, bytes]:

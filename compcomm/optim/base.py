@@ -462,6 +462,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if self._gradient_rounds is not None:
             for ef, saved in zip(self._rounds.lay_out().error_feedback, mine["error_feedback"]):
                 ef.load_state_dict(saved)
+            # The buckets are laid out, which a run's first backward would do (and agree on
+            # non-finite gradients there, before a GradScaler looks); a resumed run's does so too.
+            self._gradient_rounds.resumed = True
         self._load_rank_local(mine.get("rank_local") or {})
 
     drop_error_feedback = staticmethod(checkpoints.drop_error_feedback)

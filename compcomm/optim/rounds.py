@@ -104,6 +104,7 @@ class GradientRounds:
         self.last_scale: float | None = None  # the GradScaler scale of the last step (None: none, or unscaled)
         self._groups: tuple[list[dict[str, Any]] | None, list[dict[str, Any]]] = (None, [])  # see `groups`
         self.scaler_seen = False  # a GradScaler drove a step: every backward's end agrees on non-finite gradients
+        self.resumed = False  # loaded from a state: the next backward's end agrees, as a run's first one does
         self._missed_under_scaler = False  # this step's backward was missed under a GradScaler
         self._agreed_nested = False  # a nested backward's end agreed on non-finite gradients since the last end
         self.readiness = Readiness(self.params(), self._grad_ready, self._backward_done, self._nested_backward_done)
@@ -293,10 +294,10 @@ class GradientRounds:
             rnd.clock.backward_ended()
             if self.owner.overlap and rnd.kind != LOCAL:
                 self.launch_rest(rnd)
-            if self.scaler_seen:
+            if self.scaler_seen or self.resumed:
                 self._agree_before_scaler([])
         rnd.versions = self._versions(self.grads())
-        self._agreed_nested = False
+        self._agreed_nested = self.resumed = False
 
     def _nested_backward_done(self) -> None:
         """A backward nested in this one ended (reentrant checkpointing's region): nothing starts,
@@ -304,7 +305,7 @@ class GradientRounds:
         `step()` (one was seen, or this is the first backward, where one may be), the ranks agree
         on non-finite ones here all the same: if every gradient comes in nested backward passes,
         no later end comes before that check, and `step()` relies on this agreement."""
-        if self.layout is None or self.scaler_seen:
+        if self.layout is None or self.scaler_seen or self.resumed:
             self._agree_before_scaler([])
             self._agreed_nested = True
 
