@@ -135,10 +135,16 @@ def unsharded_parameters(module: FSDPModule) -> list[torch.nn.Parameter]:
     return [p for p in found if p is not None]
 
 
-def held_unreduced(module: FSDPModule) -> bool:
-    """Whether FSDP keeps gradients of `module` aside unreduced, in the reduce dtype (micro-batches
-    run under `set_requires_gradient_sync(False)`)."""
-    return any(getattr(record, "unsharded_accumulated_grad", None) is not None for record in _parameter_records(module))
+def holds_unreduced_gradients(module: FSDPModule) -> bool:
+    """Whether FSDP holds gradients of `module`'s parameters that it has not reduced (micro-batches
+    run under `set_requires_gradient_sync(False)`): where `unsharded_gradients_dropped` drops them."""
+    for record in _parameter_records(module):
+        unsharded = getattr(record, "_unsharded_param", None)
+        if unsharded is not None and unsharded.grad is not None:
+            return True
+        if getattr(record, "unsharded_accumulated_grad", None) is not None:
+            return True
+    return False
 
 
 def _parameter_records(module: FSDPModule) -> list[Any]:

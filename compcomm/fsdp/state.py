@@ -39,7 +39,7 @@ from ..optim.shards import register
 from .modules import (
     ShardedModule,
     check_called_over,
-    held_unreduced,
+    holds_unreduced_gradients,
     unsharded_gradients_dropped,
     unsharded_parameters,
 )
@@ -250,7 +250,6 @@ class CompressionState:
         self._intra_failures: dict[str, Exception] = {}  # HSDP: the failed reduce-scatter inside the replica
         self._shard_of = {id(p): self._modules[m.name].shard for m in modules for p in m.params}
         self._shapes = {m.name: [list(p.shape) for p in m.params] for m in modules}
-        self._fsdp_modules = [m.module for m in modules]
         for p in self.params:
             register(p, self)
         for module in watched or []:
@@ -339,7 +338,8 @@ class CompressionState:
             return False
         something = failed or bool(tensor.any())  # FSDP has taken this module's kept gradients into `tensor`
         if self._kept is None:
-            self._kept = all_sum([float(something or self._holds_unreduced_gradients())], self.world)[0] > 0
+            holds = any(holds_unreduced_gradients(m.fsdp) for m in self._modules.values())
+            self._kept = all_sum([float(something or holds)], self.world)[0] > 0
         if not self._kept:
             return True
         return all_sum([float(something)], self.world)[0] == 0
@@ -381,7 +381,7 @@ class CompressionState:
         gradients are; the next backward starts afresh."""
         self._backward = None
         self._intra_failures.clear()
-        for module in self._fsdp_modules:
+        for module in (m.fsdp for m in self._modules.values()):
             unsharded_gradients_dropped(module)
 
     def _watch_outputs(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -418,13 +418,6 @@ class CompressionState:
         end = _BackwardEnd(self._end_of_backward)
         torch.autograd.Variable._execution_engine.queue_callback(end)
         self._backward = weakref.ref(end)
-
-    def _holds_unreduced_gradients(self) -> bool:
-        """Whether FSDP holds gradients of this rank's that it has not reduced (micro-batches run
-        without sync), on the unsharded parameters or aside in the reduce dtype."""
-        return any(p.grad is not None for p in self._unsharded()) or any(
-            held_unreduced(m.fsdp) for m in self._modules.values()
-        )
 
     def _unsharded(self) -> list[torch.nn.Parameter]:
         """The model's unsharded parameters, as FSDP has made them (what autograd accumulates)."""
