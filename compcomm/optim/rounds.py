@@ -294,7 +294,7 @@ class GradientRounds:
             rnd.clock.backward_ended()
             if self.owner.overlap and rnd.kind != LOCAL:
                 self.launch_rest(rnd)
-            if self.scaler_seen or self.resumed:
+            if self._agrees_at_ends:
                 self._agree_before_scaler([])
         rnd.versions = self._versions(self.grads())
         self._agreed_nested = self.resumed = False
@@ -305,9 +305,16 @@ class GradientRounds:
         `step()` (one was seen, or this is the first backward, where one may be), the ranks agree
         on non-finite ones here all the same: if every gradient comes in nested backward passes,
         no later end comes before that check, and `step()` relies on this agreement."""
-        if self.layout is None or self.scaler_seen or self.resumed:
+        if self._agrees_at_ends:
             self._agree_before_scaler([])
             self._agreed_nested = True
+
+    @property
+    def _agrees_at_ends(self) -> bool:
+        """Whether a backward's end agrees on non-finite gradients, before a GradScaler checks
+        them: the run's first backward (a scaler is not known yet), a resumed run's first, and
+        every one once a scaler has driven a step."""
+        return self.layout is None or self.resumed or self.scaler_seen
 
     def backward_missed(self, t: int, scaled: bool) -> None:
         """Before step t's first collective: if no backward ended on this rank since the last
