@@ -47,6 +47,7 @@ from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError, all_finite
 from .buckets import BucketLayout
 from .readiness import Readiness
+from .scaler import mark_nonfinite
 from .timing import CommClock, CommTiming
 
 EXACT, COMPRESSED, LOCAL = "exact", "compressed", "local"
@@ -338,9 +339,7 @@ class GradientRounds:
         total, sparse, missed, *rest = all_sum([float(nonfinite), sparse, missed, *extra], self.backend)
         self._refuse(sparse, missed)
         if total and not nonfinite:
-            first = next((g for g in self.grads() if g is not None and g.numel()), None)
-            if first is not None:
-                first[(0,) * first.dim()] = float("nan")
+            mark_nonfinite(self.grads())
         return [bool(total), *rest]
 
     # ----------------------------------------------------------------- the step

@@ -11,7 +11,7 @@ gradients are non-finite, and a rank whose own are finite then marks one of its 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -46,10 +46,17 @@ def agree_nonfinite(grads: Sequence[torch.Tensor | None], backend: Backend) -> b
     mine = any(g is not None and not all_finite(g) for g in grads)
     total = all_sum([1.0 if mine else 0.0], backend)[0]
     if total and not mine:
-        first = next((g for g in grads if g is not None and g.numel()), None)
-        if first is not None:
-            first[(0,) * first.dim()] = float("nan")
+        mark_nonfinite(grads)
     return bool(total)
+
+
+def mark_nonfinite(grads: Iterable[torch.Tensor | None]) -> None:
+    """Set the first element of the first non-empty gradient to NaN: what a rank whose own
+    gradients are finite does when another rank's are not, so that its GradScaler's inf check
+    finds one too and every rank's scale backs off alike."""
+    first = next((g for g in grads if g is not None and g.numel()), None)
+    if first is not None:
+        first[(0,) * first.dim()] = float("nan")
 
 
 class BackwardAgreement:
