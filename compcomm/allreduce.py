@@ -76,7 +76,8 @@ def compressed_allreduce(
     so the caller's own collectives may run meanwhile.
 
     `min_compress_bytes` (default None: always compress): a tensor of fewer bytes is reduced
-    exactly (fp32 sums in rank order, the same checks, `error_feedback` left as it is), for
+    exactly (fp32 sums in rank order; over a hierarchical backend the exact mean of the node
+    means; the same checks, `error_feedback` left as it is), for
     small tensors where the 1-bit code saves no time; every rank must pass the same value.
 
     `error_feedback_out` (default None: `error_feedback` itself) receives the error state after

@@ -1026,6 +1026,35 @@ def test_a_parameter_unfrozen_after_construction_warns_that_it_is_not_synced():
         opt.step()
 
 
+def test_a_group_added_to_inner_after_construction_is_refused_before_any_step():
+    """It would train on each rank alone and never be synced; it was accepted silently."""
+    model, inner = local_model()
+    opt = DiLoCo(model.parameters(), inner, backend="local")
+    head = torch.nn.Parameter(torch.ones(3))
+    inner.add_param_group({"params": [head]})
+    backward(model, 0, 0)
+    head.grad = torch.ones(3)
+    before = [p.detach().clone() for p in [*model.parameters(), head]]
+    with pytest.raises(ValueError, match="holds 5 parameters where DiLoCo was built over 4"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, [*model.parameters(), head]))
+    assert opt.step_count == 0
+
+
+def test_reading_the_error_feedback_waits_for_the_fragments_in_flight():
+    """A fragment's collective writes its buckets' errors in the background: the property handed
+    them out while it might still be writing."""
+    model, inner = local_model()
+    opt = DiLoCo(model.parameters(), inner, backend="local", sync_every=4, fragments=2, bucket_bytes=200)
+    for t in range(2):
+        backward(model, 0, t)
+        opt.step()
+    assert opt._sync.in_flight, "a fragment was sent at step 2 and lands at step 3"
+    assert len(opt.error_feedback) == 4  # a bucket per parameter
+    assert all(entry.handle is None for entry in opt._sync.in_flight.values())
+    assert opt._sync.in_flight, "waited for, not landed: it still lands at its own step"
+
+
 def test_a_state_saved_with_other_parameters_frozen_is_refused_naming_them():
     """Parameters frozen at construction are left out of the synced buckets, so a state saved
     with another choice of them does not fit; the refusal named parameters and bucket_bytes only."""

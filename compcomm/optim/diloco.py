@@ -114,9 +114,13 @@ class DiLoCo(torch.optim.Optimizer):
     temporary and O(m log m) flops per bucket per sync).
 
     Built collectively: every rank constructs it together, and ranks whose parameters differ
-    get rank 0's (with a warning). `param_groups` are the inner optimizer's, so an LR scheduler
-    on either object schedules the inner learning rate. Every call to `step()` counts towards
-    the sync schedule, a skipped inner step too, so that every rank syncs at the same calls.
+    get rank 0's (with a warning). theta is taken from the parameters then (and at the end of
+    the warm-up): weights loaded into the model later count as inner progress, pulled back
+    towards theta at the first sync, so load them first (or load DiLoCo's state, which holds
+    theta). A param group added to `inner` later is refused at the next `step()`.
+    `param_groups` are the inner optimizer's, so an LR scheduler on either object schedules the
+    inner learning rate. Every call to `step()` counts towards the sync schedule, a skipped
+    inner step too, so that every rank syncs at the same calls.
 
     Non-finite values: a rank whose gradients hold NaN/Inf skips its inner step (between syncs
     the ranks are independent, so no other rank needs to know; `skipped_steps` counts this
@@ -259,7 +263,10 @@ class DiLoCo(torch.optim.Optimizer):
 
     @property
     def error_feedback(self) -> list[ErrorFeedback]:
-        """Each communication bucket's error feedback (this rank's), in bucket order."""
+        """Each communication bucket's error feedback (this rank's), in bucket order. Reading it
+        waits for the fragments in flight, whose collectives write their buckets' errors (they
+        still land at their own step, as after `state_dict()`)."""
+        self._sync.wait_all()
         return self._sync.layout.error_feedback
 
     def global_parameters(self) -> list[torch.Tensor]:
@@ -280,6 +287,7 @@ class DiLoCo(torch.optim.Optimizer):
                 loss = closure()
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        self._check_inner_unchanged()
         t = self._step_count + 1
         if t == 1:  # a DDP wrapper made after DiLoCo was built. Its constructor is collective, so
             # every rank has one and raises alike, with no message of DiLoCo's own at step 1.
@@ -319,6 +327,20 @@ class DiLoCo(torch.optim.Optimizer):
             if entry.apply_at <= s:
                 self._land(entry)
         return loss
+
+    def _check_inner_unchanged(self) -> None:
+        """ValueError (before anything changes) if `inner` now optimizes more or fewer parameters
+        than DiLoCo syncs: a group added to it after DiLoCo was built would train on each rank
+        alone and never be synced. Counted, not compared one by one, to cost nothing per step.
+        Every rank of an SPMD program adds a group at the same step, so every rank raises there."""
+        held = sum(len(group["params"]) for group in self.inner.param_groups)
+        if held != len(self._params):
+            raise ValueError(
+                f"DiLoCo: the inner optimizer now holds {held} parameters where DiLoCo was built over "
+                f"{len(self._params)} (a param group added to it since?): DiLoCo syncs a fixed set, and the "
+                "others would train on each rank alone and never be synced. Add every group to the inner "
+                "optimizer before building DiLoCo."
+            )
 
     def sync(self) -> None:
         """Sync now every fragment that took inner steps since it was last sent (collective):
