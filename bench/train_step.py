@@ -84,7 +84,7 @@ from sharding import host_groups, shard_children
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import emulation
-from ranks import add_nprocs_argument, launch_label, mpirun_needed, run_ranks, set_threads
+from ranks import add_nprocs_argument, launch_label, launched_world, mpirun_needed, run_ranks, set_threads
 from records import codec_line, output_path, write_json
 from tasks import CharMLP, load_text, random_windows
 
@@ -354,11 +354,18 @@ METHODS: dict[str, Builder] = {
 }
 
 
-def available(name: str) -> bool:
-    """Whether this build of compcomm has what the method needs (ZeroOneAdam may be missing)."""
+def skipped_because(name: str, world: int) -> str | None:
+    """Why a method cannot run here (None when it can): this build of compcomm lacks what it
+    needs (ZeroOneAdam may be missing), or it is HSDP in a world of one rank, which has no
+    replicas to reduce across (`--methods` naming one there is refused when parsed)."""
     import compcomm.optim
 
-    return hasattr(compcomm.optim, getattr(METHODS[name], "requires", "__name__"))
+    requires = getattr(METHODS[name], "requires", "__name__")
+    if not hasattr(compcomm.optim, requires):
+        return f"compcomm.optim.{requires} is not in this build"
+    if name.startswith("hsdp") and world < 2:
+        return "HSDP needs at least 2 ranks: shards inside a host, replicas across hosts"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,10 +418,11 @@ def rank_main(args: argparse.Namespace, label: str) -> None:
     names = [n for n in args.methods.split(",") if n]
     results: dict[str, dict[str, list] | None] = {}
     for name in names:
-        if not available(name):
+        why = skipped_because(name, world)
+        if why:
             results[name] = None
             if rank == 0:
-                print(f"# {name}: skipped (compcomm.optim.{METHODS[name].requires} is not in this build)", flush=True)
+                print(f"# {name}: skipped ({why})", flush=True)
             continue
         mine = train(METHODS[name], args, text)
         everyone: list[Any] = [None] * world
@@ -571,9 +579,6 @@ def ratios(by: dict[str, dict[str, Any]]) -> list[str]:
         ("onebit_adam", "ddp_adamw_bf16"),
         ("onebit_lamb", "ddp_adamw"),
         ("zeroone_adam", "ddp_adamw"),
-        ("diloco", "ddp_adamw"),
-        ("diloco_exact", "ddp_adamw"),
-        ("diloco_rotate", "ddp_adamw"),
         ("ddp_sgd_onebit", "ddp_sgd"),
         ("ddp_sgd_onebit", "ddp_adamw_powersgd"),
         ("ddp_adamw_powersgd", "ddp_adamw"),
@@ -730,10 +735,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     why = mpirun_needed(args.nprocs) if args.backend == "mpi" else None
     if why:
         p.error(why)
+    hsdp = sorted(m for m in chosen if m.startswith("hsdp"))
+    if hsdp and args.methods != ",".join(METHODS) and (launched_world() or args.nprocs) < 2:
+        p.error(f"{', '.join(hsdp)} need at least 2 ranks (replicas across hosts); this run has 1")
     defaults = SETTINGS[args.setting]
     args.shape = tuple(
         v if v is not None else d for v, d in zip((args.context, args.embed, args.hidden, args.batch), defaults)
     )
+    if args.text_bytes < args.shape[0] + 2:
+        p.error(f"--text-bytes must be at least the context + 2 ({args.shape[0] + 2}), got {args.text_bytes}")
+    if args.bucket_mb is not None and not (math.isfinite(args.bucket_mb) and args.bucket_mb > 0):
+        p.error(f"--bucket-mb must be a positive number, got {args.bucket_mb:g}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -73,11 +73,27 @@ TINY_MODEL = ["--context", "4", "--embed", "4", "--hidden", "8", "--batch", "2",
         (["--lr-sgd", "-0.1"], "--lr-sgd must be a positive number, got -0.1"),
         (["--lr-lamb", "nan"], "--lr-lamb must be a positive number, got nan"),
         (["--batch", "0"], "--batch must be >= 1, got 0"),
+        (["--text-bytes", "5"], "--text-bytes must be at least the context + 2 (6), got 5"),
+        (["--bucket-mb", "-1"], "--bucket-mb must be a positive number, got -1"),
+        (["--nprocs", "1", "--methods", "hsdp_adamw"], "hsdp_adamw need at least 2 ranks"),
     ],
 )
 def test_train_step_refuses_before_spawning(plain, capsys, args, says):
     ts = bench_scripts.load("train_step")
     assert says in refusal(ts.main, ["--nprocs", "2", *TINY_MODEL, "--methods", "ddp_sgd,onebit_adam", *args], capsys)
+
+
+def test_train_step_skips_hsdp_in_a_world_of_one_and_prints_no_median_ratio_for_diloco(capsys):
+    """HSDP in a world of one crashed the run (its hosts were world // 0); DiLoCo's median step
+    is one without a sync, so its ratio of medians to DDP's overstated it (its mean step with
+    the syncs is reported on a line of its own)."""
+    ts = bench_scripts.load("train_step")
+    assert "at least 2 ranks" in ts.skipped_because("hsdp_adamw", 1)
+    assert ts.skipped_because("hsdp_adamw", 2) is None and ts.skipped_because("fsdp_adamw", 1) is None
+    row = {"step_time_ms": 10.0, "mean_step_time_ms": 50.0, "sync_every": 8}
+    lines = ts.ratios({"ddp_adamw": {"step_time_ms": 100.0, "mean_step_time_ms": 100.0}, "diloco": row})
+    assert not any(line.startswith("speedup of diloco") for line in lines)
+    assert "diloco mean step with its syncs (every 8 steps): 50.0 ms, 2.00x faster than ddp_adamw's mean step" in lines
 
 
 def test_train_step_within_the_warmup_reports_no_compression_stage(monkeypatch, capsys):
