@@ -50,8 +50,10 @@ and the router have no address on it, so the host's own network is never involve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import ipaddress
+import math
 import os
 import re
 import shutil
@@ -59,7 +61,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from netsim_cpu import CGROUP_ROOT, CpuError, CpuPlan, HostCgroups, cpu_snapshot, describe_cpu_use, plan, remove_cgroup
@@ -319,12 +321,8 @@ class Cluster:
 
     def teardown(self) -> None:
         """Remove everything this cluster made (idempotent; a second Ctrl-C cannot interrupt it)."""
-        blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
-        try:
+        with _uninterrupted():
             self._teardown()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def _teardown(self) -> None:
         self._stop_delay_line()
@@ -438,7 +436,8 @@ class Cluster:
                     break
                 time.sleep(0.05)
         finally:
-            _stop(procs)
+            with _uninterrupted():  # a second Ctrl-C would leave the ranks running, orphaned
+                _stop(procs)
         print(f"[netsim] CPU over the run: {describe_cpu_use(before, cpu_snapshot())}", file=sys.stderr)
         return worst_exit_code([p.returncode for p in procs])
 
@@ -531,6 +530,18 @@ def _rate_text(bps: float) -> str:
     return f"{bps:g}bit"
 
 
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Hold off SIGINT, SIGTERM and SIGHUP (delivered when the block ends) while the ranks are
+    stopped or the cluster is removed: a signal raising in between would skip the rest."""
+    blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     """Terminate (then kill) the process groups of ranks still running."""
     for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
@@ -621,15 +632,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_SUBNET,
         help=f"private /24 for the hosts (default {DEFAULT_SUBNET})",
     )
-    p.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")
+    p.add_argument("--port", type=_port_argument, default=29500, help="MASTER_PORT (default 29500)")
     p.add_argument(
         "--threads",
-        type=int,
+        type=_count_argument,
         default=None,
         help="OMP_NUM_THREADS per rank (default: the host's C cores / its ranks with --cpus-per-host, "
         "else CPU cores / ranks; at least 1)",
     )
-    p.add_argument("--timeout", type=float, default=None, help="kill all ranks after this many seconds")
+    p.add_argument("--timeout", type=_seconds_argument, default=None, help="kill all ranks after this many seconds")
     p.add_argument(
         "--tag",
         type=_tag_argument,
@@ -638,6 +649,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="echo every ip/tc command")
     return p
+
+
+def _count_argument(text: str) -> int:
+    """argparse type of a count of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port_argument(text: str) -> int:
+    """argparse type of a TCP port the ranks can listen on."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1-65535, got {value}")
+    return value
+
+
+def _seconds_argument(text: str) -> float:
+    """argparse type of a positive, finite number of seconds."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def _tag_argument(tag: str) -> str:

@@ -107,6 +107,8 @@ def plan(
         return CpuPlan(hosts, None, available)
     if not cpus_per_host > 0 or not math.isfinite(cpus_per_host):
         raise CpuError(f"--cpus-per-host must be a positive number of cores, got {cpus_per_host:g}")
+    if dilate is not None and not (math.isfinite(dilate) and dilate > 0):
+        raise CpuError(f"--dilate must be a positive number, got {dilate:g}")
     needed = hosts * cpus_per_host / len(available)
     if pin:
         return _pinned(hosts, cpus_per_host, available, dilate)

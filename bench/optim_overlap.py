@@ -12,6 +12,10 @@ before backward ended over the time they ran, summed over the stage's steps, mea
 
     python bench/optim_overlap.py                              # 4 local gloo ranks
     python bench/netsim.py --hosts 4 --rate 1gbit -- python bench/optim_overlap.py
+    python bench/netsim.py --hosts 4 --rate 1gbit --cpus-per-host 1 -- python bench/optim_overlap.py
+
+Under netsim's time dilation (`--cpus-per-host`) the step times are the emulated cluster's
+(divided by d, `emulation`), and the table and records say so.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import emulation
 from ranks import add_nprocs_argument, run_ranks
 from records import codec_line, output_path, write_json
 
@@ -40,7 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per stage and variant")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--json", default=None, type=output_path, help="write the records here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag in ("layers", "width", "batch", "steps", "threads"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if not args.bucket_mb > 0:
+        ap.error(f"--bucket-mb must be positive, got {args.bucket_mb:g}")
+    return args
 
 
 def make(args: argparse.Namespace, overlap: bool, freeze: int):
@@ -79,7 +90,7 @@ def timed_steps(args: argparse.Namespace, overlap: bool) -> tuple[dict[str, floa
         model.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
-        elapsed = (time.perf_counter() - t0) * 1e3
+        elapsed = emulation.emulated(time.perf_counter() - t0) * 1e3
         if step == 0 or step == freeze:  # the first backward builds the buckets; the freeze step
             continue
         stage = "warmup" if step < freeze else "compressed"
@@ -120,6 +131,7 @@ def rank_main(args: argparse.Namespace) -> list[dict[str, Any]]:
             "bytes_sent_overlap": bytes_overlap,
             "comm_hidden_fraction_no_overlap": hidden_plain[stage],
             "comm_hidden_fraction_overlap": hidden_overlap[stage],
+            **emulation.record_fields(),
         }
         for stage in ("warmup", "compressed")
     ]
@@ -135,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         f"buckets of {args.bucket_mb} MiB, median of {args.steps} steps"
     )
     print(codec_line())
+    if emulation.label():
+        print(f"# times: {emulation.label()} (bench/netsim.py --cpus-per-host, time dilation)")
     print(
         f"{'stage':>10s} | {'no overlap(ms)':>14s} {'overlap(ms)':>12s} {'speedup':>8s} | "
         f"{'comm hidden behind backward':>27s} | bitwise equal"

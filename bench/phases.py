@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from codec_passes import codec_passes
-from emulation import emulated, record_fields
+from emulation import emulated, label, record_fields
 from ranks import add_nprocs_argument, gather_floats, launched_world, run_ranks, set_threads
 from records import codec_line, output_path, write_json
 from units import parse_size
@@ -162,6 +162,8 @@ def time_parts(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     if rank == 0:
         print(codec_line(), flush=True)
+        if label():
+            print(f"# times: {label()} (bench/netsim.py --cpus-per-host, time dilation)", flush=True)
     measure(be, min(args.sizes) // 4, 1, parts, hier)  # connections and caches warm
     records: list[dict] = []
     for size in args.sizes:

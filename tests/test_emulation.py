@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import socket
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -118,4 +119,27 @@ def test_train_step_records_say_emulated(monkeypatch, capsys):
     args.json = "/dev/null"
     ts.report({"ddp_sgd": res}, args, 1, "test")
     assert records[0]["emulated"] is True and records[0]["dilation"] == 2
+    assert "# times: emulated (time / d), d = 2" in capsys.readouterr().out
+
+
+def test_optim_overlap_divides_its_step_times_by_d(monkeypatch, one_rank_group, capsys):
+    """Its step times were wall-clock under netsim's dilation, its table and records unlabelled."""
+    oo = _load("optim_overlap")
+    monkeypatch.setenv("NETSIM_DILATION", "4")
+    args = oo.parse_args(["--layers", "1", "--width", "8", "--batch", "2", "--steps", "2"])
+    monkeypatch.setattr(oo, "time", types.SimpleNamespace(perf_counter=OneSecondClock()))  # its own readings only
+    records = oo.rank_main(args)
+    assert [r["step_ms_no_overlap"] for r in records] == [250.0, 250.0]
+    assert [r["step_ms_overlap"] for r in records] == [250.0, 250.0]
+    assert all(r["emulated"] is True and r["dilation"] == 4 for r in records)
+
+
+def test_phases_labels_its_table_as_emulated(monkeypatch, one_rank_group, capsys):
+    ph = _load("phases")
+    monkeypatch.setenv("NETSIM_DILATION", "2")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(
+        ph, "measure", lambda be, numel, iters, parts, hier: {"scan_s": 1.0, "world_size": 1, "size_bytes": 4 * numel}
+    )
+    ph.time_parts(argparse.Namespace(sizes=[4096], iters=1, parts=["scan"], json=None))
     assert "# times: emulated (time / d), d = 2" in capsys.readouterr().out

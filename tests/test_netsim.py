@@ -219,6 +219,40 @@ def test_sigterm_cleans_up(extra):
     assert not [pid for pid in delay_line if Path(f"/proc/{pid}").exists()], "the delay line still runs"
 
 
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+
+
+@needs_netns
+def test_a_second_ctrl_c_while_the_ranks_stop_still_kills_them():
+    """Ranks that ignore SIGTERM get SIGKILL 5 s later; a second Ctrl-C within those 5 s
+    interrupted the stopping, and the ranks ran on, orphaned, while netsim said it had cleaned up."""
+    tag = TAG + "i"
+    proc = subprocess.Popen(
+        _netsim(tag, sys.executable, "-c", STUBBORN),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while len(_pids_in(f"{tag}-h1")) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ranks = _pids_in(f"{tag}-h0") + _pids_in(f"{tag}-h1")
+        assert ranks
+        time.sleep(1.0)  # the ranks have set their SIGTERM handler
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, proc.stderr.read()
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "a rank still runs"
+    assert _leftovers(tag) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # the emulated cluster: CPU quota and time dilation, pinning, the delay line
 
@@ -257,12 +291,31 @@ def test_cpu_plan_dilates_where_the_hosts_need_more_cores():
         (dict(hosts=2, cpus_per_host=None, dilate=2), "need --cpus-per-host"),
         (dict(hosts=2, cpus_per_host=None, pin=True), "need --cpus-per-host"),
         (dict(hosts=2, cpus_per_host=0.01), "smallest quota"),
+        (dict(hosts=2, cpus_per_host=1, dilate=float("nan")), "--dilate must be a positive number, got nan"),
     ],
 )
 def test_cpu_plan_refuses_impossible_settings(kwargs, why):
     cpu = _cpu()
     with pytest.raises(cpu.CpuError, match=re.escape(why)):
         cpu.plan(cores=[0, 1], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--threads", "-3"], "argument --threads: must be at least 1, got -3"),
+        (["--port", "70000"], "argument --port: a TCP port is 1-65535, got 70000"),
+        (["--timeout", "-1"], "argument --timeout: must be a positive number of seconds, got -1"),
+        (["--timeout", "nan"], "argument --timeout: must be a positive number of seconds, got nan"),
+    ],
+)
+def test_cli_refuses_counts_ports_and_timeouts_that_cannot_be(capsys, args, says):
+    """They were passed on unchecked: OMP_NUM_THREADS=-3 to the ranks, a port no rank can bind,
+    a timeout that killed the ranks at once."""
+    netsim = _load()
+    with pytest.raises(SystemExit) as exit_info:
+        netsim.main(["--hosts", "2", *args, "--", "true"])
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_cli_refuses_pin_beyond_this_machines_cores(capsys):
