@@ -13,8 +13,10 @@ backend's uncompressed `all_reduce` ("allreduce"), both with op="mean" (and with
     time(us)     per call, averaged over --iters timed calls (min/max over those calls shown too);
                  a call's time is the slowest rank's
     algbw(GB/s)  logical bytes / time;   busbw = algbw * 2(n-1)/n
-    wirebw(GB/s) bytes this rank put on the wire per call / time (what the links carried)
-    wire(B)      bytes this rank handed to the transport per call (the backend's bytes_sent)
+    wirebw(GB/s) wire(B) / time
+    wire(B)      bytes this rank handed to the transport per call (the backend's bytes_sent; on
+                 the hierarchical rows the bytes inside the node too, which no link between hosts
+                 carries: shared memory or loopback)
     peak(x)      peak transient memory of one call (max over ranks) beyond what existed before
                  it, as a multiple of the tensor's fp32 size (bench/peak_memory.py)
     rel_err      ||out - exact|| / ||exact|| for one call on the benchmark's inputs, where exact is
@@ -95,7 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-e", "--max-bytes", type=parse_size, default=parse_size("64M"), help="largest size (default 64M)")
     p.add_argument("-f", "--factor", type=float, default=2.0, help="size multiplier between rows (default 2)")
     p.add_argument("-n", "--iters", type=int, default=5, help="timed calls per size and op (default 5)")
-    p.add_argument("-w", "--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
+    p.add_argument(
+        "-w",
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed calls before timing (default 2; at least 1 runs: the first call measures the error)",
+    )
     p.add_argument("-d", "--dtype", default="float32", choices=sorted(DTYPES), help="element type (default float32)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "mpi", "nccl"), help="transport (default gloo)")
     add_nprocs_argument(p)
@@ -179,6 +187,9 @@ def check_args(args) -> list[str]:
         raise SystemExit("--intra is the transport inside a node of --hierarchical: add --hierarchical or drop it")
     if args.backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
+    if args.intra == "nccl" and not torch.cuda.is_available():
+        raise SystemExit("--intra nccl needs CUDA GPUs; use --intra shm or gloo on CPU")
+    args.dtype = str(DTYPES[args.dtype]).removeprefix("torch.")  # one name per type in the records
     return ops
 
 
@@ -269,7 +280,7 @@ def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int, 
         "time_min_us": float(times.min()) * 1e6,
         "time_max_us": float(times.max()) * 1e6,
         "iters": args.iters,
-        "warmup": args.warmup,
+        "warmup": max(1, args.warmup),  # the first call, which measures the error, always runs
         "peak_transient_bytes": None if math.isnan(peak) else int(peak),
         **emulation.record_fields(),
     }

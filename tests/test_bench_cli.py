@@ -17,6 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+import compcomm
 
 import bench_scripts
 
@@ -132,6 +135,11 @@ def test_train_step_within_the_warmup_reports_no_compression_stage(monkeypatch, 
         (["--intra", "shm"], "--intra is the transport inside a node of --hierarchical"),
         (["-b", "3", "-e", "3"], "--max-bytes 3 is less than one element (4 bytes)"),
         (["-b", "1", "-e", "1", "-d", "bf16"], "--max-bytes 1 is less than one element (2 bytes)"),
+        pytest.param(
+            ["--hierarchical", "--intra", "nccl"],
+            "--intra nccl needs CUDA GPUs",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+        ),
     ],
 )
 def test_allreduce_bw_refuses_before_spawning(plain, capsys, args, says):
@@ -139,6 +147,21 @@ def test_allreduce_bw_refuses_before_spawning(plain, capsys, args, says):
     ignored; -b 3 -e 3 timed a 4-byte row."""
     bw = bench_scripts.load("allreduce_bw")
     assert says in refusal(bw.main, ["--nprocs", "2", "-b", "4K", "-e", "4K", "-n", "1", "-q", *args], capsys)
+
+
+def test_allreduce_bw_records_one_name_per_dtype_and_the_untimed_calls_that_ran(monkeypatch):
+    """-d bf16 and -d bfloat16 wrote different dtypes into the records; -w 0 recorded no warm-up
+    although the first call (which measures the error) always runs untimed."""
+    bw = bench_scripts.load("allreduce_bw")
+    for alias, name in (("bf16", "bfloat16"), ("float", "float32"), ("half", "float16")):
+        args = bw.build_parser().parse_args(["-d", alias])
+        bw.check_args(args)
+        assert args.dtype == name
+    args = bw.build_parser().parse_args(["-w", "0", "-n", "1"])
+    bw.check_args(args)
+    be = compcomm.backends.get("local")
+    x = torch.randn(64)
+    assert bw.measure("compressed", be, x, x.clone(), args, 256)["warmup"] == 1
 
 
 def test_allreduce_bw_rows_stay_within_the_sizes_asked_for():
