@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import numbers
 import os
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
@@ -293,8 +294,14 @@ def _layout(local_world_size: int | None, transport: str | None, intra: str | No
                 "get('hierarchical') needs the ranks per node: set LOCAL_WORLD_SIZE (torchrun does) "
                 "or pass local_world_size="
             )
-        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        text = os.environ["LOCAL_WORLD_SIZE"]
+        try:
+            local_world_size = int(text)
+        except ValueError:
+            raise ValueError(f"LOCAL_WORLD_SIZE must be an integer (the ranks per node), got {text!r}") from None
     k = local_world_size
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):  # a float made other groups on this rank
+        raise TypeError(f"local_world_size must be an integer, got {type(k).__name__} {k!r}")
     if k < 1 or world % k:
         raise ValueError(f"{world} ranks cannot form nodes of {k} ranks (local_world_size must divide the world size)")
     transport = transport or ("nccl" if "nccl" in str(dist.get_backend()) else "gloo")

@@ -65,9 +65,7 @@ def flatten(tensors: Iterable[torch.Tensor], numel: int | None = None) -> torch.
 
     `numel` (>= the total) sizes the buffer larger, zero-filled, e.g. to a padded size.
     """
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Iterable):
-        raise TypeError(f"flatten takes tensors (a list, or model.parameters()), got {type(tensors).__name__}")
-    tensors = list(tensors)  # also model.parameters() or a ParameterList
+    tensors = tensor_list(tensors, "flatten")
     if not tensors:
         raise ValueError("flatten needs at least one tensor")
     _check_uniform(tensors)
@@ -78,6 +76,18 @@ def flatten(tensors: Iterable[torch.Tensor], numel: int | None = None) -> torch.
     for view, t in zip(unflatten(buffer, [t.shape for t in tensors]), tensors):
         view.copy_(t.detach())
     return buffer
+
+
+def tensor_list(tensors: Iterable[torch.Tensor], who: str) -> list[torch.Tensor]:
+    """`tensors` as a list (also model.parameters(), a generator read once, or a ParameterList);
+    TypeError, naming `who`, for a lone tensor or anything else than tensors."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Iterable):
+        raise TypeError(f"{who} takes tensors (a list, or model.parameters()), got {type(tensors).__name__}")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who} takes tensors, got {type(t).__name__} at index {i}")
+    return tensors
 
 
 def unflatten(buffer: torch.Tensor, shapes: Iterable[torch.Size | Sequence[int]]) -> list[torch.Tensor]:
@@ -130,7 +140,7 @@ class Bucket:
 
     def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Copy this bucket's tensors (from the full list) into the buffer; return `flat`."""
-        self._check_shapes(tensors)
+        tensors = self._check_shapes(tensors)
         for view, i in zip(self.views, self.indices):
             view.copy_(tensors[i].detach())
         return self.flat
@@ -138,26 +148,37 @@ class Bucket:
     def scatter(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the buffer back into this bucket's tensors (from the full list): their data, also
         for tensors that require grad (parameters)."""
-        self._check_shapes(tensors)
+        tensors = self._check_shapes(tensors)
         for view, i in zip(self.views, self.indices):
             tensors[i].detach().copy_(view)
 
-    def _check_shapes(self, tensors: Sequence[torch.Tensor]) -> None:
-        """ValueError, before anything is copied, when a tensor is not shaped like its slot
-        (`copy_` would broadcast one into the other: a slot filled with repeated values)."""
+    def _check_shapes(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """`tensors` as a list, after a ValueError, before anything is copied, when the list is
+        too short for this bucket or a tensor is not shaped like its slot (`copy_` would
+        broadcast one into the other: a slot filled with repeated values)."""
+        tensors = tensor_list(tensors, "a Bucket")
+        if self.indices and len(tensors) <= self.indices[-1]:
+            raise ValueError(
+                f"this bucket holds tensor {self.indices[-1]} of the list it was built from, got a list of "
+                f"{len(tensors)}: pass the whole list"
+            )
         for view, i in zip(self.views, self.indices):
             if tensors[i].shape != view.shape:
                 raise ValueError(
                     f"tensor {i} has shape {tuple(tensors[i].shape)}, but its slot in the bucket was laid "
                     f"out for {tuple(view.shape)}: pass the tensors the bucket was built from"
                 )
+        return tensors
 
 
 def bucket_groups(
-    tensors: Sequence[torch.Tensor], bucket_bytes: int, dtype: torch.dtype | None = None
+    tensors: Iterable[torch.Tensor], bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> list[list[int]]:
     """The tensor indices of each bucket that `Bucketer` makes (see there), allocating nothing."""
+    tensors = tensor_list(tensors, "bucket_groups")
     _check_count("bucket_bytes", bucket_bytes, 1)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__} {dtype!r}")
     groups: list[list[int]] = []
     keys: list[tuple[torch.dtype, torch.device]] = []
     sizes: list[int] = []
@@ -184,11 +205,13 @@ class Bucketer:
 
     def __init__(
         self,
-        tensors: Sequence[torch.Tensor],
+        tensors: Iterable[torch.Tensor],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         world_size: int = 1,
         dtype: torch.dtype | None = None,
     ) -> None:
+        tensors = tensor_list(tensors, "Bucketer")  # also model.parameters(), read once
+        _check_count("world_size", world_size, 1)
         self.world_size = world_size
         groups = bucket_groups(tensors, bucket_bytes, dtype)
         self.buckets: list[Bucket] = [self._make_bucket(tensors, idx, dtype) for idx in groups]

@@ -396,10 +396,12 @@ def _local_world_size_by_rank(sizes: list[int]) -> tuple | None:
     return caught(backends.get, "hierarchical", local_world_size=sizes[dist.get_rank()], intra="gloo")
 
 
-@pytest.mark.parametrize("sizes", [[2, 2, 2, 2, 3, 3], [4, 4, 4, 4, 2, 2]])
+@pytest.mark.parametrize("sizes", [[2, 2, 2, 2, 3, 3], [4, 4, 4, 4, 2, 2], [3.0, 3, 3, 3, 3, 3], [True] * 6])
 def test_ranks_that_disagree_on_the_node_size_are_refused_everywhere(six, sizes):
     """The ranks made their groups from their own LOCAL_WORLD_SIZE: every rank hung in
-    new_group, or those whose size divided the world did while the others raised."""
+    new_group, or those whose size divided the world did while the others raised. A float on
+    one rank compared equal to the others' integer and raised there alone, leaving the others
+    in new_group until the timeout; True passed for nodes of one rank."""
     results = six.run(_local_world_size_by_rank, sizes)
     assert all(r is not None and r[0] == "ValueError" and "local_world_size" in r[1] for r in results), results
 

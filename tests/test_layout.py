@@ -80,6 +80,16 @@ def test_buckets_of_parameters_gather_and_scatter_their_data():
     assert all(torch.equal(p.detach(), b + 1.0) and p.grad_fn is None for p, b in zip(params, before))
 
 
+def test_bucketer_takes_model_parameters_as_they_come():
+    """Bucketer(model.parameters()) raised "'generator' object is not subscriptable": the
+    grouping read the generator, then the buckets indexed it."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    buckets = Bucketer(model.parameters(), bucket_bytes=64, world_size=2).buckets
+    assert [b.indices for b in buckets] == [a.indices for a in Bucketer(list(model.parameters()), 64, 2)]
+    flat = torch.cat([b.gather(model.parameters()) for b in buckets])
+    assert torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+
+
 def test_bucketer_casts_to_a_common_dtype_when_asked():
     tensors = [torch.randn(4, dtype=torch.bfloat16), torch.randn(4)]
     bucketer = Bucketer(tensors, world_size=2, dtype=torch.float32)
@@ -133,6 +143,10 @@ def test_flatten_copies_parameters_as_data():
         (lambda: bucket_groups([torch.ones(3)], None), TypeError, "bucket_bytes must be an integer"),
         (lambda: bucket_groups([torch.ones(3)], 1.5), TypeError, "bucket_bytes must be an integer"),
         (lambda: Bucketer([torch.ones(3)], bucket_bytes=0), ValueError, "bucket_bytes must be >= 1"),
+        (lambda: Bucketer([1, 2]), TypeError, "Bucketer takes tensors, got int at index 0"),
+        (lambda: Bucketer([torch.ones(3)], dtype="float32"), TypeError, "dtype must be a torch.dtype"),
+        (lambda: Bucketer([torch.ones(3)], world_size=0), ValueError, "world_size must be >= 1"),
+        (lambda: Bucketer([torch.ones(3), torch.ones(2)]).buckets[0].gather([torch.ones(3)]), ValueError, "whole list"),
     ],
 )
 def test_layout_helpers_refuse_what_they_cannot_lay_out(call, error, message):
