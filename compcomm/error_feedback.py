@@ -165,7 +165,9 @@ class ErrorFeedback:
         return (
             f"this ErrorFeedback holds errors of a {self.numel}-element tensor over "
             f"{self.world_size} ranks, not {numel} elements over {world_size}; use one "
-            "ErrorFeedback per reduced tensor (or reset() it)"
+            "ErrorFeedback per reduced tensor (or reset() it). Over a hierarchical backend an "
+            "ErrorFeedback holds this rank's part of the tensor over the nodes, so one used there "
+            "serves no flat call of the same tensor, nor the reverse"
         )
 
     def server_error_max(self) -> float:

@@ -230,6 +230,20 @@ def test_bad_input_on_one_rank_raises_the_same_error_everywhere(six, layout, cas
     assert len({r["after"] for r in results}) == 1  # the group still works, in step
 
 
+def flat_then_hierarchical() -> tuple | None:
+    ef = compcomm.ErrorFeedback()
+    rank = _backends["2x3"].rank
+    compcomm.compressed_allreduce(make_input(rank, 0, 100), ef, backend=compcomm.backends.get("gloo"))
+    return caught(compcomm.compressed_allreduce, make_input(rank, 1, 100), ef, backend=_backends["2x3"])
+
+
+def test_an_error_feedback_of_a_flat_call_is_refused_by_a_hierarchical_one_saying_why(six):
+    """The refusal named sizes the caller never passed (this rank's part over the nodes)."""
+    results = six.run(flat_then_hierarchical)
+    assert len(set(results)) == 1 and results[0][0] == "ValueError", results
+    assert "Over a hierarchical backend an ErrorFeedback holds this rank's part" in results[0][1]
+
+
 def byte_collectives(layout: str) -> dict:
     import torch.distributed as dist
 
