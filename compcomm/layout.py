@@ -153,9 +153,9 @@ class Bucket:
             tensors[i].detach().copy_(view)
 
     def _check_shapes(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """`tensors` as a list, after a ValueError, before anything is copied, when the list is
-        too short for this bucket or a tensor is not shaped like its slot (`copy_` would
-        broadcast one into the other: a slot filled with repeated values)."""
+        """`tensors` as a list; a ValueError, before anything is copied, when the list is too
+        short for this bucket or a tensor is not shaped like its slot (`copy_` would broadcast
+        one into the other: a slot filled with repeated values)."""
         tensors = tensor_list(tensors, "a Bucket")
         if self.indices and len(tensors) <= self.indices[-1]:
             raise ValueError(
