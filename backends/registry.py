@@ -34,7 +34,8 @@ def get(name: str, **options) -> Backend:
     its constructor, e.g. `group=` (a torch.distributed sub-group) or `comm=` (an MPI communicator);
     "shm" joins the ranks of one host through shared memory (`group=` of those ranks, `timeout=`);
     "hierarchical" is built from the default torch group and LOCAL_WORLD_SIZE (`local_world_size=`,
-    `intra=` "shm" (default on CPU) or "gloo" inside a node)."""
+    `transport=` across nodes, `intra=` "shm", "gloo" or "nccl" inside a node; defaults as in
+    `hierarchical.from_torch`)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(_REGISTRY)} or pass a Backend")
     return _REGISTRY[name](**options)

@@ -399,8 +399,10 @@ class ErrorFeedback:
         """Restore errors saved by `state_dict()`; they are moved to the tensor's device on use.
 
         A ValueError, with this instance unchanged, for anything `state_dict()` cannot have
-        produced: missing keys, tensors of another shape, dtype or rank, non-finite values,
-        non-zero padding. A never-used instance's state (all None) resets this one.
+        produced: missing keys, tensors of another shape or rank or not floating point,
+        non-finite values, non-zero padding. Floating-point errors of another dtype are
+        converted to fp32 (a float64 value beyond fp32's range is refused). A never-used
+        instance's state (all None) resets this one.
         """
         if not isinstance(state, Mapping) or any(key not in state for key in _KEYS):
             raise ValueError(

@@ -39,11 +39,12 @@ def compressed_reduce_scatter(
     """Reduce `tensor` (N = n L elements on every rank) over all ranks and write this rank's row
     (L elements: rank j gets elements [jL, (j+1)L) of the reduction) into `output`; returns it.
 
-    `error_feedback` carries this rank's worker error (N elements, fp32) from call to call: one
-    per reduced tensor. `op`, `async_op`, `min_compress_bytes` and `error_feedback_out` mean what
-    they mean for `compressed_allreduce`. Raises TypeError, ValueError or NonFiniteError on every
-    rank alike, with nothing modified, when any rank's call is bad (an input that does not split
-    into n rows, an output that is not one row of it, NaN/Inf, ...).
+    `error_feedback` carries this rank's worker error (fp32, n rows of L rounded up to a multiple
+    of 8: N elements when L is one) from call to call: one per reduced tensor. `op`,
+    `async_op`, `min_compress_bytes` and `error_feedback_out` mean what they mean for
+    `compressed_allreduce`. Raises TypeError, ValueError or NonFiniteError on every rank alike,
+    with nothing modified, when any rank's call is bad (an input that does not split into n
+    rows, an output that is not one row of it, NaN/Inf, ...).
     """
     be, refused = resolve_for_call(backend, tensor)
     spec = CallSpec.of(
