@@ -138,31 +138,34 @@ class Bucket:
     def flat(self) -> torch.Tensor:
         return self.buffer[: self.numel]
 
-    def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    def gather(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         """Copy this bucket's tensors (from the full list) into the buffer; return `flat`."""
         tensors = self._check_shapes(tensors)
         for view, i in zip(self.views, self.indices):
             view.copy_(tensors[i].detach())
         return self.flat
 
-    def scatter(self, tensors: Sequence[torch.Tensor]) -> None:
+    def scatter(self, tensors: Iterable[torch.Tensor]) -> None:
         """Copy the buffer back into this bucket's tensors (from the full list): their data, also
         for tensors that require grad (parameters)."""
         tensors = self._check_shapes(tensors)
         for view, i in zip(self.views, self.indices):
             tensors[i].detach().copy_(view)
 
-    def _check_shapes(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _check_shapes(self, tensors: Iterable[torch.Tensor]) -> Sequence[torch.Tensor]:
         """`tensors` as a list; a ValueError, before anything is copied, when the list is too
         short for this bucket or a tensor is not shaped like its slot (`copy_` would broadcast
         one into the other: a slot filled with repeated values)."""
-        tensors = tensor_list(tensors, "a Bucket")
+        if not isinstance(tensors, (list, tuple)):  # a list is read as it is: a bucket per call costs its own tensors
+            tensors = tensor_list(tensors, "a Bucket")
         if self.indices and len(tensors) <= self.indices[-1]:
             raise ValueError(
                 f"this bucket holds tensor {self.indices[-1]} of the list it was built from, got a list of "
                 f"{len(tensors)}: pass the whole list"
             )
         for view, i in zip(self.views, self.indices):
+            if not isinstance(tensors[i], torch.Tensor):
+                raise TypeError(f"a Bucket takes tensors, got {type(tensors[i]).__name__} at index {i}")
             if tensors[i].shape != view.shape:
                 raise ValueError(
                     f"tensor {i} has shape {tuple(tensors[i].shape)}, but its slot in the bucket was laid "

@@ -1035,10 +1035,25 @@ def test_a_group_added_to_inner_after_construction_is_refused_before_any_step():
     backward(model, 0, 0)
     head.grad = torch.ones(3)
     before = [p.detach().clone() for p in [*model.parameters(), head]]
-    with pytest.raises(ValueError, match="holds 5 parameters where DiLoCo was built over 4"):
+    with pytest.raises(ValueError, match="now holds 5 parameters where it held 4 when DiLoCo was built"):
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, [*model.parameters(), head]))
     assert opt.step_count == 0
+
+
+def test_an_inner_optimizer_listing_a_parameter_twice_still_steps():
+    """torch accepts a group that repeats a parameter (with a warning); the check against groups
+    added later counted the repeat against DiLoCo's own parameters and refused the first step."""
+    model = make_model()
+    params = list(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        inner = torch.optim.SGD([{"params": [*params, params[0]]}], lr=0.1)
+    opt = DiLoCo(model.parameters(), inner, backend="local", sync_every=2)
+    for t in range(3):
+        backward(model, 0, t)
+        opt.step()
+    assert opt.step_count == 3
 
 
 def test_reading_the_error_feedback_waits_for_the_fragments_in_flight():

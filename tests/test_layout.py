@@ -90,6 +90,16 @@ def test_bucketer_takes_model_parameters_as_they_come():
     assert torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
 
 
+def test_a_bucket_reads_only_its_own_tensors_of_the_list():
+    """Each gather/scatter type-checked and copied the whole list: a step over every bucket cost
+    buckets x tensors. Entries of other buckets are not looked at."""
+    tensors = [torch.ones(4), torch.full((4,), 2.0)]
+    first, second = Bucketer(tensors, bucket_bytes=16).buckets
+    assert torch.equal(second.gather([None, tensors[1]]), tensors[1])
+    with pytest.raises(TypeError, match="takes tensors, got NoneType at index 0"):
+        first.gather([None, tensors[1]])
+
+
 def test_bucketer_casts_to_a_common_dtype_when_asked():
     tensors = [torch.randn(4, dtype=torch.bfloat16), torch.randn(4)]
     bucketer = Bucketer(tensors, world_size=2, dtype=torch.float32)

@@ -220,6 +220,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.inner = inner
         del self.__dict__["_own_groups"]  # from now on `param_groups` reads inner's
         self._params = mine
+        self._inner_count = sum(len(group["params"]) for group in inner.param_groups)  # see _check_inner_unchanged
         self._frozen = [p for p in mine if not p.requires_grad]
         self._unfrozen_warned = False
         self.sync_every, self.fragments, self.overlap_steps = int(sync_every), int(fragments), overlap
@@ -265,7 +266,9 @@ class DiLoCo(torch.optim.Optimizer):
     def error_feedback(self) -> list[ErrorFeedback]:
         """Each communication bucket's error feedback (this rank's), in bucket order. Reading it
         waits for the fragments in flight, whose collectives write their buckets' errors (they
-        still land at their own step, as after `state_dict()`)."""
+        still land at their own step, as after `state_dict()`): read it while one is in flight,
+        e.g. after every step, and that fragment's collective no longer overlaps the inner
+        steps. Read it after a fragment lands to keep the overlap."""
         self._sync.wait_all()
         return self._sync.layout.error_feedback
 
@@ -329,15 +332,15 @@ class DiLoCo(torch.optim.Optimizer):
         return loss
 
     def _check_inner_unchanged(self) -> None:
-        """ValueError (before anything changes) if `inner` now optimizes more or fewer parameters
-        than DiLoCo syncs: a group added to it after DiLoCo was built would train on each rank
-        alone and never be synced. Counted, not compared one by one, to cost nothing per step.
-        Every rank of an SPMD program adds a group at the same step, so every rank raises there."""
+        """ValueError (before anything changes) if `inner` now holds more or fewer parameters
+        than when DiLoCo was built: a group added to it since would train on each rank alone and
+        never be synced. Counted, not compared one by one, to cost nothing per step. Every rank
+        of an SPMD program adds a group at the same step, so every rank raises there."""
         held = sum(len(group["params"]) for group in self.inner.param_groups)
-        if held != len(self._params):
+        if held != self._inner_count:
             raise ValueError(
-                f"DiLoCo: the inner optimizer now holds {held} parameters where DiLoCo was built over "
-                f"{len(self._params)} (a param group added to it since?): DiLoCo syncs a fixed set, and the "
+                f"DiLoCo: the inner optimizer now holds {held} parameters where it held {self._inner_count} when "
+                "DiLoCo was built (a param group added to it since?): DiLoCo syncs a fixed set, and the "
                 "others would train on each rank alone and never be synced. Add every group to the inner "
                 "optimizer before building DiLoCo."
             )
