@@ -233,6 +233,9 @@ def test_a_second_ctrl_c_while_the_ranks_stop_still_kills_them():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C's default, also where this test runs in a background job (whose SIGINT is ignored,
+        # and Python then leaves it so)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 20
@@ -246,8 +249,12 @@ def test_a_second_ctrl_c_while_the_ranks_stop_still_kills_them():
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # netsim cleans up on SIGTERM; SIGKILL would leave its namespaces
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     assert proc.returncode == 130, proc.stderr.read()
     assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "a rank still runs"
     assert _leftovers(tag) == []
