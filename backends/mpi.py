@@ -60,6 +60,11 @@ class _SameObject:
         return isinstance(other, _SameObject) and other.obj is self.obj
 
 
+_ABANDONED: list[tuple[Any, tuple]] = []
+"""The requests of collectives that timed out, with the buffers MPI may still write (see
+`MPIBackend.wait_for`): never freed, since MPI offers no way to call them off."""
+
+
 class _Request:
     """An MPI request in flight; `wait()` completes it (within the backend's timeout), then
     copies staged bytes back."""
@@ -72,7 +77,7 @@ class _Request:
     def wait(self) -> None:
         if self.request is None:
             return None
-        self.backend.wait_for(self.request, self.what)
+        self.backend.wait_for(self.request, self.what, self.keep)
         self.request = None
         if self.finish is not None:
             finish, self.finish = self.finish, None
@@ -168,16 +173,22 @@ class MPIBackend(Backend):
 
     # -- bounded waits -------------------------------------------------------------------------
 
-    def wait_for(self, request: Any, what: str) -> None:
+    def wait_for(self, request: Any, what: str, buffers: tuple = ()) -> None:
         """Complete `request` (an MPI request of collective `what`) or raise RuntimeError once
         `timeout` has passed. Polls back to back as MPI_Wait does (a short collective costs no
         sleep); once the wait is long, it sleeps between polls for 1/50 of the time waited so
-        far (at most 1 ms), which keeps the added latency near 2% while sparing shared cores."""
+        far (at most 1 ms), which keeps the added latency near 2% while sparing shared cores.
+
+        MPI cannot cancel a collective: one that timed out may still complete when a late peer
+        arrives, writing into its `buffers` (the memory MPI reads and writes). They are then
+        kept, with the request, for the rest of the process (`_ABANDONED`), so that MPI never
+        writes into memory that Python has freed and handed to other tensors."""
         start = time.monotonic()
         deadline = start + self.timeout
         while not request.Test():
             now = time.monotonic()
             if now >= deadline:
+                _ABANDONED.append((request, buffers))
                 raise self._break_channel(
                     f"the mpi backend's {what} did not complete within {self.timeout:g}s: a peer of this "
                     f"{self._size}-rank communicator stopped answering (crashed, hung, or out of step). "
@@ -294,13 +305,11 @@ class MPIBackend(Backend):
         if self._staged(tensor):
             nbytes = tensor.numel() * tensor.element_size()
             pinned = self.staging.take(nbytes)
-            try:
-                host = pinned[:nbytes].view(tensor.dtype)
-                host.copy_(tensor.view(-1))
-                self._all_reduce_in_place(host, datatype)
-                tensor.view(-1).copy_(host)
-            finally:
-                self.staging.give(pinned)
+            host = pinned[:nbytes].view(tensor.dtype)
+            host.copy_(tensor.view(-1))
+            self._all_reduce_in_place(host, datatype)  # after a timeout MPI may still write it: not given back
+            tensor.view(-1).copy_(host)
+            self.staging.give(pinned)
             return
         self._sync(tensor)
         self._all_reduce_in_place(tensor, datatype)
@@ -308,7 +317,7 @@ class MPIBackend(Backend):
     def _all_reduce_in_place(self, tensor: torch.Tensor, datatype: Any) -> None:
         buf = self.buffer(tensor, datatype)
         request = self._start("all_reduce", lambda: self.transport.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM))
-        self.wait_for(request, "all_reduce")
+        self.wait_for(request, "all_reduce", (buf, tensor))
 
     def _barrier(self) -> None:
         self.wait_for(self._start("barrier", self.transport.Ibarrier), "barrier")

@@ -116,6 +116,18 @@ def test_frozen_peer_makes_every_live_rank_raise_within_the_timeout(tmp_path):
         assert fresh["raised"] == "RuntimeError" and "unusable" in fresh["message"] and fresh["seconds"] < 0.5
 
 
+def test_a_late_peer_completes_timed_out_calls_into_memory_still_theirs(tmp_path):
+    """MPI cannot call a collective off: after a timeout, the late peer completed it into buffers
+    Python had freed, which corrupted the heap (glibc aborts, segfaults) of the ranks that had
+    timed out. The buffers of a timed-out call are now kept for the process's life."""
+    program = PROGRAMS / "mpi_late_peer.py"
+    ranks = launch(mpirun_python(3) + [str(program), str(tmp_path)], tmp_path, "", 3, 90)
+    for r in ranks[:2]:
+        assert r["raised"] == "RuntimeError", r
+        assert r["canaries_intact"], r
+    assert ranks[2]["canaries_intact"]
+
+
 INITIALIZED_HERE = """
 import mpi4py
 mpi4py.rc.initialize = False  # compcomm initializes MPI, so it must finalize it too
