@@ -214,6 +214,53 @@ def test_refused_loads_raise_on_every_rank_with_nothing_loaded(pool, name):
         assert res["kept"]
 
 
+MALFORMED = {  # case: (what rank 1's file, or every rank's, lacks or holds; what every rank is told)
+    "no_error_feedback": (True, lambda sd: sd["compcomm"].pop("error_feedback"), "KeyError: 'error_feedback'"),
+    "no_step": (True, lambda sd: sd["compcomm"].pop("step"), "step count must be an integer"),
+    "a_parameter_without_state": (True, lambda sd: sd["state"].pop(0), "different saves"),
+    "nan_moment": (False, lambda sd: sd["state"][0]["exp_avg"].view(-1)[0].fill_(float("nan")), "holds NaN or Inf"),
+    "float64_moment": (False, lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].double()), "float32"),
+    "reshaped_moment": (
+        False,
+        lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].reshape(-1)),
+        "of shape",
+    ),
+    "negative_step": (False, lambda sd: sd["compcomm"].update(step=-5), "step count must be an integer >= 0"),
+    "no_buckets": (False, lambda sd: sd["compcomm"].update(error_feedback=[]), "error feedback for 0 buckets"),
+    "another_class": (False, lambda sd: sd["compcomm"].update(optimizer="Adam"), "saved by Adam, not"),
+}
+
+
+def malformed_loads(name: str) -> dict:
+    """States that torch's load took, per rank, and failed on (KeyError, a math domain error) or
+    trained on wrongly later (a moment restarted from zero on one rank, NaN moments skipping
+    every step): each is now refused on every rank alike, with nothing loaded."""
+    import copy
+
+    rank = rank_of(4)
+    model, opt = trained(name, 5)
+    saved = opt.state_dict()
+    before = snapshot(model, opt)
+    out = {}
+    for case, (one_rank, corrupt, _) in MALFORMED.items():
+        state = copy.deepcopy(saved)
+        if rank == 1 or not one_rank:
+            corrupt(state)
+        out[case] = caught(opt.load_state_dict, state)
+    out["kept"] = snapshot(model, opt) == before
+    return out
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_malformed_states_are_refused_on_every_rank_with_nothing_loaded(pool, name):
+    results = pool.run(malformed_loads, name)
+    for case, (_, _, says) in MALFORMED.items():
+        found = [res[case] for res in results]
+        assert len(set(found)) == 1 and found[0] is not None and found[0][0] == "ValueError", (case, found)
+        assert says in found[0][1], (case, found[0])
+    assert all(res["kept"] for res in results)
+
+
 CHOICES = "local, gloo, nccl, mpi, shm, hierarchical or pass a Backend"
 
 

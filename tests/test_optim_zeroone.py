@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import warnings
 
 import pytest
@@ -63,6 +64,24 @@ def intervals() -> tuple[list[str], int, int]:
         backward(model, 0, step)
         opt.step()
     return kinds, opt.var_updates, opt.local_interval
+
+
+@pytest.mark.parametrize(
+    "scalar, value, says",
+    [("local_interval", 0, "local_interval must be an integer >= 1, got 0"), ("var_counter", 1.5, ">= 0, got 1.5")],
+)
+def test_a_state_with_an_impossible_schedule_is_refused(scalar, value, says):
+    """local_interval = 0 loaded, then divided by zero at the next step (on the rank whose file
+    held it, while the others waited)."""
+    model = make_model()
+    opt = ZeroOneAdam(model.parameters(), backend="local", **SCHEDULE)
+    for step in range(3):
+        backward(model, 0, step)
+        opt.step()
+    state = opt.state_dict()
+    state["compcomm"]["scalars"][scalar] = value
+    with pytest.raises(ValueError, match=re.escape(says)):
+        opt.load_state_dict(state)
 
 
 def local_scaler_differs() -> tuple:

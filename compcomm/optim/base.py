@@ -15,7 +15,7 @@ import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.profiler import record_function
@@ -51,8 +51,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
                                           for "local"), one per parameter;
       `_fresh_errors(t)`                  whether step t starts the error feedback from zero;
       `_rank_local()` / `_load_rank_local(d)`   state that differs across ranks (checkpoints).
-    Instance attributes named in `_SCALARS` are checkpointed; per-parameter state named in
-    `_HELD_FROM_START` is allocated (zeros) with the moments.
+    Instance attributes named in `_SCALARS` (integers, each with its least valid value) are
+    checkpointed; per-parameter state named in `_HELD_FROM_START` is allocated (zeros) with the
+    moments.
 
     The optimizer performs all gradient communication: do not wrap the model in DDP (a
     ValueError), and run backward and `step()` on every rank together. Ranks whose parameters
@@ -65,12 +66,15 @@ class OnebitOptimizer(torch.optim.Optimizer):
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     overlap: bool = True
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale / found_inf
-    _SCALARS: tuple[str, ...] = ()
+    _SCALARS: ClassVar[dict[str, int]] = {}
     # Per-parameter fp32 state that a later stage fills (with copy_), allocated with the moments:
     # on a CPU a fresh tensor's pages fault in on first touch, which costs more than the arithmetic
     # that fills it. Held from the first step, that cost lands there instead of on the step where
     # the stage changes; the peak is unchanged.
     _HELD_FROM_START: tuple[str, ...] = ()
+    # Whether every rank holds the same per-parameter state after a step (the moments are
+    # averaged), so that a checkpoint's ranks must have saved the same values.
+    _SAME_MOMENTS = True
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], backend: Backend | str | None) -> None:
         check_backend_argument(backend)
@@ -391,11 +395,15 @@ class OnebitOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         scalars = {name: copy.deepcopy(getattr(self, name)) for name in self._SCALARS}
         if self._sharded is not None:
-            entry = checkpoints.sharded_entry(self._step_count, self._sharded.state.world, scalars, self._rank_local())
+            entry = checkpoints.sharded_entry(
+                type(self).__name__, self._step_count, self._sharded.state.world, scalars, self._rank_local()
+            )
         else:
             be = self.backend  # raises a refusal: its rank and world size would be the default's
             layout = self._rounds.lay_out()
-            entry = checkpoints.compcomm_entry(self._step_count, be, layout, scalars, self._rank_local())
+            entry = checkpoints.compcomm_entry(
+                type(self).__name__, self._step_count, be, layout, scalars, self._rank_local()
+            )
         sd[checkpoints.EXTRA_KEY] = entry
         return sd
 
@@ -422,27 +430,19 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if self._gradient_rounds is not None:
             self._gradient_rounds.cancel()
         be = self._transport if self._sharded is None else self._sharded.state.world
-        extra = state_dict.get(checkpoints.EXTRA_KEY) if isinstance(state_dict, dict) else None
-        problem = (
-            None
-            if extra is not None
-            else f"not a {type(self).__name__} state dict (no {checkpoints.EXTRA_KEY!r} entry)"
-        )
         mine: dict[str, Any] = {}
-        if extra is not None and self._sharded is not None:
-            state_dict, problem = checkpoints.own_sharded(state_dict, be)
-            extra = mine = state_dict[checkpoints.EXTRA_KEY]
-        elif extra is not None:
-            layout = self._rounds.lay_out(checkpoints.saved_order(extra, len(self._params())))
-            mine, problem = checkpoints.own_part(extra, be, layout)
-            if problem is None and self._gradient_rounds is not None:
-                served = [schedules.serves(be)(numel) for numel in layout.sizes()]
-                problem = checkpoints.error_feedback_problem(mine["error_feedback"], served, _RESET_ERRORS)
+        try:  # whatever this rank finds wrong is raised on every rank, before anything is loaded
+            state_dict, extra, mine, problem = self._own_state(state_dict, be)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            extra, problem = None, f"a malformed {type(self).__name__} state dict ({type(exc).__name__}: {exc})"
         failure = self._backend_refused if self._sharded is None else None
         raise_agreed(failure or (None if problem is None else ValueError(problem)), be)
         assert extra is not None  # else raised on every rank
-        checkpoints.agree_on_position({"step": int(extra["step"])}, be)
         plain = {k: v for k, v in state_dict.items() if k != checkpoints.EXTRA_KEY}
+        position: dict[str, Any] = {"step": int(extra["step"])}
+        if self._sharded is None:  # sharded, each rank holds its shards' state
+            position["state"] = checkpoints.state_digest(plain["state"], extra.get("scalars"), self._SAME_MOMENTS)
+        checkpoints.agree_on_position(position, be)
         # The schedule is this object's, not the checkpoint's: a rank resumed with another
         # freeze_step would pair other collectives from its next compressed step on.
         agree_on_values(self._settings(plain.get("param_groups", [])), be, self._settings_differ)
@@ -466,6 +466,35 @@ class OnebitOptimizer(torch.optim.Optimizer):
             # non-finite gradients there, before a GradScaler looks); a resumed run's does so too.
             self._gradient_rounds.resumed = True
         self._load_rank_local(mine.get("rank_local") or {})
+
+    def _own_state(
+        self, state_dict: Any, be: Backend
+    ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any], str | None]:
+        """(this rank's state dict, its "compcomm" entry, this rank's part of it, why it cannot
+        load here or None); raises on a state dict too malformed to read."""
+        extra = state_dict.get(checkpoints.EXTRA_KEY) if isinstance(state_dict, dict) else None
+        if extra is None:
+            return state_dict, None, {}, f"not a {type(self).__name__} state dict (no {checkpoints.EXTRA_KEY!r} entry)"
+        mine: dict[str, Any] = {}
+        if self._sharded is not None:
+            state_dict, problem = checkpoints.own_sharded(state_dict, be)
+            extra = mine = state_dict[checkpoints.EXTRA_KEY]
+        else:
+            layout = self._rounds.lay_out(checkpoints.saved_order(extra, len(self._params())))
+            mine, problem = checkpoints.own_part(extra, be, layout)
+            if problem is None and self._gradient_rounds is not None:
+                served = [schedules.serves(be)(numel) for numel in layout.sizes()]
+                problem = checkpoints.error_feedback_problem(mine["error_feedback"], served, _RESET_ERRORS)
+        if problem is None:
+            problem = checkpoints.state_problem(
+                type(self).__name__,
+                extra,
+                state_dict["state"],
+                self._params(),
+                ("exp_avg", "exp_avg_sq", *self._HELD_FROM_START),
+                self._SCALARS,
+            )
+        return state_dict, extra, mine, problem
 
     drop_error_feedback = staticmethod(checkpoints.drop_error_feedback)
     """`OnebitOptimizer.drop_error_feedback(sd)`: a copy of the state dict `sd` without per-rank

@@ -10,6 +10,7 @@ loads on any rank and world size. Loading another rank's or another layout's sta
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -19,17 +20,20 @@ import torch
 from ..backends import Backend
 from ..error_feedback import ErrorFeedback
 from ..gather_objects import agree_on_values, all_gather_object
+from ..layout import is_integer
 from .buckets import BucketLayout
+from .shards import local
 
 EXTRA_KEY = "compcomm"
 PER_RANK = ("rank", "error_feedback", "rank_local")
 
 
 def compcomm_entry(
-    step: int, be: Backend, layout: BucketLayout, scalars: dict[str, Any], rank_local: dict[str, Any]
+    optimizer: str, step: int, be: Backend, layout: BucketLayout, scalars: dict[str, Any], rank_local: dict[str, Any]
 ) -> dict[str, Any]:
-    """This rank's "compcomm" entry of a state dict."""
+    """This rank's "compcomm" entry of a state dict (`optimizer`: the class that saved it)."""
     return {
+        "optimizer": optimizer,
         "step": step,
         "rank": be.rank,
         "world_size": be.world_size,
@@ -70,13 +74,13 @@ def own_part(
             "OnebitOptimizer.drop_error_feedback(state_dict)"
         )
     numels = layout.sizes()
-    if list(extra.get("bucket_numels", [])) != numels or list(extra.get("bucket_order") or layout.order) != list(
-        layout.order
-    ):
+    if list(extra.get("bucket_numels", [])) != numels:
         return {}, (
             f"the checkpoint's buckets ({extra.get('bucket_numels')} elements) do not match "
             f"this optimizer's ({numels}): {causes}"
         )
+    if list(extra.get("bucket_order") or layout.order) != list(layout.order):
+        return {}, f"the checkpoint's parameters were bucketed in another order than this optimizer's: {causes}"
     if "ranks" in extra:
         return extra["ranks"][rank], None
     saved_rank = extra.get("rank")
@@ -119,6 +123,9 @@ def error_feedback_problem(saved: list[Any], served: list[tuple[int, int, str]],
     calls serve here (`served[b]`: elements, ranks, layout; see `schedules.serves`), which
     another layout of the same ranks (flat, hierarchical) splits otherwise; `remedy` says what to
     do then."""
+    if not isinstance(saved, list) or len(saved) != len(served):
+        count = len(saved) if isinstance(saved, list) else type(saved).__name__
+        return f"the checkpoint holds error feedback for {count} buckets, this optimizer has {len(served)}"
     for b, (state, serves) in enumerate(zip(saved, served)):
         errors = ErrorFeedback()
         try:
@@ -135,10 +142,74 @@ def error_feedback_problem(saved: list[Any], served: list[tuple[int, int, str]],
     return None
 
 
-def sharded_entry(step: int, be: Backend, scalars: dict[str, Any], rank_local: dict[str, Any]) -> dict[str, Any]:
+def state_problem(
+    optimizer: str,
+    extra: dict[str, Any],
+    state: dict[str, Any],
+    params: list[torch.Tensor],
+    held: tuple[str, ...],
+    scalars: dict[str, int],
+) -> str | None:
+    """Why a checkpoint's optimizer state cannot load into `optimizer` over `params` (None if it
+    can), found before anything is loaded: a state saved by another optimizer class; a step
+    count that is not a count; per-parameter `held` tensors (fp32, the parameter's local shape)
+    that are partial, of another dtype or shape, or not finite; other numbers that are not
+    finite; `scalars` (name: least value) missing or out of range. torch's own load would take
+    such a state and fail, or train on it wrongly, at a later step."""
+    saved_by = extra.get("optimizer")
+    if saved_by is not None and saved_by != optimizer:
+        return f"this checkpoint was saved by {saved_by}, not {optimizer}: their states hold other quantities"
+    step = extra.get("step")
+    if not is_integer(step) or step < 0:
+        return f"the checkpoint's step count must be an integer >= 0, got {step!r}"
+    saved_scalars = extra.get("scalars", {})
+    for name, least in scalars.items():
+        value = saved_scalars.get(name) if isinstance(saved_scalars, dict) else None
+        if not is_integer(value) or value < least:
+            return f"the checkpoint's {name} must be an integer >= {least}, got {value!r}"
+    for i, entry in state.items():
+        if not is_integer(i) or not 0 <= i < len(params) or not isinstance(entry, dict):
+            return f"the checkpoint's state names parameter {i!r}, and this optimizer has {len(params)}"
+        shape = tuple(local(params[i]).shape)
+        present = [name for name in held if name in entry]
+        if present and len(present) != len(held):
+            return f"parameter {i}'s state holds {present} of {list(held)}"
+        for name, value in entry.items():
+            if name in held and (
+                not torch.is_tensor(value) or value.dtype != torch.float32 or tuple(value.shape) != shape
+            ):
+                described = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+                return f"parameter {i}'s {name} must be float32 of shape {shape}, got {described}"
+            finite = (
+                bool(torch.isfinite(value).all())
+                if torch.is_tensor(value) and value.is_floating_point()
+                else not isinstance(value, float) or math.isfinite(value)
+            )
+            if not finite:
+                return f"parameter {i}'s {name} holds NaN or Inf"
+    return None
+
+
+def state_digest(state: dict[str, Any], scalars: Any, values: bool) -> int:
+    """A digest of what every rank's torch per-parameter state holds alike: which parameters
+    have state and under which names, the scalars, and with `values` (an optimizer whose ranks
+    keep the same moments) every value too. Equal on every rank unless one rank's file differs
+    (a parameter's state missing or changed)."""
+    names = sorted((i, sorted(entry)) for i, entry in state.items())
+    if not values:
+        return zlib.crc32(repr((names, scalars)).encode())
+    tensors = [v for i in sorted(state) for _, v in sorted(state[i].items()) if torch.is_tensor(v)]
+    numbers = [v for i in sorted(state) for _, v in sorted(state[i].items()) if not torch.is_tensor(v)]
+    return zlib.crc32(repr((names, numbers, scalars)).encode(), crc32_of(tensors))
+
+
+def sharded_entry(
+    optimizer: str, step: int, be: Backend, scalars: dict[str, Any], rank_local: dict[str, Any]
+) -> dict[str, Any]:
     """This rank's "compcomm" entry of an optimizer on FSDP2-sharded parameters: its state is
     its shards', so the whole state dict belongs to this rank."""
     return {
+        "optimizer": optimizer,
         "step": step,
         "rank": be.rank,
         "world_size": be.world_size,

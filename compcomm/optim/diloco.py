@@ -444,6 +444,7 @@ class DiLoCo(torch.optim.Optimizer):
             "backward_agreement": self._agreement.state_dict(),
         }
         extra = checkpoints.compcomm_entry(
+            type(self).__name__,
             self._step_count,
             self._backend,
             sync.layout,

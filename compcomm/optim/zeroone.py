@@ -46,7 +46,7 @@ state dict then holds this rank's parameters too (`gathered_state_dict()` keeps 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -65,8 +65,15 @@ class ZeroOneAdam(OnebitOptimizer):
     The optimizer performs all gradient communication itself: do not wrap the model in DDP.
     """
 
-    _SCALARS = ("var_interval", "var_counter", "var_updates", "local_interval", "local_counter")
+    _SCALARS: ClassVar[dict[str, int]] = {
+        "var_interval": 1,
+        "var_counter": 0,
+        "var_updates": 0,
+        "local_interval": 1,
+        "local_counter": 0,
+    }
     _HELD_FROM_START = ("sync_weight",)  # w_s, filled at the freeze
+    _SAME_MOMENTS = False  # local steps move each rank's momentum on its own gradients
 
     def __init__(
         self,
