@@ -580,6 +580,17 @@ def refused_loads() -> dict:
     out["reshaped_kept"] = state_bytes(model, opt) == before
     out["stale"] = caught(opt.load_state_dict, earlier if rank == 2 else mine)
     out["stale_kept"] = state_bytes(model, opt) == before
+    partial = copy.deepcopy(mine)  # rank 1's file lacks its local part: a KeyError there alone, the others hung
+    if rank == 1:
+        del partial["compcomm"]["rank_local"]
+    out["partial"] = caught(opt.load_state_dict, partial)
+    inner = opt.inner.state_dict()
+    other_inner = copy.deepcopy(mine)  # an SGD's state for the AdamW: params and theta were loaded, then KeyError
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()
+    sgd["state"] = {0: {"momentum_buffer": torch.zeros_like(next(model.parameters()))}}
+    other_inner["compcomm"]["rank_local"]["inner"] = sgd
+    out["other_inner"] = caught(opt.load_state_dict, other_inner)
+    out["other_kept"] = state_bytes(model, opt) == before and repr(opt.inner.state_dict()) == repr(inner)
     return out
 
 
@@ -590,7 +601,11 @@ def test_loads_refused_on_every_rank_change_nothing(pool):
         assert res["reshaped"][0] == "ValueError" and "shapes" in res["reshaped"][1]
         assert res["stale"][0] == "ValueError" and "different saves" in res["stale"][1]
         assert res["corrupt_kept"] and res["reshaped_kept"] and res["stale_kept"]
+        assert res["partial"][0] == "ValueError" and "rank 1: a malformed DiLoCo state dict" in res["partial"][1]
+        assert res["other_inner"][0] == "ValueError" and "malformed" in res["other_inner"][1], res["other_inner"]
+        assert res["other_kept"]
     assert len({res["stale"][1] for res in results}) == 1
+    assert len({res["partial"] for res in results}) == 1
 
 
 def differing_settings(case: str):

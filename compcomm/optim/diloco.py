@@ -490,11 +490,24 @@ class DiLoCo(torch.optim.Optimizer):
         of another rank (e.g. rank 0's per-rank file loaded everywhere), world size, layout or
         schedule raises ValueError on every rank, with nothing loaded."""
         sync, be = self._sync, self._backend
-        mine, problem = self._own_part(state_dict)
-        raise_agreed(None if problem is None else ValueError(problem), be)
-        digest = checkpoints.crc32_of(state_dict["synced"])
+        held = [copy.deepcopy(opt.state_dict()) for opt in (sync.outer, self.inner)]
+        try:  # whatever this rank finds wrong is raised on every rank, before anything else loads
+            mine, problem = self._own_part(state_dict)
+            if problem is None:  # torch's own checks of the two optimizers' states, tried here
+                sync.outer.load_state_dict(copy.deepcopy(state_dict["outer"]))
+                self.inner.load_state_dict(copy.deepcopy(mine["rank_local"]["inner"]))
+            digest = checkpoints.crc32_of(state_dict["synced"])
+            step = int(state_dict[checkpoints.EXTRA_KEY]["step"])
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+            problem = f"a malformed DiLoCo state dict ({type(exc).__name__}: {exc})"
+        try:
+            raise_agreed(None if problem is None else ValueError(problem), be)
+            checkpoints.agree_on_position({"step": step, "theta crc32": digest}, be)
+        except BaseException:
+            for opt, state in zip((sync.outer, self.inner), held):
+                opt.load_state_dict(state)
+            raise
         extra = state_dict[checkpoints.EXTRA_KEY]
-        checkpoints.agree_on_position({"step": int(extra["step"]), "theta crc32": digest}, be)
         sync.drop_all()
         local = mine["rank_local"]
         with torch.no_grad():
@@ -502,8 +515,6 @@ class DiLoCo(torch.optim.Optimizer):
                 theta.copy_(saved)
             for p, saved in zip(self._params, local["params"]):
                 p.detach().copy_(saved)
-        sync.outer.load_state_dict(copy.deepcopy(state_dict["outer"]))
-        self.inner.load_state_dict(copy.deepcopy(local["inner"]))
         for ef, saved in zip(sync.layout.error_feedback, mine["error_feedback"]):
             ef.load_state_dict(saved)
         sync.load_in_flight(local["in_flight"])
