@@ -496,13 +496,15 @@ class DiLoCo(torch.optim.Optimizer):
             if problem is None:  # torch's own checks of the two optimizers' states, tried here
                 sync.outer.load_state_dict(copy.deepcopy(state_dict["outer"]))
                 self.inner.load_state_dict(copy.deepcopy(mine["rank_local"]["inner"]))
-            digest = checkpoints.crc32_of(state_dict["synced"])
-            step = int(state_dict[checkpoints.EXTRA_KEY]["step"])
+                position = {
+                    "step": int(state_dict[checkpoints.EXTRA_KEY]["step"]),
+                    "theta crc32": checkpoints.crc32_of(state_dict["synced"]),
+                }
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
             problem = f"a malformed DiLoCo state dict ({type(exc).__name__}: {exc})"
         try:
             raise_agreed(None if problem is None else ValueError(problem), be)
-            checkpoints.agree_on_position({"step": step, "theta crc32": digest}, be)
+            checkpoints.agree_on_position(position, be)
         except BaseException:
             for opt, state in zip((sync.outer, self.inner), held):
                 opt.load_state_dict(state)
