@@ -303,6 +303,7 @@ class MPIBackend(Backend):
             tensor.copy_(wide)
             return
         if self._staged(tensor):
+            ordering.refuse_if_broken([self._channel_key()])  # before a staging buffer is taken
             nbytes = tensor.numel() * tensor.element_size()
             pinned = self.staging.take(nbytes)
             host = pinned[:nbytes].view(tensor.dtype)

@@ -584,6 +584,11 @@ def refused_loads() -> dict:
     if rank == 1:
         del partial["compcomm"]["rank_local"]
     out["partial"] = caught(opt.load_state_dict, partial)
+    counts = copy.deepcopy(mine)  # a KeyError on rank 1 after the agreement, with the rest loaded
+    if rank == 1:
+        del counts["compcomm"]["rank_local"]["skipped_steps"]
+    out["counts"] = caught(opt.load_state_dict, counts)
+    out["counts_kept"] = state_bytes(model, opt) == before
     inner = opt.inner.state_dict()
     other_inner = copy.deepcopy(mine)  # an SGD's state for the AdamW: params and theta were loaded, then KeyError
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()
@@ -603,7 +608,8 @@ def test_loads_refused_on_every_rank_change_nothing(pool):
         assert res["corrupt_kept"] and res["reshaped_kept"] and res["stale_kept"]
         assert res["partial"][0] == "ValueError" and "rank 1: a malformed DiLoCo state dict" in res["partial"][1]
         assert res["other_inner"][0] == "ValueError" and "malformed" in res["other_inner"][1], res["other_inner"]
-        assert res["other_kept"]
+        assert res["other_kept"] and res["counts_kept"]
+        assert res["counts"][0] == "ValueError" and "rank 1: a malformed DiLoCo state dict" in res["counts"][1]
     assert len({res["stale"][1] for res in results}) == 1
     assert len({res["partial"] for res in results}) == 1
 

@@ -13,7 +13,7 @@ import torch
 from test_optim import OPTIMIZERS, backward, batch, make_model, make_optimizer, rank_of, raw, snapshot
 
 import compcomm
-from compcomm.optim import OnebitOptimizer
+from compcomm.optim import OnebitAdam, OnebitOptimizer
 
 from rankpool import caught, group
 
@@ -259,6 +259,40 @@ def test_malformed_states_are_refused_on_every_rank_with_nothing_loaded(pool, na
         assert len(set(found)) == 1 and found[0] is not None and found[0][0] == "ValueError", (case, found)
         assert says in found[0][1], (case, found[0])
     assert all(res["kept"] for res in results)
+
+
+def test_an_empty_state_entry_is_no_difference_between_ranks():
+    """Reading opt.state[p] (a defaultdict) saves an empty entry: per-rank files of one save that
+    differed only by it, one rank having logged a moment, were refused as different saves."""
+    from compcomm.optim import checkpoints
+
+    moments = {0: {"exp_avg": torch.ones(3), "exp_avg_sq": torch.ones(3)}}
+    for values in (False, True):
+        assert checkpoints.state_digest({**moments, 1: {}}, {}, values) == checkpoints.state_digest(moments, {}, values)
+
+
+def test_a_subclass_and_a_state_saved_before_the_held_buffers_load():
+    """A subclass that only logs was refused a state saved by its base class (the class was
+    compared by name), and a OnebitLamb state saved before exp_avg_sq_fresh was kept from the
+    start was refused as partial; both hold what the optimizer needs."""
+    from compcomm.optim import OnebitLamb
+
+    class Logged(OnebitAdam):
+        pass
+
+    model = make_model()
+    opt = OnebitAdam(model.parameters(), freeze_step=2, backend="local")
+    backward(model, 0, 0)
+    opt.step()
+    Logged(model.parameters(), freeze_step=2, backend="local").load_state_dict(opt.state_dict())
+    opt.load_state_dict(Logged(model.parameters(), freeze_step=2, backend="local").state_dict())
+    lamb = OnebitLamb(model.parameters(), freeze_step=2, backend="local")
+    backward(model, 0, 1)
+    lamb.step()
+    older = lamb.state_dict()
+    for entry in older["state"].values():
+        entry.pop("exp_avg_sq_fresh")
+    OnebitLamb(model.parameters(), freeze_step=2, backend="local").load_state_dict(older)
 
 
 CHOICES = "local, gloo, nccl, mpi, shm, hierarchical or pass a Backend"

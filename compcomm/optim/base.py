@@ -396,13 +396,13 @@ class OnebitOptimizer(torch.optim.Optimizer):
         scalars = {name: copy.deepcopy(getattr(self, name)) for name in self._SCALARS}
         if self._sharded is not None:
             entry = checkpoints.sharded_entry(
-                type(self).__name__, self._step_count, self._sharded.state.world, scalars, self._rank_local()
+                self._checkpoint_kind(), self._step_count, self._sharded.state.world, scalars, self._rank_local()
             )
         else:
             be = self.backend  # raises a refusal: its rank and world size would be the default's
             layout = self._rounds.lay_out()
             entry = checkpoints.compcomm_entry(
-                type(self).__name__, self._step_count, be, layout, scalars, self._rank_local()
+                self._checkpoint_kind(), self._step_count, be, layout, scalars, self._rank_local()
             )
         sd[checkpoints.EXTRA_KEY] = entry
         return sd
@@ -487,7 +487,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 problem = checkpoints.error_feedback_problem(mine["error_feedback"], served, _RESET_ERRORS)
         if problem is None:
             problem = checkpoints.state_problem(
-                type(self).__name__,
+                self._checkpoint_kind(),
                 extra,
                 state_dict["state"],
                 self._params(),
@@ -495,6 +495,12 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 self._SCALARS,
             )
         return state_dict, extra, mine, problem
+
+    @classmethod
+    def _checkpoint_kind(cls) -> str:
+        """The compcomm optimizer this class is or derives from (a user's subclass that logs
+        holds the same state): what a checkpoint names and a load compares."""
+        return next(k.__name__ for k in cls.__mro__ if k.__module__.startswith("compcomm.optim"))
 
     drop_error_feedback = staticmethod(checkpoints.drop_error_feedback)
     """`OnebitOptimizer.drop_error_feedback(sd)`: a copy of the state dict `sd` without per-rank

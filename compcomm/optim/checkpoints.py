@@ -152,10 +152,12 @@ def state_problem(
 ) -> str | None:
     """Why a checkpoint's optimizer state cannot load into `optimizer` over `params` (None if it
     can), found before anything is loaded: a state saved by another optimizer class; a step
-    count that is not a count; per-parameter `held` tensors (fp32, the parameter's local shape)
-    that are partial, of another dtype or shape, or not finite; other numbers that are not
-    finite; `scalars` (name: least value) missing or out of range. torch's own load would take
-    such a state and fail, or train on it wrongly, at a later step."""
+    count that is not a count; per-parameter `held` tensors (fp32, the parameter's local shape;
+    the first two, the moments, both or neither: the others are filled in when missing, as in
+    a state saved before they were kept) of another dtype or shape, or not finite; other
+    numbers that are not finite; `scalars` (name: least value) missing or out of range.
+    torch's own load would take such a state and fail, or train on it wrongly, at a later step.
+    `optimizer`: the compcomm optimizer class this one is or derives from."""
     saved_by = extra.get("optimizer")
     if saved_by is not None and saved_by != optimizer:
         return f"this checkpoint was saved by {saved_by}, not {optimizer}: their states hold other quantities"
@@ -171,9 +173,9 @@ def state_problem(
         if not is_integer(i) or not 0 <= i < len(params) or not isinstance(entry, dict):
             return f"the checkpoint's state names parameter {i!r}, and this optimizer has {len(params)}"
         shape = tuple(local(params[i]).shape)
-        present = [name for name in held if name in entry]
-        if present and len(present) != len(held):
-            return f"parameter {i}'s state holds {present} of {list(held)}"
+        moments = [name for name in held[:2] if name in entry]
+        if len(moments) == 1:
+            return f"parameter {i}'s state holds {moments[0]} without {[m for m in held[:2] if m not in moments][0]}"
         for name, value in entry.items():
             if name in held and (
                 not torch.is_tensor(value) or value.dtype != torch.float32 or tuple(value.shape) != shape
@@ -195,11 +197,12 @@ def state_digest(state: dict[str, Any], scalars: Any, values: bool) -> int:
     have state and under which names, the scalars, and with `values` (an optimizer whose ranks
     keep the same moments) every value too. Equal on every rank unless one rank's file differs
     (a parameter's state missing or changed)."""
-    names = sorted((i, sorted(entry)) for i, entry in state.items())
+    held = {i: entry for i, entry in state.items() if entry}  # reading opt.state[p] saves an empty entry
+    names = sorted((i, sorted(entry)) for i, entry in held.items())
     if not values:
         return zlib.crc32(repr((names, scalars)).encode())
-    tensors = [v for i in sorted(state) for _, v in sorted(state[i].items()) if torch.is_tensor(v)]
-    numbers = [v for i in sorted(state) for _, v in sorted(state[i].items()) if not torch.is_tensor(v)]
+    tensors = [v for i in sorted(held) for _, v in sorted(held[i].items()) if torch.is_tensor(v)]
+    numbers = [v for i in sorted(held) for _, v in sorted(held[i].items()) if not torch.is_tensor(v)]
     return zlib.crc32(repr((names, numbers, scalars)).encode(), crc32_of(tensors))
 
 

@@ -69,7 +69,7 @@ from ..backends.registry import resolve_for_call
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values
-from ..layout import DEFAULT_BUCKET_BYTES, bucket_groups
+from ..layout import DEFAULT_BUCKET_BYTES, bucket_groups, is_integer
 from ..loss_scale import check_grad_scaler
 from . import checkpoints
 from .base import OnebitOptimizer
@@ -490,7 +490,7 @@ class DiLoCo(torch.optim.Optimizer):
         of another rank (e.g. rank 0's per-rank file loaded everywhere), world size, layout or
         schedule raises ValueError on every rank, with nothing loaded."""
         sync, be = self._sync, self._backend
-        held = [copy.deepcopy(opt.state_dict()) for opt in (sync.outer, self.inner)]
+        held = [opt.state_dict() for opt in (sync.outer, self.inner)]  # a load replaces, never writes, them
         try:  # whatever this rank finds wrong is raised on every rank, before anything else loads
             mine, problem = self._own_part(state_dict)
             if problem is None:  # torch's own checks of the two optimizers' states, tried here
@@ -563,6 +563,12 @@ class DiLoCo(torch.optim.Optimizer):
         synced = [t.numel() for t in state_dict["synced"]]
         if synced != [t.numel() for t in self._sync.theta]:
             return mine, f"the checkpoint's synced parameters hold {synced} elements per bucket, not this optimizer's"
+        local, scalars = mine["rank_local"], extra["scalars"]
+        counts = (local["skipped_steps"], scalars["skipped_syncs"])
+        if not all(is_integer(c) and c >= 0 for c in counts) or len(scalars["sent_at"]) != self.fragments:
+            return mine, f"the checkpoint's counts {counts} or fragments' steps {scalars['sent_at']} do not fit"
+        if not isinstance(local["in_flight"], list):
+            return mine, f"the checkpoint's fragments in flight are a {type(local['in_flight']).__name__}, not a list"
         served = [schedules.serves(self._backend)(numel) for numel in self._sync.layout.sizes()]
         return mine, checkpoints.error_feedback_problem(
             mine["error_feedback"], served, "Load it into a DiLoCo over the backend it was saved with"

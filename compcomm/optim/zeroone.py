@@ -236,7 +236,7 @@ class ZeroOneAdam(OnebitOptimizer):
     def _rank_local(self) -> dict[str, Any]:
         """Mid local-step interval, this rank's weights and momenta (they differ across ranks)."""
         params = self._params()
-        if not any(self.state[p].get("lr_sum", 0.0) for p in params):
+        if not any(self.state.get(p, {}).get("lr_sum", 0.0) for p in params):  # reading adds no entry
             return {}
         return {
             "weights": [master_weight(p, self.state[p]).clone() for p in params],
