@@ -31,7 +31,8 @@ PER_RANK = ("rank", "error_feedback", "rank_local")
 def compcomm_entry(
     optimizer: str, step: int, be: Backend, layout: BucketLayout, scalars: dict[str, Any], rank_local: dict[str, Any]
 ) -> dict[str, Any]:
-    """This rank's "compcomm" entry of a state dict (`optimizer`: the class that saved it)."""
+    """This rank's "compcomm" entry of a state dict (`optimizer`: the compcomm optimizer class
+    that saved it, or that the saving class derives from)."""
     return {
         "optimizer": optimizer,
         "step": step,
