@@ -172,7 +172,8 @@ def _time_calls(be, fn, iters: int) -> tuple[np.ndarray, float]:
 
 def check_args(args) -> list[str]:
     """The ops to run, after rejecting bad --ops / --iters / --warmup / --factor / --intra /
-    --backend (in `main`, before any rank is spawned, and again on each rank)."""
+    --backend (in `main`, before any rank is spawned, and again on each rank); sets
+    `args.dtype` to the type's one name (bf16 -> bfloat16), as the records carry it."""
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     for op in ops:
         if op not in OPS:

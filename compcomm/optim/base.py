@@ -37,6 +37,8 @@ from .updates import PARAM_DTYPES, check_range, local
 __all__ = ["COMPRESSED", "EXACT", "LOCAL", "OnebitOptimizer"]
 
 
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The fp32 moments every parameter that has been stepped holds (with `_HELD_FROM_START`)."""
 _RESET_ERRORS = "To resume with the errors reset to zero, load OnebitOptimizer.drop_error_feedback(state_dict)"
 
 
@@ -318,7 +320,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """The parameter's state, with fp32 zero moments, and the `_HELD_FROM_START` buffers,
         on first use."""
         state = self.state[p]
-        for name in ("exp_avg", "exp_avg_sq", *self._HELD_FROM_START):
+        for name in (*_MOMENTS, *self._HELD_FROM_START):
             if name not in state:
                 state[name] = torch.zeros_like(local(p), dtype=torch.float32, memory_format=torch.preserve_format)
         return state
@@ -433,8 +435,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
         mine: dict[str, Any] = {}
         try:  # whatever this rank finds wrong is raised on every rank, before anything is loaded
             state_dict, extra, mine, problem = self._own_state(state_dict, be)
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            extra, problem = None, f"a malformed {type(self).__name__} state dict ({type(exc).__name__}: {exc})"
+        except Exception as exc:  # refused on every rank below
+            extra, problem = None, checkpoints.unreadable(type(self).__name__, exc)
         failure = self._backend_refused if self._sharded is None else None
         raise_agreed(failure or (None if problem is None else ValueError(problem)), be)
         assert extra is not None  # else raised on every rank
@@ -491,7 +493,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 extra,
                 state_dict["state"],
                 self._params(),
-                ("exp_avg", "exp_avg_sq", *self._HELD_FROM_START),
+                _MOMENTS,
+                self._HELD_FROM_START,
                 self._SCALARS,
             )
         return state_dict, extra, mine, problem

@@ -148,17 +148,18 @@ def state_problem(
     extra: dict[str, Any],
     state: dict[str, Any],
     params: list[torch.Tensor],
+    moments: tuple[str, ...],
     held: tuple[str, ...],
     scalars: dict[str, int],
 ) -> str | None:
     """Why a checkpoint's optimizer state cannot load into `optimizer` over `params` (None if it
     can), found before anything is loaded: a state saved by another optimizer class; a step
-    count that is not a count; per-parameter `held` tensors (fp32, the parameter's local shape;
-    the first two, the moments, both or neither: the others are filled in when missing, as in
-    a state saved before they were kept) of another dtype or shape, or not finite; other
-    numbers that are not finite; `scalars` (name: least value) missing or out of range.
-    torch's own load would take such a state and fail, or train on it wrongly, at a later step.
-    `optimizer`: the compcomm optimizer class this one is or derives from."""
+    count that is not a count; per-parameter `moments` (all or none) and `held` tensors (filled
+    in when missing, as in a state saved before they were kept) that are not fp32 of the
+    parameter's local shape, or not finite; other numbers that are not finite; `scalars`
+    (name: least value) missing or out of range. torch's own load would take such a state and
+    fail, or train on it wrongly, at a later step. `optimizer`: the compcomm optimizer class
+    this one is or derives from."""
     saved_by = extra.get("optimizer")
     if saved_by is not None and saved_by != optimizer:
         return f"this checkpoint was saved by {saved_by}, not {optimizer}: their states hold other quantities"
@@ -174,11 +175,11 @@ def state_problem(
         if not is_integer(i) or not 0 <= i < len(params) or not isinstance(entry, dict):
             return f"the checkpoint's state names parameter {i!r}, and this optimizer has {len(params)}"
         shape = tuple(local(params[i]).shape)
-        moments = [name for name in held[:2] if name in entry]
-        if len(moments) == 1:
-            return f"parameter {i}'s state holds {moments[0]} without {[m for m in held[:2] if m not in moments][0]}"
+        missing = [name for name in moments if name not in entry]
+        if missing and len(missing) < len(moments):
+            return f"parameter {i}'s state lacks {missing} of its moments {list(moments)}"
         for name, value in entry.items():
-            if name in held and (
+            if name in (*moments, *held) and (
                 not torch.is_tensor(value) or value.dtype != torch.float32 or tuple(value.shape) != shape
             ):
                 described = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
@@ -191,6 +192,12 @@ def state_problem(
             if not finite:
                 return f"parameter {i}'s {name} holds NaN or Inf"
     return None
+
+
+def unreadable(kind: str, exc: Exception) -> str:
+    """Why a `kind` state dict too malformed to read (a key missing, a value of another type)
+    cannot load: refused on every rank like any other reason, never raised on one alone."""
+    return f"a malformed {kind} state dict ({type(exc).__name__}: {exc})"
 
 
 def state_digest(state: dict[str, Any], scalars: Any, values: bool) -> int:

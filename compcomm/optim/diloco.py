@@ -500,8 +500,8 @@ class DiLoCo(torch.optim.Optimizer):
                     "step": int(state_dict[checkpoints.EXTRA_KEY]["step"]),
                     "theta crc32": checkpoints.crc32_of(state_dict["synced"]),
                 }
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
-            problem = f"a malformed DiLoCo state dict ({type(exc).__name__}: {exc})"
+        except Exception as exc:  # refused on every rank below
+            problem = checkpoints.unreadable("DiLoCo", exc)
         try:
             raise_agreed(None if problem is None else ValueError(problem), be)
             checkpoints.agree_on_position(position, be)
