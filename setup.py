@@ -1,7 +1,7 @@
 """Builds the C codec (compcomm/csrc/codec.c) with the package; the rest is in pyproject.toml.
 
 Without the C codec compcomm still works, through torch code that gives the same bits about
-20x slower on CPU. So a build that cannot compile it stops with a message saying so, unless
+10x slower per call on CPU. So a build that cannot compile it stops with a message saying so, unless
 COMPCOMM_ALLOW_NO_NATIVE=1 asks for the slow install (which then warns at every first use).
 """
 
@@ -21,7 +21,7 @@ class BuildCodec(build_ext):
         except Exception as exc:  # noqa: BLE001 - whatever the compiler toolchain raises
             message = (
                 f"compcomm: the C codec could not be compiled ({type(exc).__name__}: {exc}). "
-                "Without it compcomm runs its torch kernels, the same bits about 20x slower on CPU. "
+                "Without it compcomm runs its torch kernels, the same bits about 10x slower per call on CPU. "
                 "Install a C compiler (gcc or clang) and retry, or set "
                 f"{OPT_OUT}=1 to install without it."
             )

@@ -126,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --hierarchical: the transport inside a node (default: shm under gloo, nccl under nccl)",
     )
     p.add_argument(
-        "--json", metavar="PATH", type=output_path, help="write the result records (SPEC 7 keys) as a JSON list"
+        "--json",
+        metavar="PATH",
+        type=output_path,
+        help="write the result records as a JSON list (keys: docs/guides/measuring.md)",
     )
     p.add_argument(
         "--plot", metavar="PATH", type=output_path, help="write a PNG of busbw vs size, compressed vs allreduce"

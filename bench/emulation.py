@@ -2,7 +2,7 @@
 
 Under `bench/netsim.py --cpus-per-host C`, where the hosts need more cores than this machine has,
 the whole cluster runs d times slower than the one it emulates (each host C / d of a core, links
-at rate / d, delays x d; SPEC section 7). A time measured there, divided by d, is the emulated
+at rate / d, delays x d; docs/guides/measuring.md). A time measured there, divided by d, is the emulated
 cluster's time; a ratio of two such times needs no rescaling. netsim passes d to the ranks as
 NETSIM_DILATION (1 when not dilated; absent outside netsim).
 

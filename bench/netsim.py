@@ -31,7 +31,7 @@ packets otherwise. Links and TUN devices get an MTU of 64000 there, so packets a
 
 The CPU (bench/netsim_cpu.py). Without `--cpus-per-host` the hosts share this machine's cores
 freely (the plain, oversubscribed run). `--cpus-per-host C` emulates a cluster of hosts with C
-cores each by time dilation (SPEC section 7): each host's processes get C cores' worth of CPU
+cores each by time dilation (docs/guides/measuring.md): each host's processes get C cores' worth of CPU
 time (a cgroup v1 CFS quota), and where hosts x C is more than this machine's cores the whole
 cluster is slowed by d = hosts x C / cores: each host gets C / d of a core, links run at rate / d
 and the delay lasts d times longer (`--dilate D` asks for a larger d). `--pin` instead puts each

@@ -1,6 +1,6 @@
 """Starting a benchmark's ranks, and collecting what each rank measured.
 
-SPEC 7 lets every benchmark run three ways: under torchrun (or inside bench/netsim.py, which
+Every benchmark runs three ways: under torchrun (or inside bench/netsim.py, which
 sets torchrun's environment), under mpirun, or plainly as `python bench/<prog>.py`, which spawns
 local gloo ranks itself through `compcomm.launch`. Under mpirun the ranks mpirun started form the
 gloo group (`launched_world` gives them torchrun's variables from MPI's world), so the three are

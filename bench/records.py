@@ -65,7 +65,7 @@ def write_json(records: Any, path: str) -> None:
 
 
 def rel_error(out: torch.Tensor, exact: torch.Tensor) -> float:
-    """||out - exact|| / ||exact|| in float64 (SPEC 7's rel_error; the plain norm of the
+    """||out - exact|| / ||exact|| in float64 (the records' `rel_error`; the plain norm of the
     difference where exact is zero)."""
     diff = out.double() - exact.double()
     norm = float(exact.double().norm())

@@ -39,7 +39,8 @@ class Kernels(Protocol):
     elements writes; `launch` runs one kernel, pointers as ints (0 for null).
     """
 
-    description: str
+    @property
+    def description(self) -> str: ...
 
     def accepts(self, tensors: Iterable[torch.Tensor | None]) -> bool: ...
 

@@ -111,8 +111,17 @@ class NativeKernels:
             kernels += f", capped by {ISA_ENV}" if isa is None else f", capped at {name}"
         elif not self.avx2:
             kernels += ", no AVX2 on this CPU"
-        on = f"{self.threads} threads" if self.threads is not None else "torch.get_num_threads() threads"
-        self.description = f"native C kernels ({kernels}) on {on}"
+        self._kernels_named = kernels
+
+    @property
+    def description(self) -> str:
+        """What runs, in words; without a fixed thread count, the passes take torch's at each
+        call, so this says how many that is now."""
+        if self.threads is not None:
+            on = f"{self.threads} threads"
+        else:
+            on = f"{torch.get_num_threads()} thread(s) (torch.get_num_threads(), read at each call)"
+        return f"native C kernels ({self._kernels_named}) on {on}"
 
     def accepts(self, tensors: Iterable[torch.Tensor | None]) -> bool:
         return all(t is None or (t.is_cpu and t.is_contiguous()) for t in tensors)

@@ -48,7 +48,7 @@ import torch
 from .backends import Backend
 from .backends.base import AGREED
 from .backends.ordering import Channel
-from .error_feedback import ErrorFeedback
+from .error_feedback import DROPPED, ErrorFeedback
 from .errors import NonFiniteError
 from .layout import is_integer
 from .tensor_memory import Span, any_in, overlaps_itself, share_elements, span
@@ -169,13 +169,17 @@ class CallSpec:
     ) -> CallSpec:
         """A call from a user's arguments, read leniently: what is not a sequence becomes an
         agreed TypeError in phase 0 rather than a local one."""
-        return cls(
+        spec = cls(
             as_list(tensors, "tensors"),
             as_list(error_feedbacks, "error_feedbacks"),
             op,
             None if outs is None else as_list(outs, "error_feedbacks_out"),
             min_compress_bytes,
         )
+        for tensor, ef in zip(spec.tensors, spec.error_feedbacks):
+            if isinstance(ef, ErrorFeedback) and isinstance(tensor, torch.Tensor):
+                DROPPED.first_use(ef, tensor.numel())
+        return spec
 
     def into(self, i: int) -> ErrorFeedback:
         """Where tensor i's errors after the call go: its output ErrorFeedback, or its own."""
@@ -587,7 +591,7 @@ def _disagreement(calls: np.ndarray) -> str:
         "op": "op",
         "dtype": "dtype",
         "exact": "compression (1 = uncompressed)",
-        "tag": "ErrorFeedback tags",
+        "tag": "ErrorFeedback tags, as CRC-32 digests",
         "limit": "largest result magnitude",
     }[field]
     hint = {
@@ -595,7 +599,8 @@ def _disagreement(calls: np.ndarray) -> str:
         "seq": "; every rank must make the same compcomm calls on a group in the same order",
         "exact": "; pass the same min_compress_bytes on every rank",
         "tag": "; the ranks paired different ErrorFeedbacks (async calls submitted in different "
-        "orders?): submit calls in the same order on every rank",
+        "orders?): submit calls in the same order on every rank (a tag is the place where the "
+        "ErrorFeedback was made, unless given: ErrorFeedback(tag=...))",
     }.get(field, "")
     return f"ranks disagree on the call's {what} (per rank: {values}){hint}; nothing was reduced"
 

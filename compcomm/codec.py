@@ -48,7 +48,7 @@ from ._abi import DTYPE_CODES, Arg, Kernels
 _BLOCK = {"cpu": 1 << 18}
 _DEFAULT_BLOCK = 1 << 24
 _BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-_FALLBACK_SLOWDOWN = "about 20x slower on CPU"
+_FALLBACK_SLOWDOWN = "about 10x slower per call on CPU"
 
 
 def block_size(device: torch.device) -> int:
@@ -146,7 +146,11 @@ class Codec:
 
     def __init__(self, kernels: Kernels | None = None, why: str = "") -> None:
         self.kernels = kernels
-        self.why = why or (kernels.description if kernels is not None else "torch kernels")
+        self._why = why
+
+    @property
+    def why(self) -> str:
+        return self._why or (self.kernels.description if self.kernels is not None else "torch kernels")
 
     def _fused(
         self, kernel: str, device: torch.device, count: int, tensors: Sequence[torch.Tensor | None], args: Sequence[Arg]

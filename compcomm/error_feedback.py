@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
+import warnings
+import weakref
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -61,6 +64,8 @@ class ErrorFeedback:
         self._server_max: float | None = None
         self.double_buffer = double_buffer
         self.tag = tag if tag is not None else _creation_site(sys._getframe(1))
+        # Where a user's code made it (its tag), until its first call: see `DroppedInstances`.
+        self._made_at: str | None = None if _inside_package(sys._getframe(1)) else self.tag
 
     @property
     def worker_error(self) -> torch.Tensor | None:
@@ -448,6 +453,61 @@ def _server_zeros(numel: int, world_size: int, device: torch.device, layout: str
     if layout == REDUCE_SCATTER:
         return None
     return torch.zeros(chunk_size(numel, world_size), dtype=torch.float32, device=device)
+
+
+class DroppedInstances:
+    """Warns, once per place in the user's code, of an ErrorFeedback made there starting from zero
+    on a tensor of as many elements as `REPEATS` earlier ones made there, each used and then
+    dropped: the mistake of a new instance per call (`compressed_allreduce(t, ErrorFeedback())`
+    in a loop), which runs and averages but carries no error from one call to the next, so what
+    the 1-bit code leaves out is lost instead of fed back. Instances kept (one per tensor, made
+    in one loop) are not dropped while they live; one per size of a sweep is no repeat; a few
+    one-off calls (one per backend compared, say) stay below `REPEATS`; the library's own
+    instances are not watched."""
+
+    REPEATS = 3
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._used: dict[tuple[str, int], tuple[list[int], weakref.WeakSet[ErrorFeedback]]] = {}
+        self._warned: set[str] = set()
+
+    def first_use(self, ef: ErrorFeedback, numel: int) -> None:
+        """Count `ef`'s first call (on `numel` elements), if it is a user's instance holding no
+        errors yet."""
+        site = getattr(ef, "_made_at", None)
+        if site is None or ef.numel is not None:
+            return
+        with self._lock:
+            ef._made_at = None
+            count, alive = self._used.setdefault((site, numel), ([0], weakref.WeakSet()))
+            dropped = count[0] - len(alive) >= self.REPEATS and site not in self._warned
+            count[0] += 1
+            alive.add(ef)
+            if dropped:
+                self._warned.add(site)
+        if dropped:
+            warnings.warn(
+                f"compcomm: an ErrorFeedback made at {site} starts from zero, and {count[0] - 1} earlier "
+                f"ones made there for {numel} elements were used and then dropped. A new ErrorFeedback per call "
+                "carries no error from one call to the next: the 1-bit code's errors are lost instead "
+                "of fed back. Make it once, outside the loop, and pass the same instance to every call "
+                "(checkpoint it with state_dict()); to start over on purpose, call its reset(). "
+                "(Shown once per place.)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+
+DROPPED = DroppedInstances()
+
+
+def _inside_package(frame: Any) -> bool:
+    """Whether a frame runs compcomm's own code (whose instances `DroppedInstances` leaves alone)."""
+    return os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(_PACKAGE_DIR)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _creation_site(frame: Any) -> str:

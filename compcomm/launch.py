@@ -37,6 +37,8 @@ import torch.distributed as dist
 from .backends.mpi_runtime import launched_by_mpi
 from .layout import is_integer
 
+__all__ = ["find_mpirun", "launcher", "mpirun", "process_group", "spawn"]
+
 HOST = "127.0.0.1"
 _AFTER_FAILURE_S = 30.0
 """How long the other ranks may go on after one failed (they may wait on it in a collective)."""

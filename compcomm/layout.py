@@ -13,6 +13,19 @@ from typing import TypeGuard
 
 import torch
 
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "Bucketer",
+    "bucket_groups",
+    "chunk_range",
+    "chunk_size",
+    "flatten",
+    "padded_size",
+    "real_count",
+    "unflatten",
+]
+
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 

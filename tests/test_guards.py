@@ -1,6 +1,6 @@
 """The misuses a new user falls into, each a clear error or warning on every rank: a compcomm
-optimizer given a DDP-wrapped model (or one wrapped after it was built), and the 1-bit DDP hook
-behind an Adam-like optimizer."""
+optimizer given a DDP-wrapped model (or one wrapped after it was built), the 1-bit DDP hook
+behind an Adam-like optimizer, and a new ErrorFeedback made for every call."""
 
 from __future__ import annotations
 
@@ -137,3 +137,86 @@ def test_ranks_started_from_different_parameters_are_made_equal_with_a_warning(p
     res = pool.run(unequal_start, name)
     assert len({r[0] for r in res}) == 1, "parameters differ across ranks after the first steps"
     assert all(len(r[1]) == 1 for r in res), [r[1] for r in res]
+
+
+DROPPED_WARNING = "were used and then dropped"
+
+
+def error_feedback_habits() -> dict[str, list[str]]:
+    """Three steps of each way of holding ErrorFeedbacks: the dropped-instance warnings each gave.
+    `one_per_call` is the mistake; the others are right, and so are the library's own
+    instances (OnebitAdam's, the hook's)."""
+
+    def dropped(run) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            run()
+        return [str(w.message) for w in seen if DROPPED_WARNING in str(w.message)]
+
+    grad = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+
+    def one_per_call() -> None:  # the fourth fresh instance tells
+        for _ in range(6):
+            compcomm.compressed_allreduce(grad.clone(), compcomm.ErrorFeedback())
+
+    def one_per_backend() -> None:  # one-off calls, compared: fewer than DroppedInstances.REPEATS
+        for be in ("gloo", "gloo", "gloo"):
+            compcomm.compressed_allreduce(grad.clone(), compcomm.ErrorFeedback(), backend=be)
+
+    kept = compcomm.ErrorFeedback()
+    one_per_tensor = [compcomm.ErrorFeedback() for _ in range(3)]
+
+    def same_instance() -> None:
+        for _ in range(3):
+            compcomm.compressed_allreduce(grad.clone(), kept)
+
+    def kept_list() -> None:
+        for _ in range(3):
+            compcomm.compressed_allreduce_coalesced([grad.clone() for _ in one_per_tensor], one_per_tensor)
+
+    def reset_on_purpose() -> None:
+        for _ in range(3):
+            compcomm.compressed_allreduce(grad.clone(), kept)
+            kept.reset()
+
+    def one_per_size() -> None:  # a sweep: each size's instance kept over its calls
+        for size in (100, 200, 300):
+            ef = compcomm.ErrorFeedback()
+            for _ in range(3):
+                compcomm.compressed_allreduce(grad[:size].clone(), ef)
+
+    def optimizer() -> None:
+        net = model()
+        opt = OnebitAdam(net.parameters(), lr=1e-3, freeze_step=1)
+        for _ in range(3):
+            net(torch.randn(4, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    runs = {
+        "one_per_call": one_per_call,
+        "same_instance": same_instance,
+        "kept_list": kept_list,
+        "reset_on_purpose": reset_on_purpose,
+        "one_per_size": one_per_size,
+        "one_per_backend": one_per_backend,
+        "optimizer": optimizer,
+    }
+    return {name: dropped(run) for name, run in runs.items()}
+
+
+def test_a_new_error_feedback_per_call_warns_once_and_kept_ones_do_not(pool):
+    """A fresh ErrorFeedback per call runs and averages, but feeds no error back: a warning
+    naming the place, once; instances kept (one, one per tensor, one per size of a sweep) and
+    the library's own say nothing."""
+    for seen in pool.run(error_feedback_habits):
+        assert len(seen["one_per_call"]) == 1, seen
+        assert "test_guards.py" in seen["one_per_call"][0] and "outside the loop" in seen["one_per_call"][0]
+        assert {name: found for name, found in seen.items() if name != "one_per_call"} == {
+            "same_instance": [],
+            "kept_list": [],
+            "reset_on_purpose": [],
+            "one_per_size": [],
+            "one_per_backend": [],
+            "optimizer": [],
+        }

@@ -1,6 +1,6 @@
 """A fixed orthogonal rotation of a bucket, so that one 1-bit scale fits all of its elements.
 
-A 1-bit call codes a vector x as s sign(x), with s the root mean square of x (SPEC section 3, per
+A 1-bit call codes a vector x as s sign(x), with s the root mean square of x (docs/algorithm.md: per
 rank, and per chunk on the server), which leaves an error of 2 (1 - mean|x| / rms(x)) times x's
 energy: none where the elements share one magnitude, most of it where magnitudes differ widely
 (the rows of an embedding that some tokens train often and others rarely, the few outputs of a
