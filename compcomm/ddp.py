@@ -28,9 +28,14 @@ in the order gradients became ready. The state numbers parameters in the order i
 bucket by its parameter numbers, so a bucket keeps its error feedback across iterations and
 across the rebuild. A bucket made of buckets the state already knows (a freshly built DDP after a
 checkpoint resume: one big bucket) is reduced as those known buckets, so a resumed run makes the
-same collectives, bit for bit, as the run that never stopped; but for a state saved after DDP's
-first iteration alone with compression begun, which knows only the big bucket of before the
-rebuild: the resumed run's first iteration reduces that bucket whole.
+same collectives, bit for bit, as the run that never stopped; but for a state saved before DDP's
+rebuild (after its first iteration, or second with static_graph) with compression begun, which
+knows only the big bucket of before the rebuild: the resumed run's first iteration reduces that
+bucket whole. A bucket that splits a known one (other DDP arguments) starts from zero errors. A
+state from another model is refused at the first backward after the load, on every rank.
+
+DDP's `join()`: a rank out of inputs runs the hook with zeros outside any backward; its
+iteration ends at its last bucket, with `iter` kept where the ranks still training failed.
 
 Every collective goes through a compcomm backend in submission order, asynchronously: the hook
 returns at once and the bucket is reduced while backward computes the next ones. Errors are
@@ -136,6 +141,7 @@ class OnebitHookState:
         self._backends: dict[str, Backend] = {}
         self._numbers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its number
         self._params: list[tuple[tuple[int, ...], str]] = []  # number -> (shape, dtype)
+        self._params_loaded = False  # `_params` came whole from a checkpoint: no parameter beyond them
         self._buckets: dict[Key, ErrorFeedback] = {}
         self._spares: dict[Key, ErrorFeedback] = {}  # key -> where its next errors go
         self._pending: list[Key] = []  # this iteration's errors in spares
@@ -205,9 +211,19 @@ class OnebitHookState:
     # ----------------------------------------------------------------- bucket layout
 
     def _number(self, p: torch.Tensor) -> int:
+        """The parameter's number (given in the order first seen), or a ValueError where the state
+        belongs to another model: another shape or dtype at a number, or more parameters than
+        a loaded state's. DDP checks that its ranks hold the same parameters, so every rank finds
+        the same answer."""
         number = self._numbers.get(p)
         if number is None:
             number = len(self._numbers)
+            if number == len(self._params) and self._params_loaded:
+                raise ValueError(
+                    f"DDP handed more parameters than the {len(self._params)} of the model this hook state "
+                    "was saved with: the state belongs to another model; resume with the same model and "
+                    "DDP settings"
+                )
             self._numbers[p] = number
             if number == len(self._params):
                 self._params.append((tuple(p.shape), str(p.dtype)))
@@ -293,8 +309,11 @@ class OnebitHookState:
         raise_agreed(failure, be, context="cannot load the hook state: ")
         assert mine is not None  # else raised on every rank
         iteration, start_iter, params, buckets, scale = mine
-        agree_on_position({"iteration": iteration, ERRORS_SCALE: scale.get(ERRORS_SCALE)}, be)
+        agree_on_position(
+            {"iteration": iteration, ERRORS_SCALE: scale.get(ERRORS_SCALE), "parameters": repr(params)}, be
+        )
         self.iter, self.start_iter, self._params = iteration, start_iter, params
+        self._params_loaded = bool(params)
         self._loss_scale.load(scale)
         self._buckets, self._spares, self._pending = buckets, {}, []
         self._owner = {number: key for key in buckets for number in key}
@@ -345,35 +364,44 @@ class OnebitHookState:
         """
         buffer, params, last = bucket.buffer(), bucket.parameters(), bucket.is_last()
         be, refused = self._agreeing_backend(buffer.device)
-        self._watch_backward()
+        joined = self._watch_backward()
         if not self._settings_agreed:
             if self._failure is None:  # compared once per backward until they agree
                 self._failure = self._agree_on_settings(be, refused)  # raised once DDP has finished
                 self._settings_agreed = self._failure is None
             if not self._settings_agreed:  # refused: the buckets come back as they are, nothing sent
-                untouched: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-                untouched.set_result(buffer)
-                return untouched
+                return self._refused(buffer, last and joined)
         self._watch_optimizer(params)
-        key, parts = self._parts(params)
+        try:
+            key, parts = self._parts(params)
+        except ValueError as exc:  # another model's state: the same on every rank (see _number)
+            self._failure = self._failure or exc
+            return self._refused(buffer, last and joined)
         compress = self.iter >= self.start_iter
         if compress:
             self._loss_scale.follow(self._buckets.values())
-        if last:
-            self.iter += 1
         slices = _slices(params, parts, self._numbers)
         flats = [buffer if parts == [key] else torch.cat([buffer[a:b] for a, b in spans]) for spans in slices]
+        try:
+            if compress:
+                outs = [self._spare(part) for part in parts]
+                futures = [
+                    compressed_allreduce(
+                        flat, self._buckets[part], backend=be, async_op=True, error_feedback_out=out
+                    ).get_future()
+                    for flat, part, out in zip(flats, parts, outs)
+                ]
+            else:
+                futures = [be.ordered(_uncompressed_mean, flat, be, async_op=True).get_future() for flat in flats]
+        except Exception as exc:  # refused at submission (a channel a timed-out call broke): nothing sent
+            self._failure = self._failure or exc
+            if last:
+                self._in_flight, self._pending = [], []
+            return self._refused(buffer, last and joined)
         if compress:
-            outs = [self._spare(part) for part in parts]
-            futures = [
-                compressed_allreduce(
-                    flat, self._buckets[part], backend=be, async_op=True, error_feedback_out=out
-                ).get_future()
-                for flat, part, out in zip(flats, parts, outs)
-            ]
             self._pending.extend(parts)
-        else:
-            futures = [be.ordered(_uncompressed_mean, flat, be, async_op=True).get_future() for flat in flats]
+        if last:
+            self.iter += 1
         # Futures of each collective's error (or None): they never fail, so collect_all (which
         # would complete at the first failure) waits for all of them.
         outcomes = [future.then(_failure) for future in futures]
@@ -399,20 +427,50 @@ class OnebitHookState:
             first = next((f for f in failures if f is not None and not self._propagates(f)), None)
             if last and first is not None:
                 self._failure = first  # the same error on every rank, raised when backward ends
+            if last and joined:
+                self._end_of_joined_iteration()
             return buffer
 
         return torch.futures.collect_all(waited).then(finish)
 
-    def _watch_backward(self) -> None:
+    def _watch_backward(self) -> bool:
         """At the first bucket of a backward, queue the callback that ends it. DDP queues its own
         (which waits for every bucket's future) only when the last bucket is ready, so ours
-        queues the end from inside the queue: it then runs after DDP's."""
+        queues the end from inside the queue: it then runs after DDP's.
+
+        Outside any backward, DDP's `join()` is matching the collectives of the ranks still
+        training, with zeros, for a rank out of inputs: that iteration begins at its first
+        bucket too, but has no backward to raise from; its last bucket ends it
+        (`_end_of_joined_iteration`). Returns whether this bucket is such a joined one."""
         task = torch._C._current_graph_task_id()
-        if task >= 0 and task != self._backward:
+        joined = task < 0
+        if joined:
+            task = _JOINED
+        if task != self._backward:
             self._backward, self._failure, self._iter_before = task, None, self.iter
             self._loss_scale.new_backward()
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: engine.queue_callback(self._end_of_backward))
+            if not joined:
+                engine = torch.autograd.Variable._execution_engine
+                engine.queue_callback(lambda: engine.queue_callback(self._end_of_backward))
+        return joined
+
+    def _refused(self, buffer: torch.Tensor, ends_joined: bool) -> torch.futures.Future:
+        """The bucket back as it is, nothing sent: the iteration is refused on every rank alike
+        (`_failure`, raised when the backward ends)."""
+        if ends_joined:
+            self._end_of_joined_iteration()
+        untouched: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        untouched.set_result(buffer)
+        return untouched
+
+    def _end_of_joined_iteration(self) -> None:
+        """End an iteration this rank joined with zeros (see `_watch_backward`): as a failed
+        backward would, it leaves `iter` where it was if the iteration failed on every rank (the
+        ranks still training raise); nothing is raised here, outside any backward."""
+        self._backward = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            self.iter = self._iter_before
 
     def _end_of_backward(self) -> None:
         """Raise the iteration's error, if it had one, from `backward()` on every rank, with `iter`
@@ -499,6 +557,10 @@ def _failure(future: torch.futures.Future) -> Exception | None:
     except Exception as exc:
         return exc
     return None
+
+
+_JOINED = -2
+"""`_backward` while DDP's join() runs the hook for a rank out of inputs (autograd's ids are >= 0)."""
 
 
 def _uncompressed_mean(tensor: torch.Tensor, be: Backend) -> torch.Tensor:

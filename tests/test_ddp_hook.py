@@ -258,6 +258,140 @@ def test_loading_another_ranks_state_raises_everywhere(pool, kind):
     assert all(r[1] for r in results), "a failed load changed the state"
 
 
+class Bigger(Net):
+    """Net with one more layer at its end: its first parameters (in DDP's order) differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.extra(super().forward(x))
+
+
+class Reshaped(torch.nn.Module):
+    """As many parameters as Net, of other shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 20), torch.nn.Linear(20, 20), torch.nn.Linear(20, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def another_model_resumed(kind: str) -> dict:
+    """The documented resume order (a fresh hook state, load, register) with another model's
+    state. The load cannot tell (the state knows no model yet); the first backward raised inside
+    DDP's reducer, which then failed every later backward with an internal assert, or (a model
+    with more parameters) trained on silently with the other model's errors."""
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=1)
+    train(ddp, sgd(ddp), range(3), rank)
+    saved = roundtrip(state.state_dict())
+    torch.manual_seed(1)
+    other = DDP(Bigger() if kind == "bigger" else Reshaped(), bucket_cap_mb=BUCKET_MB)
+    fresh = OnebitHookState(start_iter=1)
+    fresh.load_state_dict(saved)
+    other.register_comm_hook(fresh, onebit_hook)
+    failures = [caught(lambda: loss_of(other, rank, step).backward()) for step in range(3)]
+    return {"failures": failures, "iter": fresh.iter}
+
+
+@pytest.mark.parametrize("kind", ["bigger", "reshaped"])
+def test_another_models_state_is_refused_at_every_backward_on_every_rank(pool, kind):
+    results = pool.run(another_model_resumed, kind)
+    for r in results:
+        assert r["iter"] == 3, r
+        for failure in r["failures"]:
+            assert failure is not None and failure[0] == "ValueError" and "another model" in failure[1], r
+    assert len({tuple(f[1] for f in r["failures"]) for r in results}) == 1, "ranks raised different errors"
+
+
+def states_of_different_models_loaded() -> tuple[str, str] | None:
+    """Per-rank files whose parameters differ (rank 1's from another model): refused at the load
+    on every rank, before anything is loaded."""
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=1)
+    train(ddp, sgd(ddp), range(2), rank)
+    saved = state.state_dict()
+    if rank == 1:
+        saved["params"] = [[[20, 8], "torch.float32"]] + saved["params"][1:]
+    return caught(OnebitHookState(start_iter=1).load_state_dict, saved)
+
+
+def test_per_rank_files_of_different_models_are_refused_at_the_load(pool):
+    for failure in pool.run(states_of_different_models_loaded):
+        assert failure is not None and failure[0] == "ValueError" and "different saves" in failure[1], failure
+
+
+def joined_while_another_rank_fails(start_iter: int) -> dict:
+    """Rank 0 runs out of inputs after 3 steps and joins (DDP runs the hook for it with zeros,
+    outside any backward); rank 1 meets a NaN at its 5th step. Rank 1's backward raised and kept
+    its iter, rank 0's iter moved on, and from then on the ranks disagreed on which iterations
+    compress: with start_iter=5 every later collective paired exact with 1-bit, until the
+    group's timeout."""
+    from torch.distributed.algorithms.join import Join
+
+    rank = dist.get_rank()
+    ddp, state = hooked(process_group=group((0, 1)), start_iter=start_iter)
+    opt = sgd(ddp)
+    failures: list[tuple[str, str] | None] = []
+    with Join([ddp]):
+        for step in range(3 if rank == 0 else 7):
+            opt.zero_grad(set_to_none=True)
+            failures.append(caught(lambda: loss_of(ddp, rank, step, poison=rank == 1 and step == 4).backward()))
+            if failures[-1] is None:
+                opt.step()
+    after = caught(lambda: loss_of(ddp, rank, 100).backward())
+    return {"failures": [f for f in failures if f is not None], "iter": state.iter, "after": after}
+
+
+@pytest.mark.parametrize("start_iter", [1, 5])
+def test_a_joined_rank_keeps_iter_with_the_ranks_whose_backward_failed(pool, start_iter):
+    results = pool.run(joined_while_another_rank_fails, start_iter, ranks=(0, 1))
+    assert [len(r["failures"]) for r in results] == [0, 1], results
+    assert results[1]["failures"][0][0] == "NonFiniteError", results
+    assert results[0]["iter"] == results[1]["iter"] == 7, results  # 7 backwards, one failed, one after join
+    assert results[0]["after"] is None and results[1]["after"] is None, results
+
+
+def broken_channel() -> dict:
+    """Collectives refused at submission (a channel an earlier timed-out call broke): the error
+    left the hook inside DDP's reducer, which then failed later backwards with its own errors,
+    and `iter` moved on where the refused bucket was the iteration's last. Over ranks (0, 2)."""
+    from compcomm.backends import ordering
+
+    rank, pg = dist.get_rank(), group((0, 2))
+    models = {}
+    for start_iter in (1, 10):
+        models[f"buckets, start_iter {start_iter}"] = hooked(process_group=pg, start_iter=start_iter)
+        one_bucket = DDP(make_net(), process_group=pg, bucket_cap_mb=25)  # the refused bucket is the last
+        state = OnebitHookState(pg, start_iter=start_iter)
+        one_bucket.register_comm_hook(state, onebit_hook)
+        models[f"one bucket, start_iter {start_iter}"] = (one_bucket, state)
+    for model, _ in models.values():
+        train(model, sgd(model), range(3), rank)
+    key = next(iter(models.values()))[1].backend()._channel_key()
+    ordering.break_channel(key, "a timed-out call")
+    results = {}
+    try:
+        for name, (model, state) in models.items():
+            failures = [caught(lambda: loss_of(model, rank, step).backward()) for step in range(3, 5)]
+            results[name] = (failures, state.iter)
+    finally:
+        del ordering._broken[key]  # the transport itself is fine: the pool's later tests may use the pair
+    return results
+
+
+def test_a_refused_submission_raises_from_backward_and_keeps_iter(pool):
+    for r in pool.run(broken_channel, ranks=(0, 2)):
+        for name, (failures, iteration) in r.items():
+            assert iteration == 3, (name, r)
+            for failure in failures:
+                assert failure is not None and "unusable after an earlier failure" in failure[1], (name, r)
+
+
 def warmup_state_loads_anywhere() -> int:
     ddp, state = hooked(start_iter=10)
     train(ddp, sgd(ddp), range(2), dist.get_rank())
