@@ -1095,6 +1095,42 @@ def test_other_saves_and_layouts_are_refused_on_every_rank(pool):
         assert res["rebuilt"] is None, res["rebuilt"]
 
 
+def another_mesh_loaded(mesh: str) -> dict:
+    """An HSDP state of 2 replicas x 2 shards, with 1-bit errors, loaded into the same model on
+    4 shards x 1 replica or 1 shard x 4 replicas: the world size, the mode, the module names and
+    the parameter shapes all match, so it loaded, the live errors were replaced, and the next
+    backward failed with a misleading hint (reset() the ErrorFeedback). Refused at the load now,
+    nothing changed. So is a state whose iteration or start_iter is negative."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), SHARDS["2x2"][rank // 2])
+    state = compcomm.fsdp.compress(model, start_iter=0, replicate_group=group(REPLICAS["2x2"][rank % 2]))
+    loss_of(model, batch(rank, 0)).backward()
+    saved = state.state_dict()
+    shards, replicas = {"4x1": ((0, 1, 2, 3), (rank,)), "1x4": ((rank,), (0, 1, 2, 3))}[mesh]
+    other = shard(make_model(), shards)
+    other_state = compcomm.fsdp.compress(other, start_iter=0, replicate_group=group(replicas))
+    loss_of(other, batch(rank, 0)).backward()
+    before = {k: v.worker_error.clone() for k, v in other_state.error_feedback.items() if v.initialized}
+    out = {"mesh": caught(other_state.load_state_dict, saved)}
+    after = {k: v.worker_error for k, v in other_state.error_feedback.items() if v.initialized}
+    out["unchanged"] = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    for key in ("iteration", "start_iter"):
+        out[key] = caught(state.load_state_dict, dict(saved, **{key: -1}))
+    out["after"] = caught(lambda: loss_of(other, batch(rank, 1)).backward())
+    return out
+
+
+@pytest.mark.parametrize("mesh", ["4x1", "1x4"])
+def test_a_state_of_another_mesh_of_as_many_ranks_is_refused_at_the_load(pool, mesh):
+    for r in pool.run(another_mesh_loaded, mesh):
+        assert r["mesh"] is not None and r["mesh"][0] == "ValueError" and "another mesh" in r["mesh"][1], r
+        assert r["unchanged"] and r["after"] is None, r
+        for key in ("iteration", "start_iter"):
+            assert r[key] is not None and f"{key} must be an integer >= 0" in r[key][1], r
+
+
 # ----------------------------------------------------------------- misuse
 
 

@@ -183,7 +183,10 @@ def test_checkpoint_resumes_bit_for_bit(pool, name, gathered):
         assert straight == resumed
 
 
-def foreign(name: str) -> tuple[str, str] | None:
+def foreign(name: str) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """Rank 0's file loaded everywhere; and drop_error_feedback, which gives a rank-independent
+    copy of a whole-parameter state, asked of a sharded one (its moments are this rank's shards
+    too): a bare KeyError before."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -194,12 +197,13 @@ def foreign(name: str) -> tuple[str, str] | None:
     opt.step()
     blob = [opt.state_dict()]
     dist.broadcast_object_list(blob, src=0, group=group(4))
-    return caught(opt.load_state_dict, blob[0])
+    return caught(opt.load_state_dict, blob[0]), caught(type(opt).drop_error_feedback, opt.state_dict())
 
 
 def test_rank0_optimizer_state_loaded_everywhere_raises_on_every_rank(pool):
-    for failure in pool.run(foreign, "adam"):
+    for failure, dropped in pool.run(foreign, "adam"):
         assert failure is not None and failure[0] == "ValueError" and "shards of rank 0" in failure[1], failure
+        assert dropped is not None and dropped[0] == "ValueError" and "FSDP2-sharded" in dropped[1], dropped
 
 
 def scaled(name: str) -> dict:

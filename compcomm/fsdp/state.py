@@ -29,7 +29,7 @@ from .. import schedules
 from ..agreement import CallSpec, all_sum, raise_agreed
 from ..backends import Backend, HierarchicalBackend
 from ..backends.registry import falling_back, over_group
-from ..error_feedback import ErrorFeedback
+from ..error_feedback import ALLREDUCE, REDUCE_SCATTER, ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values, all_gather_object
 from ..layout import is_integer
@@ -65,6 +65,22 @@ class _Module:
         """The backward succeeded: the spare's errors become the state."""
         self.errors, self.spare = self.spare, self.errors
         self.layout = self._requiring()
+
+    def check_served(self, errors: ErrorFeedback) -> None:
+        """ValueError unless `errors` (loaded from a checkpoint) hold the errors of what this
+        module's calls reduce here: FSDP's reduce-scatter over its shard group, or (HSDP) the
+        average of its shard across the replicas. Another mesh of as many ranks (2 replicas of 2
+        shards saved, 4 shards loaded) holds the same parameters, split otherwise."""
+        if not errors.initialized:
+            return
+        group, layout = (self.shard, REDUCE_SCATTER) if self.replicas is None else (self.replicas, ALLREDUCE)
+        if errors.world_size != group.world_size or errors.layout != layout:
+            across = "its shard group" if self.replicas is None else "the replicas of its shard"
+            raise ValueError(
+                f"FSDP module {self.name!r}'s error feedback was saved by calls of kind {errors.layout} over "
+                f"{errors.world_size} ranks; here its calls are of kind {layout} over {group.world_size} ({across}): "
+                "the state belongs to another mesh (shards and replicas) of the same ranks"
+            )
 
     def _requiring(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.params)
@@ -482,6 +498,7 @@ class CompressionState:
             for name, saved in mine["modules"].items():
                 ef = ErrorFeedback(tag=f"compcomm.fsdp:{name}")
                 ef.load_state_dict(saved)
+                self._modules[name].check_served(ef)
                 loaded[name] = ef
         except Exception as exc:  # reported to every rank, then raised everywhere
             failure = ValueError(f"{type(exc).__name__}: {exc}")
@@ -528,7 +545,8 @@ class CompressionState:
                 f"this is rank {state.get('rank')}'s state, loaded on rank {self.world.rank}: its error feedback is "
                 "that rank's own. Save one file per rank, or one file with gathered_state_dict()"
             )
-        if not is_integer(state.get("iteration")) or not is_integer(state.get("start_iter")):
-            raise ValueError("the state's iteration and start_iter must be integers")
+        for key in ("iteration", "start_iter"):
+            if not is_integer(state.get(key)) or state[key] < 0:
+                raise ValueError(f"the state's {key} must be an integer >= 0, got {state.get(key)!r}")
         LossScale.saved(state.get(ERRORS_SCALE))
         return state

@@ -259,9 +259,15 @@ def own_sharded(state_dict: dict[str, Any], be: Backend) -> tuple[dict[str, Any]
 
 def drop_error_feedback(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A copy of `state_dict` without per-rank state, loadable on any rank and world size (a
-    documented reset: the compression errors carried so far are forgotten)."""
+    documented reset: the compression errors carried so far are forgotten). A ValueError for
+    an optimizer on FSDP2-sharded parameters: its whole state (moments too) is its shards'."""
     out = dict(state_dict)
     extra = dict(out[EXTRA_KEY])
+    if extra.get("sharded"):
+        raise ValueError(
+            "drop_error_feedback: this is the state of an optimizer on FSDP2-sharded parameters, whose moments "
+            "are this rank's shards as well as its errors: no part of it loads on another rank or world size"
+        )
     extra.pop("ranks", None)
     extra["world_size"] = extra["rank"] = None
     extra["rank_local"] = {}

@@ -26,7 +26,7 @@ from typing import Any
 from compcomm.launch import free_port, rank_environment
 
 PRELOADED = ["torch", "torch.distributed", "numpy", "compcomm"]
-SUBGROUPS = [(0,), (0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 3), (0, 2), (2, 3)]
+SUBGROUPS = [(0,), (1,), (2,), (3,), (0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 3), (0, 2), (2, 3)]
 _groups: dict[tuple[int, ...], Any] = {}
 
 
