@@ -178,7 +178,7 @@ class CallSpec:
         )
         for tensor, ef in zip(spec.tensors, spec.error_feedbacks):
             if isinstance(ef, ErrorFeedback) and isinstance(tensor, torch.Tensor):
-                DROPPED.first_use(ef, tensor.numel())
+                DROPPED.count_call(ef, tensor.numel())
         return spec
 
     def into(self, i: int) -> ErrorFeedback:

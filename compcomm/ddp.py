@@ -218,15 +218,15 @@ class OnebitHookState:
         number = self._numbers.get(p)
         if number is None:
             number = len(self._numbers)
-            if number == len(self._params) and self._params_loaded:
+            self._numbers[p] = number
+        if number >= len(self._params):
+            if self._params_loaded or number > len(self._params):
                 raise ValueError(
                     f"DDP handed more parameters than the {len(self._params)} of the model this hook state "
                     "was saved with: the state belongs to another model; resume with the same model and "
                     "DDP settings"
                 )
-            self._numbers[p] = number
-            if number == len(self._params):
-                self._params.append((tuple(p.shape), str(p.dtype)))
+            self._params.append((tuple(p.shape), str(p.dtype)))
         if self._params[number] != (tuple(p.shape), str(p.dtype)):
             raise ValueError(
                 f"parameter {number} of this hook state is a {self._params[number]} tensor, but "
@@ -374,8 +374,16 @@ class OnebitHookState:
         self._watch_optimizer(params)
         try:
             key, parts = self._parts(params)
+            if last and self._params_loaded and len(self._numbers) < len(self._params):
+                raise ValueError(
+                    f"DDP handed {len(self._numbers)} parameters, the model this hook state was saved with had "
+                    f"{len(self._params)}: the state belongs to another model; resume with the same model and "
+                    "DDP settings"
+                )
         except ValueError as exc:  # another model's state: the same on every rank (see _number)
             self._failure = self._failure or exc
+            if last:
+                self._in_flight, self._pending = [], []
             return self._refused(buffer, last and joined)
         compress = self.iter >= self.start_iter
         if compress:
@@ -422,8 +430,8 @@ class OnebitHookState:
                     for a, b in spans:
                         buffer[a:b].copy_(flat[offset : offset + b - a])
                         offset += b - a
-            if last and all(f is None for f in failures):
-                self._keep(pending)
+            if last and all(f is None for f in failures) and self._failure is None:
+                self._keep(pending)  # else a bucket before was refused: no bucket's errors change
             first = next((f for f in failures if f is not None and not self._propagates(f)), None)
             if last and first is not None:
                 self._failure = first  # the same error on every rank, raised when backward ends

@@ -50,6 +50,10 @@ class ErrorFeedback:
     """
 
     def __init__(self, tag: str | None = None, double_buffer: bool = True) -> None:
+        if tag is not None and not isinstance(tag, str):
+            raise TypeError(
+                f"ErrorFeedback's tag must be a string (or None: where it is made), got {type(tag).__name__}"
+            )
         # (worker buffer, scale, real elements): the scale is None when the buffer holds e
         # itself, else the buffer holds x' for that many real elements (see `worker_error`).
         # One attribute, so that a reader on another thread never pairs one call's buffer with
@@ -64,8 +68,11 @@ class ErrorFeedback:
         self._server_max: float | None = None
         self.double_buffer = double_buffer
         self.tag = tag if tag is not None else _creation_site(sys._getframe(1))
-        # Where a user's code made it (its tag), until its first call: see `DroppedInstances`.
-        self._made_at: str | None = None if _inside_package(sys._getframe(1)) else self.tag
+        # Where a user's code made it (its tag), while it has served at most one call: see
+        # `DroppedInstances`.
+        self._made_at: str | None = (
+            self.tag if isinstance(self.tag, str) and not _inside_package(sys._getframe(1)) else None
+        )
 
     @property
     def worker_error(self) -> torch.Tensor | None:
@@ -456,47 +463,66 @@ def _server_zeros(numel: int, world_size: int, device: torch.device, layout: str
 
 
 class DroppedInstances:
-    """Warns, once per place in the user's code, of an ErrorFeedback made there starting from zero
-    on a tensor of as many elements as `REPEATS` earlier ones made there, each used and then
-    dropped: the mistake of a new instance per call (`compressed_allreduce(t, ErrorFeedback())`
-    in a loop), which runs and averages but carries no error from one call to the next, so what
-    the 1-bit code leaves out is lost instead of fed back. Instances kept (one per tensor, made
-    in one loop) are not dropped while they live; one per size of a sweep is no repeat; a few
-    one-off calls (one per backend compared, say) stay below `REPEATS`; the library's own
-    instances are not watched."""
+    """Warns, once per place in the user's code, when `REPEATS` ErrorFeedbacks made there for as
+    many elements each served one successful call and were dropped: the mistake of a new
+    instance per call (`compressed_allreduce(t, ErrorFeedback())` in a loop), which runs and
+    averages but carries no error from one call to the next, so what the 1-bit code leaves out
+    is lost instead of fed back. An instance that serves several calls (kept, one per tensor or
+    per run of a sweep), one whose call failed, and the library's own are not counted.
+
+    It never raises: a warning turned into an error (-W error) is written to stderr instead,
+    since it would reach one rank before the agreement that the others wait in."""
 
     REPEATS = 3
+    KEEP = 4096  # places x sizes followed at most (a program making tensors of ever new sizes)
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._used: dict[tuple[str, int], tuple[list[int], weakref.WeakSet[ErrorFeedback]]] = {}
+        self._lock = threading.RLock()  # a finalizer may run inside a locked section (garbage collection)
+        self._dropped: dict[tuple[str, int], int] = {}
         self._warned: set[str] = set()
 
-    def first_use(self, ef: ErrorFeedback, numel: int) -> None:
-        """Count `ef`'s first call (on `numel` elements), if it is a user's instance holding no
-        errors yet."""
+    def count_call(self, ef: ErrorFeedback, numel: int) -> None:
+        """Note a call that `ef` serves (on `numel` elements), if a user's code made it."""
         site = getattr(ef, "_made_at", None)
-        if site is None or ef.numel is not None:
+        if site is None:
+            return
+        calls = ef.__dict__.get("_calls", 0) + 1
+        ef.__dict__["_calls"] = calls
+        if calls > 1:  # it serves several calls: not the mistake, no longer followed
+            ef._made_at = None
+            return
+        weakref.finalize(ef, self._gone, (site, numel), ef.__dict__).atexit = False
+        with self._lock:
+            dropped = self._dropped.get((site, numel), 0)
+            warn = dropped >= self.REPEATS and site not in self._warned
+            if warn:
+                self._warned.add(site)
+        if warn:
+            _warn_safely(
+                f"compcomm: an ErrorFeedback made at {site} starts from zero, and {dropped} earlier ones made "
+                f"there for {numel} elements each served one call and were dropped. A new ErrorFeedback per "
+                "call carries no error from one call to the next: the 1-bit code's errors are lost instead of "
+                "fed back. Make it once, outside the loop, and pass the same instance to every call "
+                "(checkpoint it with state_dict()); to start over on purpose, call its reset(). (Shown once "
+                "per place.)"
+            )
+
+    def _gone(self, key: tuple[str, int], fields: dict[str, Any]) -> None:
+        """An instance followed since its first call was collected: counted if that call, its
+        only one, succeeded (its `numel` set)."""
+        if fields.get("_made_at") is None or fields.get("numel") is None:
             return
         with self._lock:
-            ef._made_at = None
-            count, alive = self._used.setdefault((site, numel), ([0], weakref.WeakSet()))
-            dropped = count[0] - len(alive) >= self.REPEATS and site not in self._warned
-            count[0] += 1
-            alive.add(ef)
-            if dropped:
-                self._warned.add(site)
-        if dropped:
-            warnings.warn(
-                f"compcomm: an ErrorFeedback made at {site} starts from zero, and {count[0] - 1} earlier "
-                f"ones made there for {numel} elements were used and then dropped. A new ErrorFeedback per call "
-                "carries no error from one call to the next: the 1-bit code's errors are lost instead "
-                "of fed back. Make it once, outside the loop, and pass the same instance to every call "
-                "(checkpoint it with state_dict()); to start over on purpose, call its reset(). "
-                "(Shown once per place.)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            if len(self._dropped) >= self.KEEP and key not in self._dropped:
+                self._dropped.clear()
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+
+
+def _warn_safely(message: str) -> None:
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=5)
+    except Exception:  # a filter turned it into an error: raised here it would hang the other ranks
+        print(f"RuntimeWarning: {message}", file=sys.stderr)
 
 
 DROPPED = DroppedInstances()
@@ -504,7 +530,8 @@ DROPPED = DroppedInstances()
 
 def _inside_package(frame: Any) -> bool:
     """Whether a frame runs compcomm's own code (whose instances `DroppedInstances` leaves alone)."""
-    return os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(_PACKAGE_DIR)
+    where = os.path.abspath(frame.f_code.co_filename)
+    return os.path.commonpath([where, _PACKAGE_DIR]) == _PACKAGE_DIR
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -280,32 +280,87 @@ class Reshaped(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+class InOrder(torch.nn.Module):
+    """Parameters registered in the order of use, the head's width given: after DDP's rebuild
+    the head's bucket (first ready) is reduced first, the input layer's last."""
+
+    def __init__(self, out: int = 4) -> None:
+        super().__init__()
+        self.inp, self.mid, self.head = torch.nn.Linear(8, 32), torch.nn.Linear(32, 16), torch.nn.Linear(16, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(torch.tanh(self.inp(x)))))[:, :4]
+
+
+def errors_of(state: OnebitHookState) -> dict:
+    return {k: ef.worker_error.clone() for k, ef in state.error_feedback.items() if ef.initialized}
+
+
+def same_errors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+MODELS = {"bigger": (Net, Bigger), "reshaped": (Net, Reshaped), "fewer": (Bigger, Net), "head": (InOrder, None)}
+
+
 def another_model_resumed(kind: str) -> dict:
     """The documented resume order (a fresh hook state, load, register) with another model's
     state. The load cannot tell (the state knows no model yet); the first backward raised inside
     DDP's reducer, which then failed every later backward with an internal assert, or (a model
-    with more parameters) trained on silently with the other model's errors."""
+    with more or fewer parameters, the same first ones) trained on silently with the other
+    model's errors. Where a bucket before the last was refused (the head's, of another width),
+    the buckets after it kept their new errors."""
     rank = dist.get_rank()
-    ddp, state = hooked(start_iter=1)
+    saved_with, resumed_with = MODELS[kind]
+    torch.manual_seed(0)
+    ddp, state = hooked(start_iter=1, model=saved_with())
     train(ddp, sgd(ddp), range(3), rank)
     saved = roundtrip(state.state_dict())
     torch.manual_seed(1)
-    other = DDP(Bigger() if kind == "bigger" else Reshaped(), bucket_cap_mb=BUCKET_MB)
+    other = DDP(InOrder(out=5) if kind == "head" else resumed_with(), bucket_cap_mb=BUCKET_MB)
     fresh = OnebitHookState(start_iter=1)
     fresh.load_state_dict(saved)
     other.register_comm_hook(fresh, onebit_hook)
-    failures = [caught(lambda: loss_of(other, rank, step).backward()) for step in range(3)]
-    return {"failures": failures, "iter": fresh.iter}
+    failures, unchanged = [], []
+    for step in range(3):
+        before = errors_of(fresh)
+        failures.append(caught(lambda: loss_of(other, rank, step).backward()))
+        unchanged.append(same_errors(before, errors_of(fresh)))
+    return {"failures": failures, "iter": fresh.iter, "unchanged": unchanged}
 
 
-@pytest.mark.parametrize("kind", ["bigger", "reshaped"])
+@pytest.mark.parametrize("kind", list(MODELS))
 def test_another_models_state_is_refused_at_every_backward_on_every_rank(pool, kind):
     results = pool.run(another_model_resumed, kind)
     for r in results:
-        assert r["iter"] == 3, r
+        # a model with fewer parameters is known as such at the first backward's last bucket, after
+        # DDP's first buckets replaced the state's (the errors of another model, of no use here)
+        assert r["iter"] == 3 and all(r["unchanged"][kind == "fewer" :]), r
         for failure in r["failures"]:
             assert failure is not None and failure[0] == "ValueError" and "another model" in failure[1], r
     assert len({tuple(f[1] for f in r["failures"]) for r in results}) == 1, "ranks raised different errors"
+
+
+def live_state_loads_a_smaller_models() -> list[tuple[str, str] | None]:
+    """A hook state that has numbered a bigger model's parameters loads the state of a model
+    whose parameters are the first of them (accepted: they match): the next backward raised an
+    IndexError inside DDP's reducer, and DDP failed every backward after with its own error."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    small, small_state = hooked(start_iter=1, model=Net())
+    torch.manual_seed(0)
+    big, big_state = hooked(start_iter=1, model=Bigger())
+    for step in range(2):
+        loss_of(small, rank, step).backward()
+        loss_of(big, rank, step).backward()
+    big_state.load_state_dict(small_state.state_dict())
+    return [caught(lambda: loss_of(big, rank, step).backward()) for step in range(2, 5)]
+
+
+def test_a_live_state_loaded_with_a_smaller_models_state_is_refused_at_every_backward(pool):
+    for failures in pool.run(live_state_loads_a_smaller_models):
+        for failure in failures:
+            assert failure is not None and failure[0] == "ValueError" and "another model" in failure[1], failures
 
 
 def states_of_different_models_loaded() -> tuple[str, str] | None:

@@ -1122,6 +1122,33 @@ def another_mesh_loaded(mesh: str) -> dict:
     return out
 
 
+def own_state_over_a_hierarchical_backend() -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """HSDP whose average across replicas runs over a hierarchical backend (2 nodes of 2): its
+    errors are of the part each rank reduces across the nodes (2 ranks), not of the 4 replicas.
+    The first version of the mesh check refused the run's own state; a flat backend's state is
+    another layout of the ranks and is refused."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def build(backend):
+        model = shard(make_model(), (rank,))
+        return model, compcomm.fsdp.compress(model, start_iter=0, replicate_group=group(4), backend=backend)
+
+    model, state = build(compcomm.backends.get("hierarchical", local_world_size=2))
+    for step in range(2):
+        loss_of(model, batch(rank, step)).backward()
+    flat_model, flat_state = build(None)
+    loss_of(flat_model, batch(rank, 0)).backward()
+    return caught(state.load_state_dict, state.state_dict()), caught(state.load_state_dict, flat_state.state_dict())
+
+
+def test_hsdp_over_a_hierarchical_backend_reloads_its_own_state(pool):
+    for own, flat in pool.run(own_state_over_a_hierarchical_backend):
+        assert own is None, own
+        assert flat is not None and flat[0] == "ValueError" and "another mesh" in flat[1], flat
+
+
 @pytest.mark.parametrize("mesh", ["4x1", "1x4"])
 def test_a_state_of_another_mesh_of_as_many_ranks_is_refused_at_the_load(pool, mesh):
     for r in pool.run(another_mesh_loaded, mesh):

@@ -139,7 +139,7 @@ def test_ranks_started_from_different_parameters_are_made_equal_with_a_warning(p
     assert all(len(r[1]) == 1 for r in res), [r[1] for r in res]
 
 
-DROPPED_WARNING = "were used and then dropped"
+DROPPED_WARNING = "each served one call and were dropped"
 
 
 def error_feedback_habits() -> dict[str, list[str]]:
@@ -179,6 +179,24 @@ def error_feedback_habits() -> dict[str, list[str]]:
             compcomm.compressed_allreduce(grad.clone(), kept)
             kept.reset()
 
+    def runs_of_kept_instances() -> None:  # each run of a sweep makes its own, in a helper, and keeps them
+        def make() -> list[compcomm.ErrorFeedback]:
+            return [compcomm.ErrorFeedback() for _ in range(3)]
+
+        for _ in range(3):
+            efs = make()
+            for _ in range(2):
+                compcomm.compressed_allreduce_coalesced([grad.clone() for _ in efs], efs)
+
+    def refused_calls() -> None:  # calls that fail (a NaN, on purpose) leave their instances unused
+        bad = grad.clone()
+        bad[0] = float("nan")
+        for _ in range(6):
+            try:
+                compcomm.compressed_allreduce(bad.clone(), compcomm.ErrorFeedback())
+            except compcomm.NonFiniteError:
+                pass
+
     def one_per_size() -> None:  # a sweep: each size's instance kept over its calls
         for size in (100, 200, 300):
             ef = compcomm.ErrorFeedback()
@@ -199,6 +217,8 @@ def error_feedback_habits() -> dict[str, list[str]]:
         "kept_list": kept_list,
         "reset_on_purpose": reset_on_purpose,
         "one_per_size": one_per_size,
+        "runs_of_kept_instances": runs_of_kept_instances,
+        "refused_calls": refused_calls,
         "one_per_backend": one_per_backend,
         "optimizer": optimizer,
     }
@@ -217,6 +237,25 @@ def test_a_new_error_feedback_per_call_warns_once_and_kept_ones_do_not(pool):
             "kept_list": [],
             "reset_on_purpose": [],
             "one_per_size": [],
+            "runs_of_kept_instances": [],
+            "refused_calls": [],
             "one_per_backend": [],
             "optimizer": [],
         }
+
+
+def test_the_dropped_instance_warning_never_raises_from_a_call(capfd):
+    """Turned into an error (-W error), it would raise on one rank before the agreement that the
+    others wait in: it goes to stderr instead, and the call runs (a world of one here)."""
+    grad = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(5):
+            compcomm.compressed_allreduce(grad.clone(), compcomm.ErrorFeedback(tag="per call"))
+    assert "RuntimeWarning: compcomm: an ErrorFeedback made at per call starts from zero" in capfd.readouterr().err
+
+
+def test_a_tag_that_is_not_a_string_is_refused_where_the_error_feedback_is_made():
+    """It failed inside the first call's agreement (an AttributeError of `encode`), on every rank."""
+    with pytest.raises(TypeError, match="tag must be a string"):
+        compcomm.ErrorFeedback(tag=["x"])

@@ -29,7 +29,7 @@ from .. import schedules
 from ..agreement import CallSpec, all_sum, raise_agreed
 from ..backends import Backend, HierarchicalBackend
 from ..backends.registry import falling_back, over_group
-from ..error_feedback import ALLREDUCE, REDUCE_SCATTER, ErrorFeedback
+from ..error_feedback import REDUCE_SCATTER, ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values, all_gather_object
 from ..layout import is_integer
@@ -73,13 +73,16 @@ class _Module:
         shards saved, 4 shards loaded) holds the same parameters, split otherwise."""
         if not errors.initialized:
             return
-        group, layout = (self.shard, REDUCE_SCATTER) if self.replicas is None else (self.replicas, ALLREDUCE)
-        if errors.world_size != group.world_size or errors.layout != layout:
-            across = "its shard group" if self.replicas is None else "the replicas of its shard"
+        if self.replicas is None:
+            world, layout, across = self.shard.world_size, REDUCE_SCATTER, "its shard group"
+        else:  # over a hierarchical backend, the errors are of the part this rank reduces across nodes
+            _, world, layout = schedules.serves(self.replicas)(1)
+            across = "the replicas of its shard"
+        if errors.world_size != world or errors.layout != layout:
             raise ValueError(
                 f"FSDP module {self.name!r}'s error feedback was saved by calls of kind {errors.layout} over "
-                f"{errors.world_size} ranks; here its calls are of kind {layout} over {group.world_size} ({across}): "
-                "the state belongs to another mesh (shards and replicas) of the same ranks"
+                f"{errors.world_size} ranks; here its calls are of kind {layout} over {world} ({across}): "
+                "the state belongs to another mesh (shards and replicas) of the same ranks, or another backend"
             )
 
     def _requiring(self) -> tuple[bool, ...]:
