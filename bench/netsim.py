@@ -34,9 +34,12 @@ freely (the plain, oversubscribed run). `--cpus-per-host C` emulates a cluster o
 cores each by time dilation (docs/guides/measuring.md): each host's processes get C cores' worth of CPU
 time (a cgroup v1 CFS quota), and where hosts x C is more than this machine's cores the whole
 cluster is slowed by d = hosts x C / cores: each host gets C / d of a core, links run at rate / d
-and the delay lasts d times longer (`--dilate D` asks for a larger d). `--pin` instead puts each
-host on C cores of its own (cpuset), undilated, where hosts x C fits: the reference the
-emulation is measured against. Ranks get NETSIM_DILATION (d, 1 when not dilated) and
+and the delay lasts d times longer (`--dilate D` asks for a larger d). Each host's processes
+also run on ceil(C) of the machine's cores only (their CPU affinity), the hosts spread evenly
+over the cores, so that a host of one core never runs two of its ranks at once (where the hosts
+cannot spread evenly at that d, they are not confined, and the banner says so). `--pin` instead
+puts each host on C cores of its own (cpuset), undilated, where hosts x C fits: the reference
+the emulation is measured against. Ranks get NETSIM_DILATION (d, 1 when not dilated) and
 NETSIM_CPUS_PER_HOST (C, empty without it), beside NETSIM_RATE and NETSIM_DELAY (the emulated
 cluster's rate and delay, as given): benchmarks report measured times divided by d as emulated
 times (bench/emulation.py); ratios of two times need no rescaling.

@@ -9,7 +9,12 @@ CPU-bound parts of a collective look slower (or faster) than on a cluster. Two r
   machine's cores, the whole cluster runs d = hosts x C / cores times slower than the one it stands
   for: each host gets C / d of a core, links carry rate / d and delays last d times longer. Every
   host then sees its cluster's ratio of compute to network, and a measured time divided by d is
-  the emulated cluster's time.
+  the emulated cluster's time. A quota bounds a host's CPU time, not how many of its threads run
+  at once: a one-core host's two ranks would run side by side on two cores, then wait out the
+  period, where a real one-core host interleaves them. So each host is also confined to ceil(C)
+  cores (its processes' CPU affinity), the hosts spread evenly over the machine's cores; where
+  they cannot be spread evenly at that d (3 hosts of one core on 2 cores), they are not confined,
+  and the banner says so.
 - Pinning (`--pin`): each host runs on C cores of its own (cgroup v1 cpuset), with no dilation.
   It only fits where hosts x C is at most this machine's cores; it is the reference the emulation
   is checked against.
@@ -70,10 +75,32 @@ class CpuPlan:
         share = self.quota_cores
         return None if share is None else round(share * CFS_PERIOD_US)
 
+    @property
+    def confined(self) -> bool:
+        """Whether each host runs on cores of its own (pinned) or confined to ceil(C) cores shared
+        with other hosts: the latter where the hosts, placed round-robin, load no core beyond its
+        whole time at this dilation."""
+        if self.cpus_per_host is None:
+            return False
+        if self.pin:
+            return True
+        n, c = len(self.cores), self._cores_per_host
+        most = math.ceil(self.hosts * c / n)  # hosts on the busiest core
+        return most * self.cpus_per_host / (c * self.dilation) <= 1 + 1e-9
+
+    @property
+    def _cores_per_host(self) -> int:
+        return min(math.ceil(self.cpus_per_host or 0), len(self.cores))
+
     def host_cores(self, host: int) -> list[int]:
-        """The cores pinned host `host` runs on (pinning only): C consecutive ones of its own."""
-        c = int(self.cpus_per_host or 0)
-        return list(self.cores[host * c : (host + 1) * c])
+        """The cores host `host` runs on: pinned, C consecutive ones of its own; confined, ceil(C)
+        taken round-robin over the machine's; otherwise all of them."""
+        if not self.confined:
+            return list(self.cores)
+        n, c = len(self.cores), self._cores_per_host
+        if self.pin:
+            return list(self.cores[host * c : (host + 1) * c])
+        return sorted(self.cores[(host * c + i) % n] for i in range(c))
 
     def describe(self) -> str:
         """One line for netsim's banner."""
@@ -82,10 +109,14 @@ class CpuPlan:
         if self.pin:
             where = "; ".join(f"host {h} on core(s) {_cpu_list(self.host_cores(h))}" for h in range(self.hosts))
             return f"pinned, {self.cpus_per_host:g} core(s) per host: {where}; no dilation (d = 1)"
+        if self.confined:
+            where = ", ".join(f"host {h} on {_cpu_list(self.host_cores(h))}" for h in range(self.hosts))
+        else:
+            where = "hosts not confined: they do not spread evenly over the cores at this d"
         return (
             f"emulating {self.hosts} hosts x {self.cpus_per_host:g} core(s) on {len(self.cores)} core(s): "
             f"dilation d = {self.dilation:g}, each host {self.quota_cores:g} core(s) "
-            f"(cfs quota {self.quota_us} us per {CFS_PERIOD_US} us)"
+            f"(cfs quota {self.quota_us} us per {CFS_PERIOD_US} us); {where}"
         )
 
 
@@ -191,9 +222,11 @@ class HostCgroups:
                 (path / "cpu.cfs_quota_us").write_text(str(self.plan.quota_us))
 
     def enter(self, host: int) -> None:
-        """Move the calling process into host `host`'s cgroup (run in the child before it execs)."""
+        """Move the calling process into host `host`'s cgroup and onto its cores (run in the
+        child before it execs; its children inherit both)."""
         if self.active:
             (self.dirs()[host] / "cgroup.procs").write_text(str(os.getpid()))
+            os.sched_setaffinity(0, self.plan.host_cores(host))
 
     def remove(self, wait: float = 5.0) -> None:
         """Kill what is left in the cgroups, then remove them (idempotent)."""

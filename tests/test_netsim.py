@@ -77,12 +77,12 @@ def _leftovers(tag: str) -> list[str]:
     return [line for line in (ns + links).splitlines() if tag in line] + cgroups
 
 
-def _netsim(tag: str, *command: str, extra=(), subnet: str = "10.77.5.0/24") -> list[str]:
+def _netsim(tag: str, *command: str, extra=(), subnet: str = "10.77.5.0/24", hosts: int = 2) -> list[str]:
     return [
         sys.executable,
         str(SCRIPT),
         "--hosts",
-        "2",
+        str(hosts),
         "--rate",
         "1gbit",
         "--subnet",
@@ -286,6 +286,26 @@ def test_cpu_plan_dilates_where_the_hosts_need_more_cores():
     assert cpu.plan(4, None, cores=two).quota_us is None and cpu.plan(4, None, cores=two).dilation == 1
 
 
+def test_emulated_hosts_are_confined_to_their_cores_where_they_spread_evenly():
+    """A quota bounds a host's CPU time, not how many of its threads run at once: a one-core
+    host's two ranks ran side by side on two cores, then waited out the period. Each host is
+    confined to ceil(C) cores, round-robin, where no core is then loaded beyond its time."""
+    cpu = _cpu()
+    two = [0, 1]
+    four = cpu.plan(4, 1, cores=two)
+    assert four.confined and [four.host_cores(h) for h in range(4)] == [[0], [1], [0], [1]]
+    forced = cpu.plan(2, 1, dilate=2, cores=[4, 6])
+    assert forced.confined and [forced.host_cores(h) for h in range(2)] == [[4], [6]]
+    assert "host 0 on 4, host 1 on 6" in forced.describe()
+    both = cpu.plan(2, 2, cores=two)
+    assert both.confined and both.host_cores(1) == [0, 1]
+    halves = cpu.plan(8, 0.5, cores=two)  # 4 half-core hosts on each core, d = 2
+    assert halves.dilation == 2 and halves.confined and halves.host_cores(5) == [1]
+    uneven = cpu.plan(3, 1, cores=two)  # d = 1.5: two hosts of 2/3 of a core cannot share one
+    assert not uneven.confined and uneven.host_cores(2) == [0, 1] and "not confined" in uneven.describe()
+    assert not cpu.plan(4, None, cores=two).confined and cpu.plan(2, 1, pin=True, cores=two).confined
+
+
 @pytest.mark.parametrize(
     "kwargs, why",
     [
@@ -485,6 +505,27 @@ def test_pin_puts_each_host_on_a_core_of_its_own():
     cores = sorted(os.sched_getaffinity(0))
     ranks = _rank_lines(proc.stdout)
     assert {r: (w[3], w[5]) for r, w in ranks.items()} == {0: (str(cores[0]), "1"), 1: (str(cores[1]), "1")}
+    assert _leftovers(tag) == []
+
+
+@needs_netns
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) == 3, reason="4 one-core hosts do not spread evenly over 3 cores")
+def test_emulated_hosts_run_on_their_cores():
+    """4 hosts of 1 core on this machine's cores: each host's two ranks on one core, the hosts
+    spread over the cores (two on each of 2 cores, d = 2)."""
+    tag = TAG + "w"
+    cores = sorted(os.sched_getaffinity(0))
+    extra = ("--cpus-per-host", "1", "--ranks-per-host", "2")
+    proc = subprocess.run(
+        _netsim(tag, sys.executable, "-c", PINNED, extra=extra, subnet="10.77.66.0/24", hosts=4),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = _rank_lines(proc.stdout)
+    assert {r: w[3] for r, w in ranks.items()} == {r: str(cores[(r // 2) % len(cores)]) for r in range(8)}, ranks
     assert _leftovers(tag) == []
 
 
