@@ -381,10 +381,7 @@ class OnebitHookState:
                     "DDP settings"
                 )
         except ValueError as exc:  # another model's state: the same on every rank (see _number)
-            self._failure = self._failure or exc
-            if last:
-                self._in_flight, self._pending = [], []
-            return self._refused(buffer, last and joined)
+            return self._refuse(exc, buffer, last, joined)
         compress = self.iter >= self.start_iter
         if compress:
             self._loss_scale.follow(self._buckets.values())
@@ -402,10 +399,7 @@ class OnebitHookState:
             else:
                 futures = [be.ordered(_uncompressed_mean, flat, be, async_op=True).get_future() for flat in flats]
         except Exception as exc:  # refused at submission (a channel a timed-out call broke): nothing sent
-            self._failure = self._failure or exc
-            if last:
-                self._in_flight, self._pending = [], []
-            return self._refused(buffer, last and joined)
+            return self._refuse(exc, buffer, last, joined)
         if compress:
             self._pending.extend(parts)
         if last:
@@ -461,6 +455,14 @@ class OnebitHookState:
                 engine = torch.autograd.Variable._execution_engine
                 engine.queue_callback(lambda: engine.queue_callback(self._end_of_backward))
         return joined
+
+    def _refuse(self, exc: Exception, buffer: torch.Tensor, last: bool, joined: bool) -> torch.futures.Future:
+        """Refuse this iteration from this bucket on, with `exc` (unless it already failed): the
+        bucket back as it is; at the last bucket, no earlier bucket's new errors are kept."""
+        self._failure = self._failure or exc
+        if last:
+            self._in_flight, self._pending = [], []
+        return self._refused(buffer, last and joined)
 
     def _refused(self, buffer: torch.Tensor, ends_joined: bool) -> torch.futures.Future:
         """The bucket back as it is, nothing sent: the iteration is refused on every rank alike
