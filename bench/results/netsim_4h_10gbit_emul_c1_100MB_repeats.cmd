@@ -1,2 +1,3 @@
 # three runs in a row of: python bench/netsim.py --hosts 4 --rate 10gbit --cpus-per-host 1 --subnet 10.77.125.0/24 -- python bench/allreduce_bw.py --backend gloo -q -b 100M -e 100M -n 5 -w 2
 python bench/netsim.py --hosts 4 --rate 10gbit --cpus-per-host 1 --subnet 10.77.125.0/24 -- python bench/allreduce_bw.py --backend gloo -q -b 100M -e 100M -n 5 -w 2
+# then, at b40d3df (hosts confined), the same three times (runs 4-6), and three times with -b 4M -e 4M
