@@ -445,6 +445,7 @@ def test_tensors_that_require_grad(pool):
         "sparse",  # raised aten's NotImplementedError
     ],
 )
+@pytest.mark.filterwarnings("ignore:compcomm. an ErrorFeedback made at:RuntimeWarning")  # one per case, on purpose
 def test_load_state_dict_rejects_malformed_state(state):
     ef = compcomm.ErrorFeedback()
     compcomm.compressed_allreduce(torch.randn(8), ef)
