@@ -73,6 +73,7 @@ class ErrorFeedback:
         self._made_at: str | None = (
             self.tag if isinstance(self.tag, str) and not _inside_package(sys._getframe(1)) else None
         )
+        self._calls = 0  # calls served while followed
 
     @property
     def worker_error(self) -> torch.Tensor | None:
@@ -486,9 +487,8 @@ class DroppedInstances:
         site = getattr(ef, "_made_at", None)
         if site is None:
             return
-        calls = ef.__dict__.get("_calls", 0) + 1
-        ef.__dict__["_calls"] = calls
-        if calls > 1:  # it serves several calls: not the mistake, no longer followed
+        ef._calls = getattr(ef, "_calls", 0) + 1
+        if ef._calls > 1:  # it serves several calls: not the mistake, no longer followed
             ef._made_at = None
             return
         weakref.finalize(ef, self._gone, (site, numel), ef.__dict__).atexit = False
