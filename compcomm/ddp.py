@@ -314,6 +314,8 @@ class OnebitHookState:
         )
         self.iter, self.start_iter, self._params = iteration, start_iter, params
         self._params_loaded = bool(params)
+        if not params:  # a state saved before any backward knows no parameter: the numbering starts over
+            self._numbers = WeakIdKeyDictionary()
         self._loss_scale.load(scale)
         self._buckets, self._spares, self._pending = buckets, {}, []
         self._owner = {number: key for key in buckets for number in key}

@@ -457,6 +457,21 @@ def warmup_state_loads_anywhere() -> int:
     return fresh.iter
 
 
+def never_used_state_loaded_into_a_live_one() -> tuple[tuple[str, str] | None, int]:
+    """A state saved before any backward (it knows no parameter) loaded into a hook state that
+    has trained: a start over. The numbering the live state kept named parameters the loaded
+    state did not have (an IndexError inside DDP's reducer, then a refusal as another model)."""
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=1)
+    train(ddp, sgd(ddp), range(2), rank)
+    state.load_state_dict(OnebitHookState(start_iter=1).state_dict())
+    return caught(lambda: train(ddp, sgd(ddp), range(2, 4), rank)), state.iter
+
+
+def test_a_never_used_state_loaded_into_a_live_one_starts_over(pool):
+    assert pool.run(never_used_state_loaded_into_a_live_one) == [(None, 2)] * 4
+
+
 def test_state_without_errors_loads_on_any_rank(pool):
     assert pool.run(warmup_state_loads_anywhere) == [2] * 4
 
