@@ -14,7 +14,7 @@ import torch
 
 PTR, I32, I64, F32, U32 = "ptr", "int", "cc_index", "float", "unsigned int"
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 """CC_ABI_VERSION of the C library this table describes (`cc_abi_version()`)."""
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -22,11 +22,12 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 SIGNATURES: dict[str, tuple[str, ...]] = {
     "cc_worker_scan": (PTR, I32, I64, PTR, F32, PTR, F32, I32, I64, PTR, PTR, PTR),
-    "cc_error_update": (PTR, I32, I64, PTR, PTR, I64, I64, F32),
+    "cc_error_update": (PTR, I32, I64, PTR, PTR, I64, I64, F32, PTR),
     "cc_server_scan": (PTR, I64, I32, PTR, F32, PTR, PTR, I64, I64, PTR, PTR),
     "cc_decode": (PTR, I64, I32, U32, U32, PTR),
 }
-"""Parameter kinds of each kernel, in order. A summing kernel's last parameter is `partial`."""
+"""Parameter kinds of each kernel, in order. A kernel that sums (or, the error update, takes the
+largest) writes per-block results into its last parameter, `partial`."""
 
 Arg = int | float
 

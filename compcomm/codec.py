@@ -10,7 +10,8 @@ the allreduce calls in this order:
   spares the worker its `error_update_`. Writes nothing else, so the call can still be
   rejected afterwards with nothing changed.
 - `error_update_`: e <- v - s sign(v) on the real elements, 0 on padding (worker and server),
-  in place or into another buffer.
+  in place or into another buffer; returns max |e|, the server error's bound in the next
+  call's phase 0, measured as it is written rather than by a pass of its own.
 - `server_scan_`: y = (1/n) sum_r s_r sign_r + e_s, stored in e_s (or read from another buffer:
   `previous`); bits = sign(y); sum(y^2).
 - `decode`: out = t sign, written in the output dtype.
@@ -44,6 +45,7 @@ import torch
 
 from . import _cuda, _native
 from ._abi import DTYPE_CODES, Arg, Kernels
+from .errors import largest_magnitude
 
 _BLOCK = {"cpu": 1 << 18}
 _DEFAULT_BLOCK = 1 << 24
@@ -162,10 +164,16 @@ class Codec:
         return True
 
     def _fused_sum(
-        self, kernel: str, device: torch.device, count: int, tensors: Sequence[torch.Tensor | None], args: Sequence[Arg]
+        self,
+        kernel: str,
+        device: torch.device,
+        count: int,
+        tensors: Sequence[torch.Tensor | None],
+        args: Sequence[Arg],
+        largest: bool = False,
     ) -> float | None:
-        """`_fused` for a kernel writing float64 partial sums: their total (added in a fixed
-        order), or None when the torch code must run."""
+        """`_fused` for a kernel writing float64 per-block results: their total (added in a fixed
+        order), with `largest` the largest (NaN if one is), or None when the torch code must run."""
         if self.kernels is None or not self.kernels.accepts(tensors):
             return None
         blocks = self.kernels.blocks(count)
@@ -175,7 +183,7 @@ class Codec:
             return total.value
         partial = torch.empty(blocks, dtype=torch.float64, device=device)
         self.kernels.launch(kernel, device, count, [*args, partial.data_ptr()])
-        return float(partial.sum())
+        return float(partial.max() if largest else partial.sum())
 
     def worker_scan(
         self,
@@ -256,16 +264,17 @@ class Codec:
         real: int,
         x: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
-    ) -> None:
-        """out <- v - scale * sign(v) with v = error (+ x on x's length) on [:real], 0 beyond.
-        `out` (default: error itself) is another buffer of error's size when the caller keeps
-        the old errors: the fused kernels write the new ones in one pass, with no copy of the
-        old first (the torch code copies, then updates in place)."""
+    ) -> float:
+        """out <- v - scale * sign(v) with v = error (+ x on x's length) on [:real], 0 beyond;
+        returns max |out| (NaN if an element is NaN; 0 when real is 0). `out` (default: error
+        itself) is another buffer of error's size when the caller keeps the old errors: the
+        fused kernels write the new ones in one pass, with no copy of the old first (the torch
+        code copies, then updates in place)."""
         target = error if out is None else out
         if target is not error and _shares_storage(target, error):
             raise ValueError("error_update_: `out` must be the error tensor itself or share no storage with it")
         n = 0 if x is None else x.numel()
-        if self._fused(
+        peak = self._fused_sum(
             "cc_error_update",
             error.device,
             error.numel(),
@@ -280,12 +289,15 @@ class Codec:
                 error.numel(),
                 scale,
             ),
-        ):
-            return
+            largest=True,
+        )
+        if peak is not None:
+            return peak
         if target is not error:
             target.copy_(error)
         plus = torch.tensor(scale, dtype=torch.float32, device=error.device)
         minus, step = -plus, block_size(error.device)
+        peak = 0.0
         for start in range(0, real, step):
             v = target[start : min(start + step, real)]
             live = max(0, min(n, start + v.numel()) - start)
@@ -293,7 +305,10 @@ class Codec:
                 assert x is not None
                 v[:live] += x[start : start + live]
             v -= torch.where(v >= 0, plus, minus)
+            block = largest_magnitude(v)
+            peak = block if math.isnan(block) or block > peak else peak  # a NaN, once seen, stays
         target[real:].zero_()
+        return peak
 
     def server_scan_(
         self,

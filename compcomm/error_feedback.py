@@ -192,10 +192,11 @@ class ErrorFeedback:
         assert self._server_max is not None
         return self._server_max
 
-    def record_server_max(self) -> None:
-        """Re-measure max |server_error| after the algorithm updated it (one pass over C elements)."""
+    def record_server_max(self, peak: float | None = None) -> None:
+        """Record max |server_error| after the algorithm updated it: `peak`, as the update measured
+        it while writing, or else measured here (one pass over C elements)."""
         assert self.server_error is not None
-        self._server_max = largest_magnitude(self.server_error)
+        self._server_max = largest_magnitude(self.server_error) if peak is None else peak
 
     def buffers(
         self, numel: int, world_size: int, device: torch.device, layout: str = ALLREDUCE

@@ -47,6 +47,7 @@ def run_steps(world: int, numel: int, dtype: str, op: str, steps: int, shape=Non
                 "output": t.reshape(-1).double().numpy() if rank == 0 else None,
                 "worker": ef.worker_error.numpy().copy(),
                 "server": ef.server_error.numpy().copy(),
+                "server_max": ef._server_max,  # as the call recorded it, from its error update's own pass
             }
         )
     return records
@@ -73,6 +74,8 @@ def test_matches_reference_step_by_step(pool, world, numel, dtype, op):
         got_server = np.stack([rec["server"] for rec in records]).astype(np.float64)
         assert_close(got_worker, ref_worker, rtol=1e-5, atol=1e-5 * scale)
         assert_close(got_server, ref_server, rtol=1e-5, atol=1e-5 * scale)
+        # the bound phase 0 sends next: max |e_s| as the update wrote it, no pass of its own
+        assert [rec["server_max"] for rec in records] == [float(np.abs(s).max()) for s in got_server]
         worker, server = got_worker, got_server  # next step from our state: no drift from rounding
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import re
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 
 from compcomm import _abi, _cuda, _native
 from compcomm.codec import Codec, codec_for, divide_
+from compcomm.errors import largest_magnitude
 
 from cuda_emulation import EmulatedCudaKernels, build, compiler_missing
 
@@ -107,8 +109,9 @@ def test_worker_scan_and_update(kind, numel, dtype):
         (n_sum, n_args), (t_sum, t_args) = both(kind, "worker_scan", x, e, torch.empty(m // 8, dtype=torch.uint8))
         assert same_bits(n_args[2], t_args[2])
         assert n_sum == pytest.approx(t_sum, rel=1e-12)
-    (_, n_args), (_, t_args) = both(kind, "error_update_", error, 0.625, numel, x)
+    (n_peak, n_args), (t_peak, t_args) = both(kind, "error_update_", error, 0.625, numel, x)
     assert same_bits(n_args[0], t_args[0])
+    assert n_peak == t_peak == largest_magnitude(t_args[0])
     assert torch.equal(n_args[0][numel:], torch.zeros(m - numel))
     # into another buffer (garbage before): the same bits, and the old errors left as they were
     (_, o_args), (_, u_args) = both(kind, "error_update_", error, 0.625, numel, x, torch.full((m,), 7.0))
@@ -229,8 +232,25 @@ def test_server_scan_and_update(kind, n, c, real):
         )
         assert same_bits(n_args[3], t_args[3]) and same_bits(n_args[5], t_args[5])
         assert n_sum == pytest.approx(t_sum, rel=1e-12)
-    (_, n_args), (_, t_args) = both(kind, "error_update_", error, 0.3, real)
+    (n_peak, n_args), (t_peak, t_args) = both(kind, "error_update_", error, 0.3, real)
     assert same_bits(n_args[0], t_args[0])
+    assert n_peak == t_peak == largest_magnitude(t_args[0])
+
+
+@pytest.mark.parametrize("special", [math.nan, -math.inf, -50.0])
+@pytest.mark.parametrize("where", [0, 4000, 8012])
+def test_the_error_update_returns_the_largest_magnitude_it_wrote(kind, special, where):
+    """max |new error| over the real elements, from the update's own pass (a NaN wins, then an
+    infinity of either sign; the padding, NaN here, does not count), on several blocks of
+    threads where the kernels are CUDA's."""
+    c, real = 8192, 8013
+    error = torch.randn(c, generator=torch.Generator().manual_seed(where)) * 0.2
+    error[where] = special
+    error[real:] = math.nan
+    (n_peak, _), (t_peak, t_args) = both(kind, "error_update_", error, 0.3, real)
+    expected = largest_magnitude(t_args[0][:real])
+    assert (math.isnan(n_peak) and math.isnan(t_peak) and math.isnan(expected)) or n_peak == t_peak == expected
+    assert {math.nan: math.isnan, -math.inf: math.isinf, -50.0: lambda e: 49.6 < e < 49.8}[special](expected)
 
 
 @pytest.mark.parametrize("n, c, real", [(1, 8, 3), (4, 4096, 4000), (5, 8192, 8013)])

@@ -5,6 +5,7 @@ rebuilt here in numpy); and the configuration that runs is the one named."""
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import subprocess
@@ -17,6 +18,7 @@ import torch
 
 from compcomm import _native, codec
 from compcomm.codec import Codec
+from compcomm.errors import largest_magnitude
 
 pytestmark = pytest.mark.skipif(_native.library_path() is None, reason="the C codec was not built")
 
@@ -55,6 +57,11 @@ def codecs() -> dict[tuple[str, int], Codec]:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.view(torch.uint8).equal(b.view(torch.uint8))
+
+
+def same_value(a: float, b: float) -> bool:
+    """Equal, or both NaN (whatever their payloads)."""
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def data(numel: int, dtype: torch.dtype, seed: int, offset: int = 0) -> torch.Tensor:
@@ -150,15 +157,41 @@ def test_error_update_is_the_same_in_every_configuration(codecs, numel, dtype, o
     error[:numel] = data(numel, torch.float32, numel + 3) * 0.3
     for with_x in (x, x[: numel // 3], None):  # x as long as the errors, shorter, none (a server's)
         expected = error.clone()
-        TORCH.error_update_(expected, 0.625, numel, with_x)
+        peak = TORCH.error_update_(expected, 0.625, numel, with_x)
+        assert peak == largest_magnitude(expected)
         for config, coder in codecs.items():
             in_place = error.clone()
-            coder.error_update_(in_place, 0.625, numel, with_x)
+            assert coder.error_update_(in_place, 0.625, numel, with_x) == peak, config
             assert same_bits(in_place, expected), config
             out = torch.full((m + offset,), 7.0)[offset:]
             kept = error.clone()
-            coder.error_update_(kept, 0.625, numel, with_x, out)
+            assert coder.error_update_(kept, 0.625, numel, with_x, out) == peak, config
             assert same_bits(out, expected) and same_bits(kept, error), config
+
+
+@pytest.mark.parametrize("numel", LENGTHS)
+@pytest.mark.parametrize("where", ["first", "last", "middle"])
+@pytest.mark.parametrize("special", [math.nan, math.inf, -math.inf, -1e30])
+def test_error_update_returns_the_largest_magnitude_it_wrote_in_every_configuration(codecs, numel, where, special):
+    """max |new error| comes back from the update's own pass (the server error's bound in the
+    next call's phase 0), as largest_magnitude measures it: a NaN anywhere in the real
+    elements makes it NaN, an infinity of either sign inf, a negative error counts by its
+    magnitude, wherever in the blocks, vectors and threads' shares it lies; the padding
+    beyond `real` (NaN there) does not count."""
+    m = -(-numel // 64) * 64 + 8
+    error = torch.zeros(m)
+    error[:numel] = data(numel, torch.float32, numel + 9) * 0.3
+    error[{"first": 0, "last": numel - 1, "middle": numel // 2}[where]] = special
+    error[numel:] = math.nan
+    expected = error.clone()
+    peak = TORCH.error_update_(expected, 0.625, numel)
+    reference = largest_magnitude(expected[:numel])
+    assert same_value(peak, reference)
+    assert same_value(reference, abs(special) if not math.isfinite(special) else float(torch.tensor(1e30)))
+    for config, coder in codecs.items():
+        for out in (None, torch.full((m,), 7.0)):
+            got = coder.error_update_(error.clone(), 0.625, numel, None, out)
+            assert same_value(got, reference), (config, got, reference)
 
 
 @pytest.mark.parametrize(

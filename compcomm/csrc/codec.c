@@ -120,6 +120,21 @@ static inline float minus_signed(float v, float s) {
     return v - (v >= 0.0f ? s : -s);
 }
 
+/* |v| as the bits of its float (the sign cleared): as unsigned integers these order as the
+ * magnitudes do, with every NaN above infinity, so the largest is max |v|, or a NaN where there
+ * is one (as torch.aminmax gives). */
+static inline uint32_t magnitude_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return u & 0x7FFFFFFFu;
+}
+
+static inline double magnitude_value(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return (double)f;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Run-time configuration: which kernel set, how many threads, from what size.                 */
 
@@ -325,16 +340,22 @@ static void sum_chunk(void *p, int64_t block) {
     s->sums[block] = s->one(s->args, block);
 }
 
-static double sum_blocks(block_sum_fn one, void *args, int64_t blocks, int threads) {
+static inline double combine(double total, double block, int largest) {
+    return largest ? (block > total ? block : total) : total + block;
+}
+
+/* `largest`: the largest of the blocks' results instead of their sum (they are then
+ * magnitude_bits, so never NaN). */
+static double sum_blocks(block_sum_fn one, void *args, int64_t blocks, int threads, int largest) {
     double total = 0.0, local[256], *sums = local;
     if (threads > 1 && blocks > 256) sums = malloc((size_t)blocks * sizeof(double));
     if (threads <= 1 || !sums) {
-        for (int64_t b = 0; b < blocks; b++) total += one(args, b);
+        for (int64_t b = 0; b < blocks; b++) total = combine(total, one(args, b), largest);
         return total;
     }
     struct summed s = {one, args, sums};
     run_chunks(sum_chunk, &s, blocks, threads);
-    for (int64_t b = 0; b < blocks; b++) total += sums[b];
+    for (int64_t b = 0; b < blocks; b++) total = combine(total, sums[b], largest);
     if (sums != local) free(sums);
     return total;
 }
@@ -624,12 +645,14 @@ void cc_worker_scan(const void *x, int dtype, cc_index n, const float *addend, f
                   m * (int64_t)sizeof(float) >= STREAM_BYTES;
 #endif
     int64_t blocks = blocks_of(m);
-    *partial = sum_blocks(pick_scan(a.features), &a, blocks, threads_for(m, blocks));
+    *partial = sum_blocks(pick_scan(a.features), &a, blocks, threads_for(m, blocks), 0);
 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* Pass 2: out <- v - s sign(v), v = x + e (x may be NULL: v = e), on [:real]; 0 on [real:m].  */
-/* out may be e itself (in place) or another buffer (e is then left as it was).                */
+/* out may be e itself (in place) or another buffer (e is then left as it was). Returns max     */
+/* |out| as it writes (a server error's bound for the next call's phase 0, with no pass of its  */
+/* own).                                                                                        */
 
 struct update_args {
     const void *x;
@@ -643,32 +666,56 @@ struct update_args {
     int features;
 };
 
-INLINE void update_portable(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
-    int64_t i = lo, split = a->with_x < lo ? lo : min64(a->with_x, hi);
-    for (; i < split; i++) a->out[i] = minus_signed(load(a->x, i, dtype) + a->e[i], a->s);
-    for (; i < hi; i++) a->out[i] = minus_signed(a->e[i], a->s);
+/* Each body returns the largest magnitude_bits of what it wrote. */
+INLINE uint32_t update_portable(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
+    uint32_t peak = 0;
+    for (int64_t i = lo; i < hi; i++) {
+        float v = i < a->with_x ? load(a->x, i, dtype) + a->e[i] : a->e[i], r = minus_signed(v, a->s);
+        uint32_t m = magnitude_bits(r);
+        a->out[i] = r;
+        peak = m > peak ? m : peak;
+    }
+    return peak;
 }
 
 #ifdef __SSE2__
-TARGET_AVX2 INLINE void update_avx2(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
-    __m256 plus = _mm256_set1_ps(a->s), minus = _mm256_set1_ps(-a->s);
-    const float *e = a->e;
-    float *out = a->out;
-    float s = a->s;
-    int64_t i = lo, split = a->with_x < lo ? lo : min64(a->with_x, hi);
-    for (; i + 8 <= split; i += 8)
-        put8(out + i, minus_signed8(_mm256_add_ps(load8_avx2(a->x, dtype, i), _mm256_loadu_ps(e + i)), plus, minus),
-             a->streaming);
-    for (; i < split; i++) out[i] = minus_signed(load(a->x, i, dtype) + e[i], s);
-    for (; i < hi && i % 8; i++) out[i] = minus_signed(e[i], s); /* back to whole rows of 8 (aligned) */
-    for (; i + 8 <= hi; i += 8) put8(out + i, minus_signed8(_mm256_loadu_ps(e + i), plus, minus), a->streaming);
-    for (; i < hi; i++) out[i] = minus_signed(e[i], s);
-    if (a->streaming) _mm_sfence();
+TARGET_AVX2 INLINE __m256i peak8(__m256i peak, __m256 r) {
+    return _mm256_max_epu32(peak, _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(0x7FFFFFFF)));
 }
 
-/* Elements i + (lanes of k) of the AVX-512 update (k: all 16 but at the ends of a span). */
-TARGET_AVX512 INLINE void update16(const struct update_args *a, int64_t i, __mmask16 k, int dtype, __m512 plus,
-                                   __m512 minus, int streaming) {
+TARGET_AVX2 INLINE uint32_t update_avx2(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
+    __m256 plus = _mm256_set1_ps(a->s), minus = _mm256_set1_ps(-a->s);
+    __m256i peaks = _mm256_setzero_si256();
+    const float *e = a->e;
+    float *out = a->out;
+    int64_t i = lo, split = a->with_x < lo ? lo : min64(a->with_x, hi);
+    for (; i + 8 <= split; i += 8) {
+        __m256 r = minus_signed8(_mm256_add_ps(load8_avx2(a->x, dtype, i), _mm256_loadu_ps(e + i)), plus, minus);
+        put8(out + i, r, a->streaming);
+        peaks = peak8(peaks, r);
+    }
+    uint32_t lanes[8], peak = update_portable(a, i, split, dtype);
+    i = split;
+    int64_t aligned = min64(hi, (i + 7) / 8 * 8); /* back to whole rows of 8 (aligned) */
+    uint32_t head = update_portable(a, i, aligned, dtype);
+    peak = head > peak ? head : peak;
+    for (i = aligned; i + 8 <= hi; i += 8) {
+        __m256 r = minus_signed8(_mm256_loadu_ps(e + i), plus, minus);
+        put8(out + i, r, a->streaming);
+        peaks = peak8(peaks, r);
+    }
+    uint32_t tail = update_portable(a, i, hi, dtype);
+    peak = tail > peak ? tail : peak;
+    if (a->streaming) _mm_sfence();
+    _mm256_storeu_si256((__m256i *)lanes, peaks);
+    for (int k = 0; k < 8; k++) peak = lanes[k] > peak ? lanes[k] : peak;
+    return peak;
+}
+
+/* Elements i + (lanes of k) of the AVX-512 update (k: all 16 but at the ends of a span);
+ * returns `peak` raised by their magnitude_bits. */
+TARGET_AVX512 INLINE __m512i update16(const struct update_args *a, int64_t i, __mmask16 k, int dtype, __m512 plus,
+                                      __m512 minus, int streaming, __m512i peak) {
     int full = k == 0xFFFF;
     __m512 v = full ? _mm512_loadu_ps(a->e + i) : _mm512_maskz_loadu_ps(k, a->e + i);
     if (i + 16 <= a->with_x && full) {
@@ -682,6 +729,8 @@ TARGET_AVX512 INLINE void update16(const struct update_args *a, int64_t i, __mma
     if (!full) _mm512_mask_storeu_ps(a->out + i, k, r);
     else if (streaming) _mm512_stream_ps(a->out + i, r);
     else _mm512_storeu_ps(a->out + i, r);
+    __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(r), _mm512_set1_epi32(0x7FFFFFFF));
+    return _mm512_mask_max_epu32(peak, k, peak, magnitude);
 }
 
 static inline __mmask16 first_lanes16(int64_t count) {
@@ -690,55 +739,54 @@ static inline __mmask16 first_lanes16(int64_t count) {
 
 /* Streaming stores need 64-byte aligned addresses: the span's head up to the first such
  * address (any element count) runs with masked plain stores. */
-TARGET_AVX512 INLINE void update_avx512(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
+TARGET_AVX512 INLINE uint32_t update_avx512(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
     __m512 plus = _mm512_set1_ps(a->s), minus = _mm512_set1_ps(-a->s);
+    __m512i peak = _mm512_setzero_si512();
     int64_t i = lo;
     if (a->streaming) {
         int64_t head = min64((int64_t)((64 - (uintptr_t)(a->out + lo) % 64) % 64 / 4), hi - lo);
-        if (head) update16(a, i, first_lanes16(head), dtype, plus, minus, 0);
+        if (head) peak = update16(a, i, first_lanes16(head), dtype, plus, minus, 0, peak);
         i += head;
     }
-    for (; i + 16 <= hi; i += 16) update16(a, i, 0xFFFF, dtype, plus, minus, a->streaming);
-    if (i < hi) update16(a, i, first_lanes16(hi - i), dtype, plus, minus, 0);
+    for (; i + 16 <= hi; i += 16) peak = update16(a, i, 0xFFFF, dtype, plus, minus, a->streaming, peak);
+    if (i < hi) peak = update16(a, i, first_lanes16(hi - i), dtype, plus, minus, 0, peak);
     if (a->streaming) _mm_sfence();
+    return _mm512_reduce_max_epu32(peak);
 }
 #endif
 
-#define UPDATE_CHUNK(name, target, body)                                                                   \
-    target static void name(void *p, int64_t b) {                                                          \
+#define UPDATE_BLOCK(name, target, body)                                                                   \
+    target static double name(void *p, int64_t b) {                                                        \
         const struct update_args local = *(const struct update_args *)p, *a = &local;                      \
         int64_t lo = b * BLOCK, hi = min64(lo + BLOCK, a->real);                                           \
-        if (a->dtype == F32 || !a->x) body(a, lo, hi, F32);                                                \
-        else if (a->dtype == F16) body(a, lo, hi, F16);                                                    \
-        else body(a, lo, hi, BF16);                                                                        \
+        if (a->dtype == F32 || !a->x) return body(a, lo, hi, F32);                                         \
+        if (a->dtype == F16) return body(a, lo, hi, F16);                                                  \
+        return body(a, lo, hi, BF16);                                                                      \
     }
-UPDATE_CHUNK(update_chunk_portable, , update_portable)
+UPDATE_BLOCK(update_block_portable, , update_portable)
 #ifdef __SSE2__
-UPDATE_CHUNK(update_chunk_avx2, TARGET_AVX2, update_avx2)
-UPDATE_CHUNK(update_chunk_avx512, TARGET_AVX512, update_avx512)
+UPDATE_BLOCK(update_block_avx2, TARGET_AVX2, update_avx2)
+UPDATE_BLOCK(update_block_avx512, TARGET_AVX512, update_avx512)
 #endif
 
 void cc_error_update(const void *x, int dtype, cc_index n, const float *e, float *out, cc_index real, cc_index m,
-                     float s) {
+                     float s, double *partial) {
     struct update_args a = {x, dtype, x ? min64(n, real) : 0, e, out, real, s, 0, cc_features()};
-    chunk_fn run = update_chunk_portable;
+    block_sum_fn one = update_block_portable;
 #ifdef __SSE2__
     /* Streaming pays only when out is another buffer: in place, its lines are read anyway. The
      * AVX2 stores need 32-byte alignment; the AVX-512 ones align themselves. */
     int large = out != e && real * (int64_t)sizeof(float) >= STREAM_BYTES;
     if (a.features & HAVE_AVX512) {
-        run = update_chunk_avx512;
+        one = update_block_avx512;
         a.streaming = large;
     } else if (a.features & HAVE_AVX2) {
-        run = update_chunk_avx2;
+        one = update_block_avx2;
         a.streaming = large && (uintptr_t)out % 32 == 0;
     }
 #endif
-    int64_t chunks = blocks_of(real);
-    int threads = threads_for(real, chunks);
-    if (threads > 1) run_chunks(run, &a, chunks, threads);
-    else
-        for (int64_t b = 0; b < chunks; b++) run(&a, b);
+    int64_t blocks = blocks_of(real);
+    *partial = magnitude_value((uint32_t)sum_blocks(one, &a, blocks, threads_for(real, blocks), 1));
     if (m > real) memset(out + real, 0, (size_t)(m - real) * sizeof(float));
 }
 
@@ -879,7 +927,7 @@ void cc_server_scan(const unsigned char *bits, cc_index stride, int nranks, cons
     else if (a.features & HAVE_AVX2) one = server_avx2;
 #endif
     int64_t blocks = blocks_of(c);
-    *partial = sum_blocks(one, &a, blocks, threads_for(c, blocks));
+    *partial = sum_blocks(one, &a, blocks, threads_for(c, blocks), 0);
 }
 
 /* ------------------------------------------------------------------------------------------ */

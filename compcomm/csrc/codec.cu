@@ -63,6 +63,29 @@ __device__ void store_block_sum(double acc, double *partial) {
     }
 }
 
+/* partial[blockIdx.x] <- the largest |v| of the block, from each thread's largest |v| as the bits
+ * of its float with the sign cleared: as integers these order as the magnitudes, with NaN above
+ * infinity, so a NaN wins (as torch.aminmax's). Shuffled as doubles, which hold them exactly. */
+__device__ void store_block_peak(unsigned int bits, double *partial) {
+    __shared__ double warp_peaks[32];
+    double peak = (double)bits;
+    unsigned int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        double other = __shfl_down_sync(ALL_LANES, peak, offset);
+        peak = other > peak ? other : peak;
+    }
+    if (lane == 0) warp_peaks[warp] = peak;
+    __syncthreads();
+    if (warp == 0) {
+        peak = lane < (blockDim.x >> 5) ? warp_peaks[lane] : 0.0;
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            double other = __shfl_down_sync(ALL_LANES, peak, offset);
+            peak = other > peak ? other : peak;
+        }
+        if (lane == 0) partial[blockIdx.x] = (double)__uint_as_float((unsigned int)peak);
+    }
+}
+
 extern "C" __global__ void cc_worker_scan(const void *x, int dtype, cc_index n, const float *addend,
                                           float divisor, const float *e, float s, int pending, cc_index m,
                                           float *out, unsigned char *bits, double *partial) {
@@ -83,12 +106,17 @@ extern "C" __global__ void cc_worker_scan(const void *x, int dtype, cc_index n, 
 }
 
 extern "C" __global__ void cc_error_update(const void *x, int dtype, cc_index n, const float *e, float *out,
-                                           cc_index real, cc_index m, float s) {
+                                           cc_index real, cc_index m, float s, double *partial) {
     long long with_x = x ? (n < real ? n : real) : 0;
+    unsigned int peak = 0;
     for (long long i = first_index(); i < m; i += grid_step()) {
         float v = i < with_x ? load_value(x, i, dtype) + e[i] : e[i];
-        out[i] = i < real ? v - (v >= 0.0f ? s : -s) : 0.0f;
+        float r = i < real ? v - (v >= 0.0f ? s : -s) : 0.0f;
+        unsigned int magnitude = __float_as_uint(r) & 0x7fffffffu;
+        out[i] = r;
+        peak = magnitude > peak ? magnitude : peak;
     }
+    store_block_peak(peak, partial);
 }
 
 extern "C" __global__ void cc_server_scan(const unsigned char *bits, cc_index stride, int nranks,

@@ -3,7 +3,8 @@
  * A kernel name means the same parameters on both: compcomm/_abi.py mirrors this file for
  * the Python side (tests/test_codec.py checks that the two agree). Kernels that sum squares
  * write float64 partial sums into `partial`, one per block: the C kernels run as one block,
- * the CUDA ones as `blocks(count)`; the caller adds them up in a fixed order.
+ * the CUDA ones as `blocks(count)`; the caller adds them up in a fixed order (the error update's
+ * partials are maxima: the caller takes the largest).
  * Bits are MSB-first: bit 7 of byte b codes element 8b, and bit 1 means v >= 0 (so -0.0).
  */
 #ifndef COMPCOMM_CODEC_ABI_H
@@ -31,9 +32,10 @@ CC_KERNEL void cc_worker_scan(const void *x, int dtype, cc_index n, const float 
 
 /* Error update: out <- v - s sign(v) on [0, real), v = x + e on x's first n elements (x may be
  * null) and v = e beyond; 0 on [real, m). out is e itself (in place) or a buffer that does not
- * overlap it (e is then left unchanged). */
+ * overlap it (e is then left unchanged). partial: per block, max |out| over [0, real) (NaN if
+ * any is NaN, 0 for none); the caller takes the largest. */
 CC_KERNEL void cc_error_update(const void *x, int dtype, cc_index n, const float *e, float *out, cc_index real,
-                               cc_index m, float s);
+                               cc_index m, float s, double *partial);
 
 /* Server pass: y = previous + (sum_r +-scales[r]) / divisor, summed in rank order, stored in e
  * over [0, c); out_bits = sign(y); partial sums of y[:real]^2. Row r of `bits` starts at
@@ -50,8 +52,8 @@ CC_KERNEL void cc_decode(const unsigned char *bits, cc_index count, int elsize, 
 #ifndef CC_CUDA
 /* The version of this interface, raised with any change of a kernel's parameters: a library built
  * from older source (an editable install not rebuilt) must be refused, not called with parameters
- * it reads otherwise. 2: cc_server_scan's `previous`. */
-#define CC_ABI_VERSION 2
+ * it reads otherwise. 2: cc_server_scan's `previous`; 3: cc_error_update's `partial`. */
+#define CC_ABI_VERSION 3
 int cc_abi_version(void);
 
 /* CPU library only. cc_cpu_features: the kernel sets this CPU runs, bit 0 AVX2 + FMA + F16C,

@@ -343,7 +343,11 @@ class FlatCall:
             worker, maybe_server, worker_out = into.follow(source, numel, n, device)
             assert maybe_server is not None  # an allreduce's errors have a server side
             server = previous = maybe_server
-            received = self._phase1(lambda: coder.error_update_(worker, self.scale, numel, flat, worker_out))
+
+            def worker_update() -> None:
+                coder.error_update_(worker, self.scale, numel, flat, worker_out)
+
+            received = self._phase1(worker_update)
         served = real_count(be.rank, numel, n)
         mine = torch.empty(SERVER_SCALE_BYTES + received.shape[1], dtype=torch.uint8, device=device)
         divisor = n if self.spec.op == "mean" else 1
@@ -353,8 +357,7 @@ class FlatCall:
         mine[:SERVER_SCALE_BYTES].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
 
         def server_update_and_own_chunk() -> None:
-            coder.error_update_(server, server_scale, served)
-            into.record_server_max()
+            into.record_server_max(coder.error_update_(server, server_scale, served))
             decode_chunk(mine, server_scale, self.decoded_into, be.rank, n)  # before its bytes return
 
         def peer_chunk(message: torch.Tensor, j: int) -> None:

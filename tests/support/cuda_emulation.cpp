@@ -67,6 +67,12 @@ static float __uint_as_float(unsigned u) {
     return f;
 }
 
+static unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+
 static float half_to_float(unsigned short h) {
     _Float16 value;
     std::memcpy(&value, &h, 2);
@@ -104,8 +110,8 @@ void emulate_worker_scan(unsigned grid, unsigned block, const void *x, int dtype
 }
 
 void emulate_error_update(unsigned grid, unsigned block, const void *x, int dtype, long long n, const float *e,
-                          float *out, long long real, long long m, float s) {
-    launch(grid, block, [=] { cc_error_update(x, dtype, n, e, out, real, m, s); });
+                          float *out, long long real, long long m, float s, double *partial) {
+    launch(grid, block, [=] { cc_error_update(x, dtype, n, e, out, real, m, s, partial); });
 }
 
 void emulate_server_scan(unsigned grid, unsigned block, const unsigned char *bits, long long stride, int nranks,
