@@ -10,8 +10,8 @@ the allreduce calls in this order:
   spares the worker its `error_update_`. Writes nothing else, so the call can still be
   rejected afterwards with nothing changed.
 - `error_update_`: e <- v - s sign(v) on the real elements, 0 on padding (worker and server),
-  in place or into another buffer; returns max |e|, the server error's bound in the next
-  call's phase 0, measured as it is written rather than by a pass of its own.
+  in place or into another buffer; on request it returns max |e|, the server error's bound in
+  the next call's phase 0, measured as it is written rather than by a pass of its own.
 - `server_scan_`: y = (1/n) sum_r s_r sign_r + e_s, stored in e_s (or read from another buffer:
   `previous`); bits = sign(y); sum(y^2).
 - `decode`: out = t sign, written in the output dtype.
@@ -38,7 +38,7 @@ import importlib.util
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -163,27 +163,23 @@ class Codec:
         self.kernels.launch(kernel, device, count, args)
         return True
 
-    def _fused_sum(
-        self,
-        kernel: str,
-        device: torch.device,
-        count: int,
-        tensors: Sequence[torch.Tensor | None],
-        args: Sequence[Arg],
-        largest: bool = False,
-    ) -> float | None:
-        """`_fused` for a kernel writing float64 per-block results: their total (added in a fixed
-        order), with `largest` the largest (NaN if one is), or None when the torch code must run."""
+    def _fused_reduced(
+        self, kernel: str, device: torch.device, count: int, tensors: Sequence[torch.Tensor | None], args: Sequence[Arg]
+    ) -> Callable[[bool], float] | None:
+        """`_fused` for a kernel writing float64 per-block results (its last argument): a reader
+        of them, called with `largest` for their largest (NaN if one is) or else their total
+        (added in a fixed order); None when the torch code must run. A caller that ignores the
+        results does not call it, and so does not wait for the device."""
         if self.kernels is None or not self.kernels.accepts(tensors):
             return None
         blocks = self.kernels.blocks(count)
         if blocks == 1 and device.type == "cpu":  # no tensor to allocate and sum: microseconds per call
             total = ctypes.c_double()
             self.kernels.launch(kernel, device, count, [*args, ctypes.addressof(total)])
-            return total.value
+            return lambda largest: total.value
         partial = torch.empty(blocks, dtype=torch.float64, device=device)
         self.kernels.launch(kernel, device, count, [*args, partial.data_ptr()])
-        return float(partial.max() if largest else partial.sum())
+        return lambda largest: float(partial.max() if largest else partial.sum())
 
     def worker_scan(
         self,
@@ -213,7 +209,7 @@ class Codec:
             raise ValueError(f"worker_scan: the addend must be {n} fp32 elements, got {got}")
         pending = pending_scale is not None and error is not None
         scale = 0.0 if pending_scale is None else pending_scale
-        total = self._fused_sum(
+        read = self._fused_reduced(
             "cc_worker_scan",
             bits.device,
             m,
@@ -232,8 +228,8 @@ class Codec:
                 bits.data_ptr(),
             ),
         )
-        if total is not None:
-            return total
+        if read is not None:
+            return read(False)
         acc = torch.zeros((), dtype=torch.float64, device=bits.device)
         step = block_size(bits.device)
         plus = torch.tensor(scale, dtype=torch.float32, device=bits.device)
@@ -264,17 +260,20 @@ class Codec:
         real: int,
         x: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
-    ) -> float:
-        """out <- v - scale * sign(v) with v = error (+ x on x's length) on [:real], 0 beyond;
-        returns max |out| (NaN if an element is NaN; 0 when real is 0). `out` (default: error
-        itself) is another buffer of error's size when the caller keeps the old errors: the
-        fused kernels write the new ones in one pass, with no copy of the old first (the torch
-        code copies, then updates in place)."""
+        measure: bool = False,
+    ) -> float | None:
+        """out <- v - scale * sign(v) with v = error (+ x on x's length) on [:real], 0 beyond.
+        `out` (default: error itself) is another buffer of error's size when the caller keeps
+        the old errors: the fused kernels write the new ones in one pass, with no copy of the
+        old first (the torch code copies, then updates in place).
+
+        With `measure`, returns max |out| (NaN if an element is NaN; 0 when real is 0), which
+        the fused kernels find as they write; else None, without waiting for the device."""
         target = error if out is None else out
         if target is not error and _shares_storage(target, error):
             raise ValueError("error_update_: `out` must be the error tensor itself or share no storage with it")
         n = 0 if x is None else x.numel()
-        peak = self._fused_sum(
+        read = self._fused_reduced(
             "cc_error_update",
             error.device,
             error.numel(),
@@ -289,10 +288,9 @@ class Codec:
                 error.numel(),
                 scale,
             ),
-            largest=True,
         )
-        if peak is not None:
-            return peak
+        if read is not None:
+            return read(True) if measure else None
         if target is not error:
             target.copy_(error)
         plus = torch.tensor(scale, dtype=torch.float32, device=error.device)
@@ -305,10 +303,11 @@ class Codec:
                 assert x is not None
                 v[:live] += x[start : start + live]
             v -= torch.where(v >= 0, plus, minus)
-            block = largest_magnitude(v)
-            peak = block if math.isnan(block) or block > peak else peak  # a NaN, once seen, stays
+            if measure:
+                block = largest_magnitude(v)
+                peak = block if math.isnan(block) or block > peak else peak  # a NaN, once seen, stays
         target[real:].zero_()
-        return peak
+        return peak if measure else None
 
     def server_scan_(
         self,
@@ -335,7 +334,7 @@ class Codec:
             raise ValueError("server_scan_: previous must be error itself or share no memory with it")
         # the kernel steps from row to row itself: each row must be contiguous, not the whole
         rows = bits if bits.is_contiguous() or bits.stride(-1) != 1 or not n else bits[0]
-        total = self._fused_sum(
+        read = self._fused_reduced(
             "cc_server_scan",
             error.device,
             c,
@@ -353,8 +352,8 @@ class Codec:
                 out_bits.data_ptr(),
             ),
         )
-        if total is not None:
-            return total
+        if read is not None:
+            return read(False)
         tables = [sign_table(s, -s) for s in scales]
         acc = torch.zeros((), dtype=torch.float64, device=error.device)
         step = block_size(error.device)

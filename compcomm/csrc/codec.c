@@ -120,16 +120,17 @@ static inline float minus_signed(float v, float s) {
     return v - (v >= 0.0f ? s : -s);
 }
 
-/* |v| as the bits of its float (the sign cleared): as unsigned integers these order as the
- * magnitudes do, with every NaN above infinity, so the largest is max |v|, or a NaN where there
- * is one (as torch.aminmax gives). */
-static inline uint32_t magnitude_bits(float v) {
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    return u & 0x7FFFFFFFu;
+/* |v| as the bits of its float (the sign cleared): as integers these order as the magnitudes
+ * do, with every NaN above infinity, so the largest is max |v|, or a NaN where there is one (as
+ * torch.aminmax gives). Signed, though never negative: x86 has a signed 32-bit max from SSE4.1
+ * and AVX2 on, an unsigned one only in SSE4.1, which the portable build cannot assume. */
+static inline int32_t magnitude_bits(float v) {
+    int32_t i;
+    memcpy(&i, &v, sizeof i);
+    return i & 0x7FFFFFFF;
 }
 
-static inline double magnitude_value(uint32_t bits) {
+static inline double magnitude_value(int32_t bits) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return (double)f;
@@ -667,11 +668,11 @@ struct update_args {
 };
 
 /* Each body returns the largest magnitude_bits of what it wrote. */
-INLINE uint32_t update_portable(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
-    uint32_t peak = 0;
+INLINE int32_t update_portable(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
+    int32_t peak = 0;
     for (int64_t i = lo; i < hi; i++) {
         float v = i < a->with_x ? load(a->x, i, dtype) + a->e[i] : a->e[i], r = minus_signed(v, a->s);
-        uint32_t m = magnitude_bits(r);
+        int32_t m = magnitude_bits(r);
         a->out[i] = r;
         peak = m > peak ? m : peak;
     }
@@ -680,10 +681,10 @@ INLINE uint32_t update_portable(const struct update_args *a, int64_t lo, int64_t
 
 #ifdef __SSE2__
 TARGET_AVX2 INLINE __m256i peak8(__m256i peak, __m256 r) {
-    return _mm256_max_epu32(peak, _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(0x7FFFFFFF)));
+    return _mm256_max_epi32(peak, _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(0x7FFFFFFF)));
 }
 
-TARGET_AVX2 INLINE uint32_t update_avx2(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
+TARGET_AVX2 INLINE int32_t update_avx2(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
     __m256 plus = _mm256_set1_ps(a->s), minus = _mm256_set1_ps(-a->s);
     __m256i peaks = _mm256_setzero_si256();
     const float *e = a->e;
@@ -694,17 +695,17 @@ TARGET_AVX2 INLINE uint32_t update_avx2(const struct update_args *a, int64_t lo,
         put8(out + i, r, a->streaming);
         peaks = peak8(peaks, r);
     }
-    uint32_t lanes[8], peak = update_portable(a, i, split, dtype);
+    int32_t lanes[8], peak = update_portable(a, i, split, dtype);
     i = split;
     int64_t aligned = min64(hi, (i + 7) / 8 * 8); /* back to whole rows of 8 (aligned) */
-    uint32_t head = update_portable(a, i, aligned, dtype);
+    int32_t head = update_portable(a, i, aligned, dtype);
     peak = head > peak ? head : peak;
     for (i = aligned; i + 8 <= hi; i += 8) {
         __m256 r = minus_signed8(_mm256_loadu_ps(e + i), plus, minus);
         put8(out + i, r, a->streaming);
         peaks = peak8(peaks, r);
     }
-    uint32_t tail = update_portable(a, i, hi, dtype);
+    int32_t tail = update_portable(a, i, hi, dtype);
     peak = tail > peak ? tail : peak;
     if (a->streaming) _mm_sfence();
     _mm256_storeu_si256((__m256i *)lanes, peaks);
@@ -730,7 +731,7 @@ TARGET_AVX512 INLINE __m512i update16(const struct update_args *a, int64_t i, __
     else if (streaming) _mm512_stream_ps(a->out + i, r);
     else _mm512_storeu_ps(a->out + i, r);
     __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(r), _mm512_set1_epi32(0x7FFFFFFF));
-    return _mm512_mask_max_epu32(peak, k, peak, magnitude);
+    return _mm512_mask_max_epi32(peak, k, peak, magnitude);
 }
 
 static inline __mmask16 first_lanes16(int64_t count) {
@@ -739,7 +740,7 @@ static inline __mmask16 first_lanes16(int64_t count) {
 
 /* Streaming stores need 64-byte aligned addresses: the span's head up to the first such
  * address (any element count) runs with masked plain stores. */
-TARGET_AVX512 INLINE uint32_t update_avx512(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
+TARGET_AVX512 INLINE int32_t update_avx512(const struct update_args *a, int64_t lo, int64_t hi, int dtype) {
     __m512 plus = _mm512_set1_ps(a->s), minus = _mm512_set1_ps(-a->s);
     __m512i peak = _mm512_setzero_si512();
     int64_t i = lo;
@@ -751,7 +752,7 @@ TARGET_AVX512 INLINE uint32_t update_avx512(const struct update_args *a, int64_t
     for (; i + 16 <= hi; i += 16) peak = update16(a, i, 0xFFFF, dtype, plus, minus, a->streaming, peak);
     if (i < hi) peak = update16(a, i, first_lanes16(hi - i), dtype, plus, minus, 0, peak);
     if (a->streaming) _mm_sfence();
-    return _mm512_reduce_max_epu32(peak);
+    return _mm512_reduce_max_epi32(peak);
 }
 #endif
 
@@ -786,7 +787,7 @@ void cc_error_update(const void *x, int dtype, cc_index n, const float *e, float
     }
 #endif
     int64_t blocks = blocks_of(real);
-    *partial = magnitude_value((uint32_t)sum_blocks(one, &a, blocks, threads_for(real, blocks), 1));
+    *partial = magnitude_value((int32_t)sum_blocks(one, &a, blocks, threads_for(real, blocks), 1));
     if (m > real) memset(out + real, 0, (size_t)(m - real) * sizeof(float));
 }
 

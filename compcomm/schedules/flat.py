@@ -357,7 +357,7 @@ class FlatCall:
         mine[:SERVER_SCALE_BYTES].copy_(torch.tensor([server_scale], dtype=torch.float32).view(torch.uint8))
 
         def server_update_and_own_chunk() -> None:
-            into.record_server_max(coder.error_update_(server, server_scale, served))
+            into.record_server_max(coder.error_update_(server, server_scale, served, measure=True))
             decode_chunk(mine, server_scale, self.decoded_into, be.rank, n)  # before its bytes return
 
         def peer_chunk(message: torch.Tensor, j: int) -> None:
