@@ -183,6 +183,41 @@ def straight_vs_resumed(stop: int, gathered: bool, scheduled: bool = False) -> t
     return straight, raw(model), straight_ef, error_bytes(opt)
 
 
+def a_bad_local_part_on_one_rank(kind: str) -> tuple[tuple[str, str] | None, int, bytes, bytes]:
+    """Saved mid local-step interval (step 21: the weights and momenta differ across ranks and
+    travel as each rank's local part); rank 1's part is made unusable before the load."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_zeroone(model)
+    for step in range(21):
+        backward(model, rank, step)
+        opt.step()
+    saved = opt.state_dict()
+    local = saved["compcomm"]["rank_local"]
+    assert local, "step 21 is mid-interval: the local part is not empty"
+    if rank == 1:
+        if kind == "shape":
+            local["weights"][0] = local["weights"][0].reshape(-1)[:-1].clone()
+        elif kind == "count":
+            local["exp_avg"] = local["exp_avg"][:-1]
+        else:
+            local["weights"][-1] = "not a tensor"
+    fresh_model = make_model()
+    fresh = make_zeroone(fresh_model)
+    before = raw(fresh_model)
+    failure = caught(fresh.load_state_dict, saved)
+    return failure, fresh.step_count, before, raw(fresh_model)
+
+
+@pytest.mark.parametrize("kind", ["shape", "count", "type"])
+def test_one_ranks_unusable_local_part_is_refused_on_every_rank_before_loading(pool, kind):
+    """It was restored after the load's agreement: rank 1 raised (a shape mismatch in a copy)
+    with the rest of its state loaded, while the other ranks resumed."""
+    for failure, steps, before, after in pool.run(a_bad_local_part_on_one_rank, kind):
+        assert failure is not None and failure[0] == "ValueError" and "local-step" in failure[1], failure
+        assert steps == 0 and before == after
+
+
 @pytest.mark.parametrize(
     "stop,gathered", [(3, False), (12, True), (13, False), (19, True), (21, False), (21, True)]
 )  # phase 1, freeze, first sync, mid-interval

@@ -385,6 +385,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def _load_rank_local(self, local: dict[str, Any]) -> None:
         """Restore what `_rank_local()` returned."""
 
+    def _rank_local_problem(self, local: dict[str, Any]) -> str | None:
+        """Why `_load_rank_local(local)` cannot restore `local` here (None if it can): asked
+        before the load's agreement, so that one rank's unusable part is refused on every rank."""
+        return None
+
     # ----------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
@@ -497,6 +502,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 self._HELD_FROM_START,
                 self._SCALARS,
             )
+        if problem is None:
+            problem = self._rank_local_problem(mine.get("rank_local") or {})
         return state_dict, extra, mine, problem
 
     @classmethod

@@ -243,6 +243,30 @@ class ZeroOneAdam(OnebitOptimizer):
             "exp_avg": [self.state[p].get("exp_avg") for p in params],
         }
 
+    def _rank_local_problem(self, local: dict[str, Any]) -> str | None:
+        if not local:
+            return None
+        params = self._params()
+        weights, moments = local.get("weights"), local.get("exp_avg")
+        if not isinstance(weights, (list, tuple)) or not isinstance(moments, (list, tuple)):
+            return "this rank's local-step state has no lists of weights and exp_avg"
+        if len(weights) != len(params) or len(moments) != len(params):
+            return (
+                f"this rank's local-step state holds {len(weights)} weights and {len(moments)} exp_avg, "
+                f"not one of each per parameter ({len(params)}): a checkpoint of another model"
+            )
+        for i, (p, w, m) in enumerate(zip(params, weights, moments)):
+            for name, t in (("weight", w), ("exp_avg", m)):
+                if t is None and name == "exp_avg":
+                    continue
+                if not torch.is_tensor(t) or not t.is_floating_point() or t.shape != p.shape:
+                    got = f"{t.dtype} {tuple(t.shape)}" if torch.is_tensor(t) else type(t).__name__
+                    return (
+                        f"this rank's local-step {name} of parameter {i} is {got}, not a floating tensor "
+                        f"of the parameter's shape {tuple(p.shape)}"
+                    )
+        return None
+
     def _load_rank_local(self, local: dict[str, Any]) -> None:
         if not local:
             return
