@@ -200,6 +200,10 @@ def a_bad_local_part_on_one_rank(kind: str) -> tuple[tuple[str, str] | None, int
             local["weights"][0] = local["weights"][0].reshape(-1)[:-1].clone()
         elif kind == "count":
             local["exp_avg"] = local["exp_avg"][:-1]
+        elif kind == "dtype":  # it was stored as it came: rank 1 alone then failed at its next step
+            local["exp_avg"][0] = local["exp_avg"][0].double()
+        elif kind == "nan":  # it was loaded: every rank then skipped step after step
+            local["weights"][0][0] = float("nan")
         else:
             local["weights"][-1] = "not a tensor"
     fresh_model = make_model()
@@ -209,13 +213,45 @@ def a_bad_local_part_on_one_rank(kind: str) -> tuple[tuple[str, str] | None, int
     return failure, fresh.step_count, before, raw(fresh_model)
 
 
-@pytest.mark.parametrize("kind", ["shape", "count", "type"])
+@pytest.mark.parametrize("kind", ["shape", "count", "type", "dtype", "nan"])
 def test_one_ranks_unusable_local_part_is_refused_on_every_rank_before_loading(pool, kind):
     """It was restored after the load's agreement: rank 1 raised (a shape mismatch in a copy)
     with the rest of its state loaded, while the other ranks resumed."""
     for failure, steps, before, after in pool.run(a_bad_local_part_on_one_rank, kind):
         assert failure is not None and failure[0] == "ValueError" and "local-step" in failure[1], failure
         assert steps == 0 and before == after
+
+
+def refused_load_then_training_from_scratch() -> tuple[tuple[str, str] | None, bytes, bytes]:
+    """Rank 1's file is no compcomm state (a plain torch optimizer's, say), the others' are: the
+    load is refused everywhere, and training starts from scratch. The refused load had laid the
+    buckets out on the other ranks only, so their first backward skipped the agreement on the
+    order that rank 1's ran: gloo aborted on mismatched sizes."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_zeroone(model)
+    for step in range(5):
+        backward(model, rank, step)
+        opt.step()
+    saved = opt.state_dict()
+    if rank == 1:
+        del saved["compcomm"]
+    fresh_model = make_model()
+    fresh = make_zeroone(fresh_model)
+    failure = caught(fresh.load_state_dict, saved)
+    reference_model = make_model()
+    reference = make_zeroone(reference_model)
+    for m, o in ((fresh_model, fresh), (reference_model, reference)):
+        for step in range(4):
+            backward(m, rank, step)
+            o.step()
+    return failure, raw(fresh_model), raw(reference_model)
+
+
+def test_a_refused_load_leaves_the_buckets_as_they_were(pool):
+    for failure, trained, reference in pool.run(refused_load_then_training_from_scratch):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert trained == reference
 
 
 @pytest.mark.parametrize(

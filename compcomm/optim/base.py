@@ -437,22 +437,31 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if self._gradient_rounds is not None:
             self._gradient_rounds.cancel()
         be = self._transport if self._sharded is None else self._sharded.state.world
+        # Reading the state lays the buckets out in its order; a refused load must leave them as
+        # they were, or the ranks that got that far would skip the first backward's agreement
+        # on the order that the others run (gloo then fails on mismatched sizes).
+        laid_out = None if self._sharded is not None else self._rounds.layout
         mine: dict[str, Any] = {}
-        try:  # whatever this rank finds wrong is raised on every rank, before anything is loaded
-            state_dict, extra, mine, problem = self._own_state(state_dict, be)
-        except Exception as exc:  # refused on every rank below
-            extra, problem = None, checkpoints.unreadable(type(self).__name__, exc)
-        failure = self._backend_refused if self._sharded is None else None
-        raise_agreed(failure or (None if problem is None else ValueError(problem)), be)
-        assert extra is not None  # else raised on every rank
-        plain = {k: v for k, v in state_dict.items() if k != checkpoints.EXTRA_KEY}
-        position: dict[str, Any] = {"step": int(extra["step"])}
-        if self._sharded is None:  # sharded, each rank holds its shards' state
-            position["state"] = checkpoints.state_digest(plain["state"], extra.get("scalars"), self._SAME_MOMENTS)
-        checkpoints.agree_on_position(position, be)
-        # The schedule is this object's, not the checkpoint's: a rank resumed with another
-        # freeze_step would pair other collectives from its next compressed step on.
-        agree_on_values(self._settings(plain.get("param_groups", [])), be, self._settings_differ)
+        try:
+            try:  # whatever this rank finds wrong is raised on every rank, before anything is loaded
+                state_dict, extra, mine, problem = self._own_state(state_dict, be)
+            except Exception as exc:  # refused on every rank below
+                extra, problem = None, checkpoints.unreadable(type(self).__name__, exc)
+            failure = self._backend_refused if self._sharded is None else None
+            raise_agreed(failure or (None if problem is None else ValueError(problem)), be)
+            assert extra is not None  # else raised on every rank
+            plain = {k: v for k, v in state_dict.items() if k != checkpoints.EXTRA_KEY}
+            position: dict[str, Any] = {"step": int(extra["step"])}
+            if self._sharded is None:  # sharded, each rank holds its shards' state
+                position["state"] = checkpoints.state_digest(plain["state"], extra.get("scalars"), self._SAME_MOMENTS)
+            checkpoints.agree_on_position(position, be)
+            # The schedule is this object's, not the checkpoint's: a rank resumed with another
+            # freeze_step would pair other collectives from its next compressed step on.
+            agree_on_values(self._settings(plain.get("param_groups", [])), be, self._settings_differ)
+        except BaseException:
+            if self._sharded is None:
+                self._rounds.layout = laid_out
+            raise
         super().load_state_dict(plain)
         # torch casts floating state to the parameter dtype; keep ours exactly as saved (fp32).
         index = [i for g in plain["param_groups"] for i in g["params"]]

@@ -51,6 +51,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..backends import Backend
+from ..errors import all_finite
 from .base import COMPRESSED, EXACT, LOCAL, OnebitOptimizer
 from .updates import Denominators, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
 
@@ -259,12 +260,15 @@ class ZeroOneAdam(OnebitOptimizer):
             for name, t in (("weight", w), ("exp_avg", m)):
                 if t is None and name == "exp_avg":
                     continue
-                if not torch.is_tensor(t) or not t.is_floating_point() or t.shape != p.shape:
+                # both as kept: fp32 (a low-precision parameter's weight is its fp32 master)
+                if not torch.is_tensor(t) or t.dtype != torch.float32 or t.shape != p.shape:
                     got = f"{t.dtype} {tuple(t.shape)}" if torch.is_tensor(t) else type(t).__name__
                     return (
-                        f"this rank's local-step {name} of parameter {i} is {got}, not a floating tensor "
+                        f"this rank's local-step {name} of parameter {i} is {got}, not an fp32 tensor "
                         f"of the parameter's shape {tuple(p.shape)}"
                     )
+                if not all_finite(t):
+                    return f"this rank's local-step {name} of parameter {i} holds NaN or Inf"
         return None
 
     def _load_rank_local(self, local: dict[str, Any]) -> None:
