@@ -222,6 +222,49 @@ def test_one_ranks_unusable_local_part_is_refused_on_every_rank_before_loading(p
         assert steps == 0 and before == after
 
 
+def a_malformed_file_on_one_rank(kind: str) -> tuple[tuple[str, str] | None, int, bytes, bytes]:
+    """Rank 1's file is damaged where only the load's agreements (or torch's load after them) read
+    it: it raised there alone, and the others hung in the agreement or resumed."""
+    rank = rank_of(4)
+
+    def build() -> tuple[torch.nn.Module, ZeroOneAdam]:
+        model = make_model()
+        params = list(model.parameters())
+        groups = [{"params": params[:1]}, {"params": params[1:]}]
+        backend = compcomm.backends.get("gloo", group=group(4))
+        return model, ZeroOneAdam(groups, backend=backend, **{**SCHEDULE, "lr": 1e-2, "weight_decay": 0.01})
+
+    model, opt = build()
+    for step in range(5):
+        backward(model, rank, step)
+        opt.step()
+    saved = opt.state_dict()
+    if kind == "scalar":  # on every rank (so the ranks' digests agree): none of the optimizer's counters
+        saved["compcomm"]["scalars"]["var_freeze_step"] = 3
+    elif rank == 1:
+        first, second = saved["param_groups"]
+        if kind == "groups none":
+            saved["param_groups"] = None
+        elif kind == "group not a dict":
+            saved["param_groups"] = ["oops", second]
+        elif kind == "regrouped":  # as many groups, the same settings: torch's load raised on rank 1 alone
+            both = first["params"] + second["params"]
+            saved["param_groups"] = [{**first, "params": both[:2]}, {**second, "params": both[2:]}]
+        else:
+            saved["state"][0] = {**saved["state"][0], 5: torch.zeros(1)}
+    fresh_model, fresh = build()
+    before = raw(fresh_model)
+    failure = caught(fresh.load_state_dict, saved)
+    return failure, fresh.step_count, before, raw(fresh_model)
+
+
+@pytest.mark.parametrize("kind", ["groups none", "group not a dict", "regrouped", "state key", "scalar"])
+def test_a_file_malformed_on_one_rank_is_refused_on_every_rank(pool, kind):
+    for failure, steps, before, after in pool.run(a_malformed_file_on_one_rank, kind):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert steps == 0 and before == after
+
+
 def refused_load_then_training_from_scratch() -> tuple[tuple[str, str] | None, bytes, bytes]:
     """Rank 1's file is no compcomm state (a plain torch optimizer's, say), the others' are: the
     load is refused everywhere, and training starts from scratch. The refused load had laid the

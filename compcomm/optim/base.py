@@ -442,22 +442,29 @@ class OnebitOptimizer(torch.optim.Optimizer):
         # on the order that the others run (gloo then fails on mismatched sizes).
         laid_out = None if self._sharded is not None else self._rounds.layout
         mine: dict[str, Any] = {}
+        plain: dict[str, Any] = {}
+        position: dict[str, Any] = {}
+        settings: dict[str, Any] = {}
         try:
             try:  # whatever this rank finds wrong is raised on every rank, before anything is loaded
                 state_dict, extra, mine, problem = self._own_state(state_dict, be)
+                if problem is None:  # what the agreements below compare, read here for the same reason
+                    assert extra is not None
+                    plain = {k: v for k, v in state_dict.items() if k != checkpoints.EXTRA_KEY}
+                    position["step"] = int(extra["step"])
+                    if self._sharded is None:  # sharded, each rank holds its shards' state
+                        scalars = extra.get("scalars")
+                        position["state"] = checkpoints.state_digest(plain["state"], scalars, self._SAME_MOMENTS)
+                    settings = self._settings(plain.get("param_groups", []))
             except Exception as exc:  # refused on every rank below
                 extra, problem = None, checkpoints.unreadable(type(self).__name__, exc)
             failure = self._backend_refused if self._sharded is None else None
             raise_agreed(failure or (None if problem is None else ValueError(problem)), be)
             assert extra is not None  # else raised on every rank
-            plain = {k: v for k, v in state_dict.items() if k != checkpoints.EXTRA_KEY}
-            position: dict[str, Any] = {"step": int(extra["step"])}
-            if self._sharded is None:  # sharded, each rank holds its shards' state
-                position["state"] = checkpoints.state_digest(plain["state"], extra.get("scalars"), self._SAME_MOMENTS)
             checkpoints.agree_on_position(position, be)
             # The schedule is this object's, not the checkpoint's: a rank resumed with another
             # freeze_step would pair other collectives from its next compressed step on.
-            agree_on_values(self._settings(plain.get("param_groups", [])), be, self._settings_differ)
+            agree_on_values(settings, be, self._settings_differ)
         except BaseException:
             if self._sharded is None:
                 self._rounds.layout = laid_out
@@ -513,6 +520,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
             )
         if problem is None:
             problem = self._rank_local_problem(mine.get("rank_local") or {})
+        if problem is None:
+            saved_sizes = [len(g["params"]) for g in state_dict["param_groups"]]
+            sizes = [len(g["params"]) for g in self.param_groups]
+            if saved_sizes != sizes:  # torch's own load would raise it here alone, after the agreement
+                problem = f"the checkpoint's parameter groups hold {saved_sizes} parameters, this optimizer's {sizes}"
         return state_dict, extra, mine, problem
 
     @classmethod

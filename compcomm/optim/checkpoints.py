@@ -157,7 +157,7 @@ def state_problem(
     count that is not a count; per-parameter `moments` (all or none) and `held` tensors (filled
     in when missing, as in a state saved before they were kept) that are not fp32 of the
     parameter's local shape, or not finite; other numbers that are not finite; `scalars`
-    (name: least value) missing or out of range. torch's own load would take such a state and
+    (name: least value) missing or out of range, or others besides them. torch's own load would take such a state and
     fail, or train on it wrongly, at a later step. `optimizer`: the compcomm optimizer class
     this one is or derives from."""
     saved_by = extra.get("optimizer")
@@ -167,6 +167,9 @@ def state_problem(
     if not is_integer(step) or step < 0:
         return f"the checkpoint's step count must be an integer >= 0, got {step!r}"
     saved_scalars = extra.get("scalars", {})
+    unknown = sorted(map(str, set(saved_scalars) - set(scalars))) if isinstance(saved_scalars, dict) else []
+    if unknown:  # the load sets each as an attribute: only this optimizer's own counters
+        return f"the checkpoint's scalars {unknown} are none of this optimizer's ({sorted(scalars)})"
     for name, least in scalars.items():
         value = saved_scalars.get(name) if isinstance(saved_scalars, dict) else None
         if not is_integer(value) or value < least:
