@@ -183,16 +183,21 @@ def straight_vs_resumed(stop: int, gathered: bool, scheduled: bool = False) -> t
     return straight, raw(model), straight_ef, error_bytes(opt)
 
 
-def a_bad_local_part_on_one_rank(kind: str) -> tuple[tuple[str, str] | None, int, bytes, bytes]:
-    """Saved mid local-step interval (step 21: the weights and momenta differ across ranks and
-    travel as each rank's local part); rank 1's part is made unusable before the load."""
+def saved_after(steps: int) -> tuple[int, dict]:
+    """This rank, and the state dict of its ZeroOneAdam after `steps` steps."""
     rank = rank_of(4)
     model = make_model()
     opt = make_zeroone(model)
-    for step in range(21):
+    for step in range(steps):
         backward(model, rank, step)
         opt.step()
-    saved = opt.state_dict()
+    return rank, opt.state_dict()
+
+
+def a_bad_local_part_on_one_rank(kind: str) -> tuple[tuple[str, str] | None, int, bytes, bytes]:
+    """Saved mid local-step interval (step 21: the weights and momenta differ across ranks and
+    travel as each rank's local part); rank 1's part is made unusable before the load."""
+    rank, saved = saved_after(21)
     local = saved["compcomm"]["rank_local"]
     assert local, "step 21 is mid-interval: the local part is not empty"
     if rank == 1:
@@ -270,13 +275,7 @@ def refused_load_then_training_from_scratch() -> tuple[tuple[str, str] | None, b
     load is refused everywhere, and training starts from scratch. The refused load had laid the
     buckets out on the other ranks only, so their first backward skipped the agreement on the
     order that rank 1's ran: gloo aborted on mismatched sizes."""
-    rank = rank_of(4)
-    model = make_model()
-    opt = make_zeroone(model)
-    for step in range(5):
-        backward(model, rank, step)
-        opt.step()
-    saved = opt.state_dict()
+    rank, saved = saved_after(5)
     if rank == 1:
         del saved["compcomm"]
     fresh_model = make_model()
