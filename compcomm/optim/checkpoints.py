@@ -157,9 +157,9 @@ def state_problem(
     count that is not a count; per-parameter `moments` (all or none) and `held` tensors (filled
     in when missing, as in a state saved before they were kept) that are not fp32 of the
     parameter's local shape, or not finite; other numbers that are not finite; `scalars`
-    (name: least value) missing or out of range, or others besides them. torch's own load would take such a state and
-    fail, or train on it wrongly, at a later step. `optimizer`: the compcomm optimizer class
-    this one is or derives from."""
+    (name: least value) missing or out of range, or others besides them. torch's own load would
+    take such a state and fail, or train on it wrongly, at a later step. `optimizer`: the
+    compcomm optimizer class this one is or derives from."""
     saved_by = extra.get("optimizer")
     if saved_by is not None and saved_by != optimizer:
         return f"this checkpoint was saved by {saved_by}, not {optimizer}: their states hold other quantities"
