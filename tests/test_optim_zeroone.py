@@ -503,3 +503,31 @@ def test_bf16_updates_below_bf16_spacing_accumulate(cls):
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     assert "master" in torch.load(io.BytesIO(buf.getvalue()), weights_only=False)["state"][0]
+
+
+@pytest.mark.parametrize("cls", [OnebitAdam, ZeroOneAdam])
+def test_a_bf16_runs_master_does_not_outlive_a_resume_in_fp32(cls):
+    """bf16, resumed in fp32, resumed in bf16: the fp32 run kept the loaded fp32 masters
+    unchanged and saved them again, and the bf16 resume stepped from them instead of from the
+    weights the fp32 run had trained."""
+    kw = dict(freeze_step=5) if cls is OnebitAdam else dict(var_freeze_step=5)
+    low = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    opt = cls([low], lr=1e-2, backend="local", **kw)
+    for _ in range(3):
+        low.grad = torch.ones_like(low)
+        opt.step()
+    assert "master" in opt.state_dict()["state"][0]
+    full = torch.nn.Parameter(low.detach().float())
+    resumed = cls([full], lr=1e-2, backend="local", **kw)
+    resumed.load_state_dict(opt.state_dict())
+    assert "master" not in resumed.state[full]
+    for _ in range(3):
+        full.grad = -torch.ones_like(full)
+        resumed.step()
+    assert "master" not in resumed.state_dict()["state"][0]
+    again = torch.nn.Parameter(full.detach().to(torch.bfloat16))
+    last = cls([again], lr=1e-2, backend="local", **kw)
+    last.load_state_dict(resumed.state_dict())
+    again.grad = torch.zeros_like(again)
+    last.step()
+    assert torch.allclose(again.detach().float(), full.detach(), atol=2e-2)

@@ -471,6 +471,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
             raise
         super().load_state_dict(plain)
         # torch casts floating state to the parameter dtype; keep ours exactly as saved (fp32).
+        # An fp32 parameter is its own master: a bf16 run's saved master would be kept unchanged
+        # and saved again, and a later resume in bf16 would step from it, not from the weights.
         index = [i for g in plain["param_groups"] for i in g["params"]]
         for i, p in zip(index, self._params()):
             saved = plain["state"].get(i)
@@ -478,6 +480,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 self.state[p] = {
                     k: v.detach().clone().to(p.device) if torch.is_tensor(v) else copy.deepcopy(v)
                     for k, v in saved.items()
+                    if not (k == "master" and p.dtype == torch.float32)
                 }
         self._step_count = int(extra["step"])
         for name, value in extra.get("scalars", {}).items():
