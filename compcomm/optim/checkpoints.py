@@ -182,19 +182,24 @@ def state_problem(
         if missing and len(missing) < len(moments):
             return f"parameter {i}'s state lacks {missing} of its moments {list(moments)}"
         for name, value in entry.items():
-            if name in (*moments, *held) and (
-                not torch.is_tensor(value) or value.dtype != torch.float32 or tuple(value.shape) != shape
-            ):
-                described = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
-                return f"parameter {i}'s {name} must be float32 of shape {shape}, got {described}"
-            finite = (
-                bool(torch.isfinite(value).all())
-                if torch.is_tensor(value) and value.is_floating_point()
-                else not isinstance(value, float) or math.isfinite(value)
-            )
-            if not finite:
-                return f"parameter {i}'s {name} holds NaN or Inf"
+            problem = fp32_problem(f"parameter {i}'s {name}", value, shape if name in (*moments, *held) else None)
+            if problem is not None:
+                return problem
     return None
+
+
+def fp32_problem(what: str, value: Any, shape: tuple[int, ...] | None) -> str | None:
+    """Why saved state `what` cannot be loaded as kept (None if it can): with a `shape`, not an
+    fp32 tensor of that shape; either way, a tensor or float that is not finite."""
+    if shape is not None and (not torch.is_tensor(value) or value.dtype != torch.float32 or value.shape != shape):
+        described = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+        return f"{what} must be float32 of shape {shape}, got {described}"
+    finite = (
+        bool(torch.isfinite(value).all())
+        if torch.is_tensor(value) and value.is_floating_point()
+        else not isinstance(value, float) or math.isfinite(value)
+    )
+    return None if finite else f"{what} holds NaN or Inf"
 
 
 def unreadable(kind: str, exc: Exception) -> str:

@@ -51,8 +51,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..backends import Backend
-from ..errors import all_finite
 from .base import COMPRESSED, EXACT, LOCAL, OnebitOptimizer
+from .checkpoints import fp32_problem
 from .updates import Denominators, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
 
 
@@ -257,18 +257,15 @@ class ZeroOneAdam(OnebitOptimizer):
                 f"not one of each per parameter ({len(params)}): a checkpoint of another model"
             )
         for i, (p, w, m) in enumerate(zip(params, weights, moments)):
+            # both as kept: fp32 (a low-precision parameter's weight is its fp32 master)
             for name, t in (("weight", w), ("exp_avg", m)):
-                if t is None and name == "exp_avg":
-                    continue
-                # both as kept: fp32 (a low-precision parameter's weight is its fp32 master)
-                if not torch.is_tensor(t) or t.dtype != torch.float32 or t.shape != p.shape:
-                    got = f"{t.dtype} {tuple(t.shape)}" if torch.is_tensor(t) else type(t).__name__
-                    return (
-                        f"this rank's local-step {name} of parameter {i} is {got}, not an fp32 tensor "
-                        f"of the parameter's shape {tuple(p.shape)}"
-                    )
-                if not all_finite(t):
-                    return f"this rank's local-step {name} of parameter {i} holds NaN or Inf"
+                problem = (
+                    None
+                    if t is None and name == "exp_avg"
+                    else fp32_problem(f"this rank's local-step {name} of parameter {i}", t, tuple(p.shape))
+                )
+                if problem is not None:
+                    return problem
         return None
 
     def _load_rank_local(self, local: dict[str, Any]) -> None:
