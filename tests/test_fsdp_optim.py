@@ -206,6 +206,34 @@ def test_rank0_optimizer_state_loaded_everywhere_raises_on_every_rank(pool):
         assert dropped is not None and dropped[0] == "ValueError" and "FSDP2-sharded" in dropped[1], dropped
 
 
+def refrozen(name: str) -> tuple[tuple[str, str] | None, int]:
+    """A state saved per rank after step 3, past the freeze at step 2, loaded into an optimizer
+    (and a compression) that freeze at step 4: v frozen at 2 would be bias-corrected as of 4."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    compcomm.fsdp.compress(model, start_iter=FREEZE)
+    opt = _optimizer(name, model.parameters())
+    for step in range(3):
+        loss_of(model, batch(rank, step)).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    model = shard(make_model(), (0, 1, 2, 3))
+    compcomm.fsdp.compress(model, start_iter=FREEZE + 2)
+    opt = OPTIMIZERS[name](model.parameters(), lr=0.01, freeze_step=FREEZE + 2)
+    return caught(opt.load_state_dict, saved), opt.step_count
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_state_past_the_freeze_resumed_with_another_freeze_step_is_refused_on_every_rank(pool, name):
+    for failure, count in pool.run(refrozen, name):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert "freeze_step=2" in failure[1] and "freeze_step=4" in failure[1], failure
+        assert count == 0
+
+
 def scaled(name: str) -> dict:
     """GradScaler with nonfinite="propagate": rank 1's loss is inf at the second iteration,
     so every rank's gradients come back NaN, that backward is not counted, and the scaler skips

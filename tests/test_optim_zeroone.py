@@ -165,9 +165,7 @@ def straight_vs_resumed(stop: int, gathered: bool, scheduled: bool = False) -> t
     if gathered:  # one file from rank 0, loaded everywhere
         saved = from_rank0({"model": model.state_dict(), "opt": opt.gathered_state_dict(), "scheduler": schedule})
     else:
-        buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scheduler": schedule}, buf)
-        saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+        saved = through_a_file({"model": model.state_dict(), "opt": opt.state_dict(), "scheduler": schedule})
     model = make_model()
     model.load_state_dict(saved["model"])
     opt = make_zeroone(model)
@@ -181,6 +179,13 @@ def straight_vs_resumed(stop: int, gathered: bool, scheduled: bool = False) -> t
         if scheduler is not None:
             scheduler.step()
     return straight, raw(model), straight_ef, error_bytes(opt)
+
+
+def through_a_file(obj: dict) -> dict:
+    """`obj` as torch.load reads it back from a file torch.save wrote."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
 
 
 def saved_after(steps: int) -> tuple[int, dict]:
@@ -252,6 +257,8 @@ def a_malformed_file_on_one_rank(kind: str) -> tuple[tuple[str, str] | None, int
             saved["param_groups"] = None
         elif kind == "group not a dict":
             saved["param_groups"] = ["oops", second]
+        elif kind == "schedule":
+            saved["compcomm"]["schedule"] = {"var_freeze_step": "12"}
         elif kind == "regrouped":  # as many groups, the same settings: torch's load raised on rank 1 alone
             both = first["params"] + second["params"]
             saved["param_groups"] = [{**first, "params": both[:2]}, {**second, "params": both[2:]}]
@@ -263,7 +270,7 @@ def a_malformed_file_on_one_rank(kind: str) -> tuple[tuple[str, str] | None, int
     return failure, fresh.step_count, before, raw(fresh_model)
 
 
-@pytest.mark.parametrize("kind", ["groups none", "group not a dict", "regrouped", "state key", "scalar"])
+@pytest.mark.parametrize("kind", ["groups none", "group not a dict", "schedule", "regrouped", "state key", "scalar"])
 def test_a_file_malformed_on_one_rank_is_refused_on_every_rank(pool, kind):
     for failure, steps, before, after in pool.run(a_malformed_file_on_one_rank, kind):
         assert failure is not None and failure[0] == "ValueError", failure
@@ -531,3 +538,131 @@ def test_a_bf16_runs_master_does_not_outlive_a_resume_in_fp32(cls):
     again.grad = torch.zeros_like(again)
     last.step()
     assert torch.allclose(again.detach().float(), full.detach(), atol=2e-2)
+
+
+# ------------------------------------------------------------------ resumed under another schedule
+
+FREEZE_SETTING = {"ZeroOneAdam": "var_freeze_step", "OnebitAdam": "freeze_step", "OnebitLamb": "freeze_step"}
+
+
+def build(name: str, model: torch.nn.Module, freeze: int) -> torch.optim.Optimizer:
+    """`name` over 4 gloo ranks, the variance frozen at step `freeze` (ZeroOneAdam: SCHEDULE's other settings)."""
+    if name == "ZeroOneAdam":
+        return make_zeroone(model, var_freeze_step=freeze)
+    cls = {"OnebitAdam": OnebitAdam, "OnebitLamb": OnebitLamb}[name]
+    return cls(model.parameters(), lr=1e-2, freeze_step=freeze, backend=compcomm.backends.get("gloo", group=group(4)))
+
+
+def resumed_with_another_freeze(
+    name: str, saved_at: int, freeze: int, steps: int
+) -> tuple[tuple[str, str] | None, int, bytes | None, bytes]:
+    """Saved per rank after `saved_at` steps with the variance frozen at step 12, loaded into an
+    optimizer that freezes it at `freeze`: what the load raised, the step count after it, the
+    weights after `steps` steps in all (None if refused), and those of a straight run frozen at
+    `freeze`."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = build(name, model, 12)
+    for step in range(saved_at):
+        backward(model, rank, step)
+        opt.step()
+    saved = through_a_file({"model": model.state_dict(), "opt": opt.state_dict()})
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    opt = build(name, model, freeze)
+    failure = caught(opt.load_state_dict, saved["opt"])
+    count = opt.step_count
+    resumed = None
+    if failure is None:
+        for step in range(saved_at, steps):
+            backward(model, rank, step)
+            opt.step()
+        resumed = raw(model)
+    model = make_model()
+    opt = build(name, model, freeze)
+    for step in range(steps):
+        backward(model, rank, step)
+        opt.step()
+    return failure, count, resumed, raw(model)
+
+
+@pytest.mark.parametrize(
+    "name,saved_at,freeze",
+    [
+        ("ZeroOneAdam", 21, 50),  # between syncs of local steps: the ranks' weights were never reconciled
+        ("ZeroOneAdam", 5, 3),  # the frozen stage without what the freeze forms: KeyError 'lr_sum' at step 6
+        ("OnebitLamb", 5, 5),  # the same: KeyError 'coeff_frozen' at step 6
+        ("OnebitAdam", 20, 15),  # v frozen at step 12, bias-corrected as of step 15: a silently other update
+    ],
+)
+def test_a_state_resumed_with_the_freeze_on_its_other_side_is_refused_on_every_rank(pool, name, saved_at, freeze):
+    setting = FREEZE_SETTING[name]
+    for failure, count, resumed, _ in pool.run(resumed_with_another_freeze, name, saved_at, freeze, saved_at + 4):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert f"{setting}=12" in failure[1] and f"{setting}={freeze}" in failure[1], failure
+        assert count == 0 and resumed is None  # nothing loaded
+
+
+@pytest.mark.parametrize("name", ["ZeroOneAdam", "OnebitAdam", "OnebitLamb"])
+def test_a_state_saved_before_the_freeze_resumes_under_a_nearer_freeze_as_if_run_so(pool, name):
+    """Steps 1-5 are the same stage under a freeze at 12 or at 8: resumed at 5 with 8, the run
+    is bit for bit the one that froze at 8 from the start."""
+    for failure, _, resumed, straight in pool.run(resumed_with_another_freeze, name, 5, 8, 14):
+        assert failure is None, failure
+        assert resumed == straight
+
+
+def mid_interval_at_learning_rate_zero(gathered: bool) -> tuple[bytes, bytes]:
+    """The local step 17 (between the syncs at 16 and 18) at learning rate 0 moves each rank's
+    momentum and no weight; saved after it, straight and resumed weights at step 20."""
+    rank = rank_of(4)
+
+    def run(model: torch.nn.Module, opt: ZeroOneAdam, steps: range) -> None:
+        for step in steps:
+            for g in opt.param_groups:
+                g["lr"] = 0.0 if step + 1 == 17 else 1e-2
+            backward(model, rank, step)
+            opt.step()
+
+    model = make_model()
+    opt = make_zeroone(model)
+    run(model, opt, range(20))
+    straight = raw(model)
+    model = make_model()
+    opt = make_zeroone(model)
+    run(model, opt, range(17))
+    state = {"model": model.state_dict(), "opt": opt.gathered_state_dict() if gathered else opt.state_dict()}
+    saved = from_rank0(state) if gathered else through_a_file(state)  # gathered: rank 0's file everywhere
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    opt = make_zeroone(model)
+    opt.load_state_dict(saved["opt"])
+    run(model, opt, range(17, 20))
+    return straight, raw(model)
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_resumes_bit_for_bit_between_syncs_at_learning_rate_zero(pool, gathered):
+    """The local part was saved only when the learning rates summed since the sync were
+    non-zero: one file from gathered_state_dict() then gave every rank rank 0's momentum."""
+    for straight, resumed in pool.run(mid_interval_at_learning_rate_zero, gathered):
+        assert straight == resumed
+
+
+def test_a_sync_interval_doubles_after_a_resume_with_a_smaller_local_step_scaler():
+    """Resumed with local_step_scaler below the saved counter, the interval doubled never again
+    (the counter was compared with ==)."""
+    model = make_model()
+    opt = ZeroOneAdam(model.parameters(), backend="local", **SCHEDULE)
+    for step in range(14):  # phase 2 from step 13: local_counter 2
+        backward(model, 0, step)
+        opt.step()
+    assert (opt.local_counter, opt.local_interval) == (2, 1)
+    resumed = ZeroOneAdam(model.parameters(), backend="local", **{**SCHEDULE, "local_step_scaler": 1})
+    resumed.load_state_dict(opt.state_dict())
+    intervals = []
+    for step in range(14, 17):
+        backward(model, 0, step)
+        resumed.step()
+        intervals.append(resumed.local_interval)
+    assert intervals == [2, 4, 4]  # clipped at local_step_clipper

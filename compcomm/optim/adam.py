@@ -48,6 +48,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     a fixed per-parameter scale, `_momentum_scale(p)`, 1 unless a subclass sets one): what
     1-bit Adam and 1-bit LAMB share."""
 
+    _FREEZE_SETTING = "freeze_step"
+
     def __init__(
         self, params: Iterable, defaults: dict[str, Any], freeze_step: int, backend: Backend | str | None
     ) -> None:

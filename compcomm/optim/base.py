@@ -77,6 +77,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
     # Whether every rank holds the same per-parameter state after a step (the moments are
     # averaged), so that a checkpoint's ranks must have saved the same values.
     _SAME_MOMENTS = True
+    # The schedule setting that names the step at which the variance freezes (None: none). The
+    # state changes form there, so one saved at or past it goes on only under the same value.
+    _FREEZE_SETTING: ClassVar[str | None] = None
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], backend: Backend | str | None) -> None:
         check_backend_argument(backend)
@@ -411,6 +414,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
             entry = checkpoints.compcomm_entry(
                 self._checkpoint_kind(), self._step_count, be, layout, scalars, self._rank_local()
             )
+        entry["schedule"] = self._schedule()  # a load checks the state's stage against its own
         sd[checkpoints.EXTRA_KEY] = entry
         return sd
 
@@ -521,6 +525,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 self._HELD_FROM_START,
                 self._SCALARS,
             )
+        if problem is None and self._FREEZE_SETTING is not None:
+            problem = checkpoints.freeze_problem(extra, self._FREEZE_SETTING, getattr(self, self._FREEZE_SETTING))
         if problem is None:
             problem = self._rank_local_problem(mine.get("rank_local") or {})
         if problem is None:

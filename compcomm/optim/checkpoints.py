@@ -188,6 +188,35 @@ def state_problem(
     return None
 
 
+def freeze_problem(extra: dict[str, Any], setting: str, current: int) -> str | None:
+    """Why a checkpoint's state cannot go on under `setting` = `current`, the step at which the
+    variance freezes (None if it can). Saved at or past its own freeze step, the state holds what
+    the freeze formed (and the frozen stage's moments, errors, local steps): it goes on only
+    under the same step. Saved before, it goes on under any freeze step still ahead of it: one
+    at or behind its step would start the frozen stage from what the freeze never formed. A
+    state saved without its schedule (by compcomm before it recorded one) is taken as it is."""
+    schedule = extra.get("schedule")
+    if schedule is None:
+        return None
+    saved = schedule.get(setting) if isinstance(schedule, dict) else None
+    if not is_integer(saved) or saved < 1:
+        return f"the checkpoint's schedule must name {setting} as an integer >= 1, got {saved!r}"
+    step = extra["step"]
+    if saved == current or step < min(saved, current):
+        return None
+    if step >= saved:
+        return (
+            f"this checkpoint was saved at step {step}, at or after the variance froze ({setting}={saved}); "
+            f"this optimizer's {setting}={current} would go on from it as from another stage: resume with "
+            f"{setting}={saved}"
+        )
+    return (
+        f"this checkpoint was saved at step {step}, before the variance froze ({setting}={saved}); with "
+        f"{setting}={current} it would have frozen at step {current}, which this state never went through: "
+        f"resume with {setting} > {step}"
+    )
+
+
 def fp32_problem(what: str, value: Any, shape: tuple[int, ...] | None) -> str | None:
     """Why saved state `what` cannot be loaded as kept (None if it can): with a `shape`, not an
     fp32 tensor of that shape; either way, a tensor or float that is not finite."""

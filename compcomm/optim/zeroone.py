@@ -75,6 +75,7 @@ class ZeroOneAdam(OnebitOptimizer):
     }
     _HELD_FROM_START = ("sync_weight",)  # w_s, filled at the freeze
     _SAME_MOMENTS = False  # local steps move each rank's momentum on its own gradients
+    _FREEZE_SETTING = "var_freeze_step"
 
     def __init__(
         self,
@@ -101,6 +102,9 @@ class ZeroOneAdam(OnebitOptimizer):
         self.local_step_clipper = int(local_step_clipper)
         self.var_interval, self.var_counter, self.var_updates = 1, 0, 0
         self.local_interval, self.local_counter = 1, 0
+        # Whether a local step was taken since the last sync: the weights and momenta then differ
+        # across ranks and a checkpoint must carry each rank's (whatever the learning rate was).
+        self._between_syncs = False
         self._denominators = Denominators()  # d changes only when v is refreshed
 
     def _schedule(self) -> dict[str, Any]:
@@ -208,7 +212,7 @@ class ZeroOneAdam(OnebitOptimizer):
         if kind == EXACT:
             self.var_updates = refreshes
             self.var_counter += 1
-            if self.var_counter == self.var_update_scaler:
+            if self.var_counter >= self.var_update_scaler:  # > after a resume with a smaller one
                 self.var_counter, self.var_interval = 0, 2 * self.var_interval
 
     def _phase2(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
@@ -229,15 +233,16 @@ class ZeroOneAdam(OnebitOptimizer):
                 state["sync_weight"].copy_(w)
                 state["lr_sum"] = 0.0
             store_(p, w)
+        self._between_syncs = kind == LOCAL
         self.local_counter += 1
-        if self.local_counter == self.local_step_scaler:
+        if self.local_counter >= self.local_step_scaler:  # > after a resume with a smaller one
             self.local_counter = 0
             self.local_interval = min(2 * self.local_interval, self.local_step_clipper)
 
     def _rank_local(self) -> dict[str, Any]:
         """Mid local-step interval, this rank's weights and momenta (they differ across ranks)."""
         params = self._params()
-        if not any(self.state.get(p, {}).get("lr_sum", 0.0) for p in params):  # reading adds no entry
+        if not self._between_syncs:
             return {}
         return {
             "weights": [master_weight(p, self.state[p]).clone() for p in params],
@@ -269,6 +274,7 @@ class ZeroOneAdam(OnebitOptimizer):
         return None
 
     def _load_rank_local(self, local: dict[str, Any]) -> None:
+        self._between_syncs = bool(local)  # a state saved between syncs carries each rank's part
         if not local:
             return
         with torch.no_grad():
