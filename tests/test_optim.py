@@ -485,6 +485,40 @@ def test_invalid_param_group_and_dtype_raise_value_error():
         OnebitAdam([{"params": [model.weight], "lr": -1.0}, {"params": [model.bias]}])
     with pytest.raises(ValueError):
         OnebitAdam(torch.nn.Linear(2, 2).double().parameters())
+    with pytest.raises(ValueError, match="exp_avg_mask must be a tensor broadcastable"):  # was torch's RuntimeError
+        OnebitAdam([{"params": [model.weight], "exp_avg_mask": torch.ones(3)}])
+
+
+def a_file_with_an_invalid_group(name: str, change: dict) -> tuple:
+    """Every rank's file holds a parameter group changed by `change` alike (as one gathered file
+    would), so the ranks agree on it: torch's load took it as saved, and an lr < 0 then stepped
+    uphill without a word, a beta >= 1 or a mask of another shape failed at a later step."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 2)
+    backward(model, rank, 0)
+    opt.step()
+    saved = opt.state_dict()
+    saved["param_groups"][0].update(change)
+    resumed = make_optimizer(name, model, 4, 2)
+    failure = caught(resumed.load_state_dict, saved)
+    return failure, resumed.step_count, resumed.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize(
+    "name,change,says",
+    [
+        ("adam", {"lr": -1.0}, "invalid lr: -1.0"),
+        ("adam", {"betas": (0.9, 2.0)}, "invalid betas[1]: 2.0"),
+        ("adam", {"exp_avg_mask": torch.ones(3)}, "exp_avg_mask must be a tensor broadcastable"),
+        ("lamb", {"min_coeff": 0.0}, "invalid min_coeff: 0.0"),
+    ],
+)
+def test_a_file_with_an_invalid_group_is_refused_on_every_rank(pool, name, change, says):
+    for failure, steps, lr in pool.run(a_file_with_an_invalid_group, name, change):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert "rank 0: the checkpoint's parameter group 0: " + says in failure[1], failure
+        assert steps == 0 and lr == 1e-2
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -666,3 +666,31 @@ def test_a_sync_interval_doubles_after_a_resume_with_a_smaller_local_step_scaler
         resumed.step()
         intervals.append(resumed.local_interval)
     assert intervals == [2, 4, 4]  # clipped at local_step_clipper
+
+
+def refused_load_between_backward_and_step(name: str) -> tuple[tuple[str, str] | None, bytes, bytes]:
+    """A load refused after a backward has started the step's collectives (rank 1's file is no
+    compcomm state), then step(): the load drops the round in flight, and the step must still
+    be the one a run without the load takes."""
+    rank = rank_of(4)
+    runs, failure = [], None
+    for load in (False, True):
+        model = make_model()
+        opt = build(name, model, 3)
+        for step in range(6):
+            backward(model, rank, step)
+            if load and step == 4:
+                saved = opt.state_dict()
+                if rank == 1:
+                    del saved["compcomm"]
+                failure = caught(opt.load_state_dict, saved)
+            opt.step()
+        runs.append(raw(model))
+    return failure, runs[0], runs[1]
+
+
+@pytest.mark.parametrize("name", ["ZeroOneAdam", "OnebitAdam"])
+def test_a_load_refused_between_backward_and_step_changes_no_step(pool, name):
+    for failure, straight, with_load in pool.run(refused_load_between_backward_and_step, name):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert straight == with_load

@@ -116,14 +116,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             if p.dtype not in PARAM_DTYPES:
                 raise ValueError(f"parameters must be float32 or bfloat16, got {p.dtype}")
-        mask = group.get("exp_avg_mask")
-        if mask is not None:
-            for p in group["params"]:
-                if not torch.is_tensor(mask) or torch.broadcast_shapes(mask.shape, p.shape) != p.shape:
-                    raise ValueError(
-                        f"exp_avg_mask must be a tensor broadcastable to each parameter of "
-                        f"its group, got {getattr(mask, 'shape', mask)} for {tuple(p.shape)}"
-                    )
+        _check_mask(group.get("exp_avg_mask"), group["params"])
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """ValueError for invalid hyperparameters of one group (subclasses extend it)."""
@@ -534,7 +527,21 @@ class OnebitOptimizer(torch.optim.Optimizer):
             sizes = [len(g["params"]) for g in self.param_groups]
             if saved_sizes != sizes:  # torch's own load would raise it here alone, after the agreement
                 problem = f"the checkpoint's parameter groups hold {saved_sizes} parameters, this optimizer's {sizes}"
+        if problem is None:
+            problem = self._groups_problem(state_dict["param_groups"])
         return state_dict, extra, mine, problem
+
+    def _groups_problem(self, saved: list[dict[str, Any]]) -> str | None:
+        """Why a checkpoint's parameter groups cannot be loaded (None if they can): torch's load
+        takes their hyperparameters as saved, and a step would then use an lr < 0, a beta >= 1
+        or a mask of another shape without a word, or fail at some later step."""
+        for i, (group, own) in enumerate(zip(saved, self.param_groups)):
+            try:
+                self._check_group(group)
+                _check_mask(group.get("exp_avg_mask"), own["params"])
+            except ValueError as exc:
+                return f"the checkpoint's parameter group {i}: {exc}"
+        return None
 
     @classmethod
     def _checkpoint_kind(cls) -> str:
@@ -546,6 +553,23 @@ class OnebitOptimizer(torch.optim.Optimizer):
     """`OnebitOptimizer.drop_error_feedback(sd)`: a copy of the state dict `sd` without per-rank
     state, loadable on any rank and world size (a documented reset: the compression errors
     carried so far are forgotten)."""
+
+
+def _check_mask(mask: Any, params: list[torch.Tensor]) -> None:
+    """ValueError unless `mask` (a group's exp_avg_mask) is None or a tensor that broadcasts to
+    each of the group's parameters (their whole shape, also where they are sharded)."""
+    if mask is None:
+        return
+    for p in params:
+        try:
+            fits = torch.is_tensor(mask) and torch.broadcast_shapes(mask.shape, p.shape) == p.shape
+        except RuntimeError:  # shapes that do not broadcast at all
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"exp_avg_mask must be a tensor broadcastable to each parameter of "
+                f"its group, got {getattr(mask, 'shape', mask)} for {tuple(p.shape)}"
+            )
 
 
 def _hyperparameters(groups: list[dict[str, Any]]) -> dict[str, Any]:
