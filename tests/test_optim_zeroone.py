@@ -259,6 +259,8 @@ def a_malformed_file_on_one_rank(kind: str) -> tuple[tuple[str, str] | None, int
             saved["param_groups"] = ["oops", second]
         elif kind == "schedule":
             saved["compcomm"]["schedule"] = {"var_freeze_step": "12"}
+        elif kind == "between syncs":
+            saved["compcomm"]["between_syncs"] = "yes"
         elif kind == "regrouped":  # as many groups, the same settings: torch's load raised on rank 1 alone
             both = first["params"] + second["params"]
             saved["param_groups"] = [{**first, "params": both[:2]}, {**second, "params": both[2:]}]
@@ -270,7 +272,9 @@ def a_malformed_file_on_one_rank(kind: str) -> tuple[tuple[str, str] | None, int
     return failure, fresh.step_count, before, raw(fresh_model)
 
 
-@pytest.mark.parametrize("kind", ["groups none", "group not a dict", "schedule", "regrouped", "state key", "scalar"])
+@pytest.mark.parametrize(
+    "kind", ["groups none", "group not a dict", "schedule", "between syncs", "regrouped", "state key", "scalar"]
+)
 def test_a_file_malformed_on_one_rank_is_refused_on_every_rank(pool, kind):
     for failure, steps, before, after in pool.run(a_malformed_file_on_one_rank, kind):
         assert failure is not None and failure[0] == "ValueError", failure
@@ -639,6 +643,47 @@ def mid_interval_at_learning_rate_zero(gathered: bool) -> tuple[bytes, bytes]:
     opt.load_state_dict(saved["opt"])
     run(model, opt, range(17, 20))
     return straight, raw(model)
+
+
+def gathered_after_a_reset_between_syncs() -> tuple[bool, bytes, bytes]:
+    """Per-rank files saved after the local step 17, loaded on the same ranks as
+    drop_error_feedback copies (which hold no rank's part); gathered_state_dict() right after,
+    loaded everywhere from rank 0's file: whether that file carries every rank's part, and the
+    weights at step 20 resumed from it and continued straight."""
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_zeroone(model)
+    for step in range(17):
+        backward(model, rank, step)
+        opt.step()
+    saved = through_a_file({"model": model.state_dict(), "opt": opt.state_dict()})
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    opt = make_zeroone(model)
+    opt.load_state_dict(ZeroOneAdam.drop_error_feedback(saved["opt"]))
+    shared = from_rank0({"model": model.state_dict(), "opt": opt.gathered_state_dict()})
+    carried = all(part["rank_local"] for part in shared["opt"]["compcomm"]["ranks"])
+    runs = []
+    for resume in (False, True):
+        if resume:
+            model = make_model()
+            model.load_state_dict(shared["model"])
+            opt = make_zeroone(model)
+            opt.load_state_dict(shared["opt"])
+        for step in range(17, 20):
+            backward(model, rank, step)
+            opt.step()
+        runs.append(raw(model))  # first straight on from the reset, then resumed from the gathered file
+    return carried, runs[0], runs[1]
+
+
+def test_a_gathered_file_after_a_reset_between_syncs_keeps_every_ranks_part(pool):
+    """drop_error_feedback's copy of a per-rank file saved between syncs left the ranks between
+    syncs (each with its own weights and momenta) but said it had not: the next gathered file
+    held no rank's part, and every rank resumed from rank 0's."""
+    for carried, straight, resumed in pool.run(gathered_after_a_reset_between_syncs):
+        assert carried
+        assert straight == resumed
 
 
 @pytest.mark.parametrize("gathered", [False, True])

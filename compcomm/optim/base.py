@@ -52,7 +52,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
       `_apply(t, kind, values)`           the update, from the averaged payloads (local ones
                                           for "local"), one per parameter;
       `_fresh_errors(t)`                  whether step t starts the error feedback from zero;
-      `_rank_local()` / `_load_rank_local(d)`   state that differs across ranks (checkpoints).
+      `_rank_local()` / `_load_rank_local(d, extra)`   state that differs across ranks (checkpoints).
     Instance attributes named in `_SCALARS` (integers, each with its least valid value) are
     checkpointed; per-parameter state named in `_HELD_FROM_START` is allocated (zeros) with the
     moments.
@@ -378,12 +378,13 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def _rank_local(self) -> dict[str, Any]:
         return {}
 
-    def _load_rank_local(self, local: dict[str, Any]) -> None:
-        """Restore what `_rank_local()` returned."""
+    def _load_rank_local(self, local: dict[str, Any], extra: dict[str, Any]) -> None:
+        """Restore what `_rank_local()` returned (`extra`: the checkpoint's "compcomm" entry)."""
 
-    def _rank_local_problem(self, local: dict[str, Any]) -> str | None:
-        """Why `_load_rank_local(local)` cannot restore `local` here (None if it can): asked
-        before the load's agreement, so that one rank's unusable part is refused on every rank."""
+    def _rank_local_problem(self, local: dict[str, Any], extra: dict[str, Any]) -> str | None:
+        """Why `_load_rank_local(local, extra)` cannot restore `local` here (None if it can):
+        asked before the load's agreement, so that one rank's unusable part is refused on every
+        rank."""
         return None
 
     # ----------------------------------------------------------------- checkpoints
@@ -488,7 +489,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
             # The buckets are laid out, which a run's first backward would do (and agree on
             # non-finite gradients there, before a GradScaler looks); a resumed run's does so too.
             self._gradient_rounds.resumed = True
-        self._load_rank_local(mine.get("rank_local") or {})
+        self._load_rank_local(mine.get("rank_local") or {}, extra)
 
     def _own_state(
         self, state_dict: Any, be: Backend
@@ -521,7 +522,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if problem is None and self._FREEZE_SETTING is not None:
             problem = checkpoints.freeze_problem(extra, self._FREEZE_SETTING, getattr(self, self._FREEZE_SETTING))
         if problem is None:
-            problem = self._rank_local_problem(mine.get("rank_local") or {})
+            problem = self._rank_local_problem(mine.get("rank_local") or {}, extra)
         if problem is None:
             saved_sizes = [len(g["params"]) for g in state_dict["param_groups"]]
             sizes = [len(g["params"]) for g in self.param_groups]

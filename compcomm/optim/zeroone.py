@@ -52,7 +52,7 @@ import torch
 
 from ..backends import Backend
 from .base import COMPRESSED, EXACT, LOCAL, OnebitOptimizer
-from .checkpoints import fp32_problem
+from .checkpoints import EXTRA_KEY, fp32_problem
 from .updates import Denominators, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
 
 
@@ -134,6 +134,13 @@ class ZeroOneAdam(OnebitOptimizer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """d after `refreshes` refreshes of v, and where it is negligible (see `mask_`)."""
         return self._denominators.get(p, self._moments(p)["exp_avg_sq"], refreshes, group)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        # Beside the per-rank part, so that drop_error_feedback's copy of a state saved between
+        # syncs, loaded on the ranks that hold their own weights and momenta, still says so.
+        sd[EXTRA_KEY]["between_syncs"] = self._between_syncs
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._denominators.clear()
@@ -249,7 +256,10 @@ class ZeroOneAdam(OnebitOptimizer):
             "exp_avg": [self.state[p].get("exp_avg") for p in params],
         }
 
-    def _rank_local_problem(self, local: dict[str, Any]) -> str | None:
+    def _rank_local_problem(self, local: dict[str, Any], extra: dict[str, Any]) -> str | None:
+        between = extra.get("between_syncs", False)  # absent: saved before it was recorded
+        if not isinstance(between, bool):
+            return f"the checkpoint's between_syncs must be True or False, got {between!r}"
         if not local:
             return None
         params = self._params()
@@ -273,8 +283,9 @@ class ZeroOneAdam(OnebitOptimizer):
                     return problem
         return None
 
-    def _load_rank_local(self, local: dict[str, Any]) -> None:
-        self._between_syncs = bool(local)  # a state saved between syncs carries each rank's part
+    def _load_rank_local(self, local: dict[str, Any], extra: dict[str, Any]) -> None:
+        # saved between syncs: with each rank's part, or without (drop_error_feedback's copy)
+        self._between_syncs = bool(local) or extra.get("between_syncs", False)
         if not local:
             return
         with torch.no_grad():
