@@ -649,6 +649,104 @@ def save_on_four() -> bytes:
     return buf.getvalue()
 
 
+def damage(saved: dict, case: str, rank: int) -> None:
+    """`case`: "what, where", where a part of the per-rank file `saved` is made unusable on every
+    rank ("all") or on rank 1 alone ("rank 1"). Saved after step 7: fragment 0 is in flight."""
+    what, where = case.split(", ")
+    if where == "rank 1" and rank != 1:
+        return
+    local, outer = saved["compcomm"]["rank_local"], saved["outer"]
+    flight = local["in_flight"][0]
+    if what == "outer lr < 0":
+        outer["param_groups"][0]["lr"] = -0.7
+    elif what == "outer lr nan":
+        outer["param_groups"][0]["lr"] = math.nan
+    elif what == "outer maximize":
+        outer["param_groups"][0]["maximize"] = True
+    elif what == "outer momentum":
+        outer["param_groups"][0]["momentum"] = 0.901
+    elif what == "momentum buffer nan":
+        outer["state"][0]["momentum_buffer"][0] = math.nan
+    elif what == "momentum buffer shape":
+        outer["state"][0]["momentum_buffer"] = outer["state"][0]["momentum_buffer"][1:]
+    elif what == "mean nan":
+        flight["mean"][0][0] = math.nan
+    elif what == "mean":
+        flight["mean"][0][0] += 1e-3
+    elif what == "landing":
+        flight["apply_at"] = 100
+    elif what == "fragment":
+        flight["fragment"] = 7
+    elif what == "first backward":
+        local["backward_agreement"]["first_done"] = False
+    elif what == "step":
+        saved["compcomm"]["step"] = -3
+    elif what == "theta nan":
+        saved["synced"][0][0] = math.nan
+    elif what == "theta shape":
+        saved["synced"][0] = saved["synced"][0].reshape(2, -1)
+    elif what == "sent at":
+        saved["compcomm"]["scalars"]["sent_at"] = ["x", 4]
+    elif what == "inner nan":
+        next(iter(local["inner"]["state"].values()))["exp_avg"][0] = math.nan
+    else:
+        assert what == "inner lr", what
+        local["inner"]["param_groups"][0]["lr"] = -1.0
+
+
+def load_damaged(case: str) -> tuple[tuple[str, str] | None, bool]:
+    """What loading a damaged file raised, and whether the optimizer kept everything it held."""
+    rank = rank_of(WORLD)
+    model, opt = trained(7)
+    saved = copy.deepcopy(opt.state_dict())
+    damage(saved, case, rank)
+
+    def held() -> tuple:
+        return (
+            state_bytes(model, opt),
+            repr(opt.inner.state_dict()),
+            repr(opt._sync.outer.state_dict()),
+            opt.step_count,
+        )
+
+    before = held()
+    return caught(opt.load_state_dict, saved), held() == before
+
+
+@pytest.mark.parametrize(
+    "case,says",
+    [
+        ("outer lr < 0, all", "rank 0: the checkpoint's outer optimizer: invalid outer_lr: -0.7"),
+        ("outer lr nan, all", "invalid outer_lr: nan"),
+        ("outer maximize, all", "the checkpoint's outer optimizer has {"),
+        ("outer momentum, rank 1", "different saves"),
+        ("momentum buffer nan, all", "the outer momentum of bucket 0 holds NaN or Inf"),
+        ("momentum buffer shape, rank 1", "rank 1: the outer momentum of bucket 0 must be float32 of shape"),
+        ("mean nan, all", "the landed mean of fragment 0 in flight holds NaN or Inf"),
+        ("mean, rank 1", "different saves"),
+        ("landing, all", "fragment 0 in flight lands at 100"),
+        ("fragment, rank 1", "rank 1: the checkpoint's fragments in flight name 7"),
+        ("first backward, rank 1", "different saves"),
+        ("step, all", "step count must be an integer >= 0, got -3"),
+        ("theta nan, all", "synced parameters of bucket 0 holds NaN or Inf"),
+        ("theta shape, all", "synced parameters of bucket 0 must be float32 of shape"),
+        ("sent at, all", "fragments' steps ['x', 4] are not local steps"),
+        ("inner nan, rank 1", "rank 1: the checkpoint's inner optimizer state exp_avg of parameter 0 holds NaN"),
+        ("inner lr, all", "inner optimizer group 0 has the learning rate -1.0"),
+    ],
+)
+def test_a_damaged_file_is_refused_on_every_rank_with_nothing_loaded(pool, case, says):
+    """Each loaded before (an outer lr < 0 or NaN, a NaN in theta, a mean or momentum, a landing
+    step that never comes: silently wrong numbers or syncs skipped for good), or crashed one rank
+    alone mid-load or at a later step (a hang for the others), or let theta part across ranks (a
+    fragment's mean or the outer momentum differing on one rank), or made one rank run a
+    collective at its next backward that the others did not (the first-backward flag)."""
+    for failure, kept in pool.run(load_damaged, case):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert says in failure[1], failure
+        assert kept
+
+
 def load_on_two(blob: bytes):
     opt = make_diloco(make_model(), world=2)
     return caught(opt.load_state_dict, torch.load(io.BytesIO(blob), weights_only=False))

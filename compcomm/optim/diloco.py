@@ -69,16 +69,17 @@ from ..backends.registry import resolve_for_call
 from ..error_feedback import ErrorFeedback
 from ..errors import NonFiniteError
 from ..gather_objects import agree_on_values
-from ..layout import DEFAULT_BUCKET_BYTES, bucket_groups, is_integer
+from ..layout import DEFAULT_BUCKET_BYTES, bucket_groups
 from ..loss_scale import check_grad_scaler
-from . import checkpoints
+from . import checkpoints, diloco_checkpoints
 from .base import OnebitOptimizer
 from .buckets import BucketLayout
+from .diloco_checkpoints import check_outer
 from .fragments import FragmentSchedule
 from .outer import EXACT_BYTES, InFlight, OuterSync
 from .replicas import check_plain_replicas, equalize_from_rank0, refuse_ddp_wrapped
 from .scaler import BackwardAgreement, unscale_and_check
-from .updates import check_count, check_range
+from .updates import check_count
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SCHEDULE = ("sync_every", "fragments", "overlap_steps", "start_iter", "compress", "passes", "passes_until", "rotate")
@@ -181,17 +182,14 @@ class DiLoCo(torch.optim.Optimizer):
             )
             if bucket_bytes is None:
                 bucket_bytes = _bucket_bytes([mine[i] for i in trained], fragments)
-            check_range("outer_lr", outer_lr, 0.0, low_open=True)
-            check_range("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
-            for name, flag in (("nesterov", nesterov), ("compress", compress), ("rotate", rotate)):
+            check_outer(outer_lr, outer_momentum, nesterov)
+            for name, flag in (("compress", compress), ("rotate", rotate)):
                 if not isinstance(flag, bool):
                     raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
             if passes > 1 and not compress:
                 raise ValueError(f"passes={passes} needs compress=True: an exact sync is exact in one call")
             if rotate and not compress:
                 raise ValueError("rotate=True needs compress=True: it serves the 1-bit code; an exact mean needs none")
-            if nesterov and outer_momentum == 0:
-                raise ValueError("nesterov=True needs outer_momentum > 0")
             check_grad_scaler(grad_scaler)
         except (TypeError, ValueError) as exc:
             failure = failure or exc
@@ -496,10 +494,7 @@ class DiLoCo(torch.optim.Optimizer):
             if problem is None:  # torch's own checks of the two optimizers' states, tried here
                 sync.outer.load_state_dict(copy.deepcopy(state_dict["outer"]))
                 self.inner.load_state_dict(copy.deepcopy(mine["rank_local"]["inner"]))
-                position = {
-                    "step": int(state_dict[checkpoints.EXTRA_KEY]["step"]),
-                    "theta crc32": checkpoints.crc32_of(state_dict["synced"]),
-                }
+                position = diloco_checkpoints.position(state_dict, mine)
         except Exception as exc:  # refused on every rank below
             problem = checkpoints.unreadable("DiLoCo", exc)
         try:
@@ -556,19 +551,9 @@ class DiLoCo(torch.optim.Optimizer):
         saved_groups = mine["rank_local"]["inner"]["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.inner.param_groups]:
             return mine, "the checkpoint's inner optimizer has other parameter groups than this one's"
-        shapes = [tuple(p.shape) for p in self._params]
-        saved_shapes = [tuple(t.shape) for t in mine["rank_local"]["params"]]
-        if saved_shapes != shapes:
-            return mine, f"the checkpoint's parameters have the shapes {saved_shapes}, not this model's {shapes}"
-        synced = [t.numel() for t in state_dict["synced"]]
-        if synced != [t.numel() for t in self._sync.theta]:
-            return mine, f"the checkpoint's synced parameters hold {synced} elements per bucket, not this optimizer's"
-        local, scalars = mine["rank_local"], extra["scalars"]
-        counts = (local["skipped_steps"], scalars["skipped_syncs"])
-        if not all(is_integer(c) and c >= 0 for c in counts) or len(scalars["sent_at"]) != self.fragments:
-            return mine, f"the checkpoint's counts {counts} or fragments' steps {scalars['sent_at']} do not fit"
-        if not isinstance(local["in_flight"], list):
-            return mine, f"the checkpoint's fragments in flight are a {type(local['in_flight']).__name__}, not a list"
+        problem = diloco_checkpoints.problem(state_dict, mine, self._sync, self.start_iter)
+        if problem is not None:
+            return mine, problem
         served = [schedules.serves(self._backend)(numel) for numel in self._sync.layout.sizes()]
         return mine, checkpoints.error_feedback_problem(
             mine["error_feedback"], served, "Load it into a DiLoCo over the backend it was saved with"
