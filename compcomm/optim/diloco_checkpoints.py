@@ -103,11 +103,12 @@ def _outer_problem(outer: Any, sync: OuterSync) -> str | None:
     except (TypeError, ValueError) as exc:
         return f"the checkpoint's outer optimizer: {exc}"
     fixed = {k: v for k, v in group.items() if k not in ("params", "lr", "momentum", "nesterov")}
-    if fixed != {k: own[k] for k in fixed}:
-        return f"the checkpoint's outer optimizer has {fixed}, DiLoCo's outer SGD { ({k: own[k] for k in fixed}) }"
+    ours = {k: own[k] for k in fixed}
+    if fixed != ours:
+        return f"the checkpoint's outer optimizer has {fixed}, DiLoCo's outer SGD {ours}"
     state = outer.get("state")
     if not isinstance(state, dict) or not set(state) <= set(range(len(sync.theta))):
-        return f"the checkpoint's outer optimizer state names no bucket of {len(sync.theta)}"
+        return f"the checkpoint's outer optimizer state names other buckets than this optimizer's {len(sync.theta)}"
     for b, entry in state.items():
         if not isinstance(entry, dict) or not set(entry) <= {"momentum_buffer"}:
             return f"the checkpoint's outer optimizer state of bucket {b} holds more than its momentum buffer"
