@@ -70,6 +70,7 @@ underflows). Without it, a change of scale applies to the new gradients and not 
 carried: the errors carried across it count once too much or too little.
 """
 
+import math
 import warnings
 from typing import Any
 
@@ -78,6 +79,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import schedules
 from .agreement import agreed_failure, raise_agreed
 from .allreduce import compressed_allreduce
 from .backends import Backend, check_backend_argument
@@ -309,8 +311,15 @@ class OnebitHookState:
         raise_agreed(failure, be, context="cannot load the hook state: ")
         assert mine is not None  # else raised on every rank
         iteration, start_iter, params, buckets, scale = mine
-        agree_on_position(
-            {"iteration": iteration, ERRORS_SCALE: scale.get(ERRORS_SCALE), "parameters": repr(params)}, be
+        agree_on_position(  # per-rank files of other settings would compress on some ranks only
+            {
+                "iteration": iteration,
+                "start_iter": start_iter,
+                ERRORS_SCALE: scale.get(ERRORS_SCALE),
+                "parameters": repr(params),
+                "buckets": repr(list(buckets)),
+            },
+            be,
         )
         self.iter, self.start_iter, self._params = iteration, start_iter, params
         self._params_loaded = bool(params)
@@ -348,8 +357,10 @@ class OnebitHookState:
         known = self._params[: len(params)]
         if known != params[: len(known)]:
             raise ValueError("the state's parameters do not match the ones this hook has seen: another model")
-        if not is_integer(state["iter"]) or not is_integer(state["start_iter"]):
-            raise ValueError("the state's iter and start_iter must be integers")
+        counts = (state["iter"], state["start_iter"])
+        if not all(is_integer(c) and c >= 0 for c in counts):
+            raise ValueError(f"the state's iter and start_iter must be integers >= 0, got {counts}")
+        _check_buckets(buckets, [math.prod(shape) for shape, _ in params], be)
         scale = {k: LossScale.saved(state[k]) for k in (ERRORS_SCALE,) if k in state}
         return int(state["iter"]), int(state["start_iter"]), params, buckets, scale
 
@@ -560,6 +571,26 @@ def _slices(params: list[torch.Tensor], parts: list[Key], numbers: WeakIdKeyDict
         where[numbers[p]] = (offset, offset + p.numel())
         offset += p.numel()
     return [[where[number] for number in key] for key in parts]
+
+
+def _check_buckets(buckets: dict[Key, ErrorFeedback], numels: list[int], be: Backend) -> None:
+    """ValueError unless each saved bucket names parameters of the state's model, none twice, and
+    its errors are those of the calls it makes here (its elements, over `be`'s ranks and layout):
+    loaded, another bucket would fail every backward (or one rank's, and the others wait)."""
+    serves, seen = schedules.serves(be), set[int]()
+    for key, ef in buckets.items():
+        if not key or any(not 0 <= k < len(numels) for k in key) or seen & set(key):
+            raise ValueError(
+                f"the state's bucket {list(key)} names parameters that are not among its model's {len(numels)}, "
+                "or that another bucket names too"
+            )
+        seen |= set(key)
+        why = ef.mismatch(*serves(sum(numels[k] for k in key)))
+        if why is not None:
+            raise ValueError(
+                f"the state's bucket {list(key)} holds errors of other calls than it makes here "
+                f"({why.split(';')[0]}): saved for other parameters, over another backend or another split of the ranks"
+            )
 
 
 def _failure(future: torch.futures.Future) -> Exception | None:

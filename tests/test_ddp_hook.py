@@ -364,8 +364,8 @@ def test_a_live_state_loaded_with_a_smaller_models_state_is_refused_at_every_bac
 
 
 def states_of_different_models_loaded() -> tuple[str, str] | None:
-    """Per-rank files whose parameters differ (rank 1's from another model): refused at the load
-    on every rank, before anything is loaded."""
+    """Per-rank files whose parameters differ (rank 1's from another model, its errors not of
+    those parameters' buckets): refused at the load on every rank, before anything is loaded."""
     rank = dist.get_rank()
     ddp, state = hooked(start_iter=1)
     train(ddp, sgd(ddp), range(2), rank)
@@ -377,7 +377,8 @@ def states_of_different_models_loaded() -> tuple[str, str] | None:
 
 def test_per_rank_files_of_different_models_are_refused_at_the_load(pool):
     for failure in pool.run(states_of_different_models_loaded):
-        assert failure is not None and failure[0] == "ValueError" and "different saves" in failure[1], failure
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert "rank 1: ValueError: the state's bucket" in failure[1] and "other parameters" in failure[1], failure
 
 
 def joined_while_another_rank_fails(start_iter: int) -> dict:
@@ -668,6 +669,59 @@ def test_errors_kept_under_a_scaler_resume_unscaled_without_one(pool):
     brought back to scale 1 (before, they stayed 2^18 times too large: gaps of 100-800)."""
     for plain, resumed in pool.run(scaled_then_resumed_unscaled):
         assert resumed == plain
+
+
+def damaged_state_loaded(case: str) -> tuple[tuple[str, str] | None, bool]:
+    """A state whose `case` part is damaged, on every rank or on rank 1 alone, loaded into a live
+    one: what the load raised, and whether the live state kept everything."""
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=1)
+    train(ddp, sgd(ddp), range(3), rank)
+    saved = roundtrip(state.state_dict())
+    first, errors = saved["buckets"][0]
+    if case == "start_iter on rank 1" and rank == 1:
+        saved["start_iter"] = 50
+    elif case == "iter < 0":
+        saved["iter"] = -5
+    elif case == "start_iter < 0":
+        saved["start_iter"] = -1
+    elif case == "bucket renumbered on rank 1" and rank == 1:
+        saved["buckets"][0] = (first[::-1], errors)
+    elif case == "bucket of another model":
+        saved["buckets"][0] = (first[1:], errors)
+    elif case == "bucket naming no parameter":
+        saved["buckets"][0] = ([*first, 99], errors)
+    before = state.state_dict()
+    failure = caught(state.load_state_dict, saved)
+    after = state.state_dict()
+    kept = (after["iter"], after["start_iter"], repr(after["buckets"])) == (
+        before["iter"],
+        before["start_iter"],
+        repr(before["buckets"]),
+    )
+    return failure, kept
+
+
+@pytest.mark.parametrize(
+    "case,says",
+    [
+        ("start_iter on rank 1", "different saves"),
+        ("iter < 0", "iter and start_iter must be integers >= 0, got (-5, 1)"),
+        ("start_iter < 0", "iter and start_iter must be integers >= 0, got (3, -1)"),
+        ("bucket renumbered on rank 1", "different saves"),
+        ("bucket of another model", "holds errors of other calls than it makes here"),
+        ("bucket naming no parameter", "names parameters that are not among its model's"),
+    ],
+)
+def test_a_damaged_state_is_refused_on_every_rank_with_nothing_loaded(pool, case, says):
+    """Each loaded before: a start_iter or bucket that differs on one rank made that rank compress
+    (or reduce a bucket) the others did not, and the next backward hung; a negative count ran
+    uncompressed iterations past start_iter; a bucket of other calls failed every backward after
+    the live errors were gone."""
+    for failure, kept in pool.run(damaged_state_loaded, case):
+        assert failure is not None and failure[0] == "ValueError", failure
+        assert says in failure[1], failure
+        assert kept
 
 
 def bad_scale_loaded(case: str) -> tuple[str, str] | None:

@@ -1095,6 +1095,45 @@ def test_other_saves_and_layouts_are_refused_on_every_rank(pool):
         assert res["rebuilt"] is None, res["rebuilt"]
 
 
+def requires_grad_damaged(case: str) -> tuple[tuple[str, str] | None, bool]:
+    """Rank 1's state has its `requires_grad` entry damaged: read after the agreement, it raised
+    there alone (a list where a dict belongs) with the iteration and some modules' errors already
+    loaded, or (a flag flipped, one missing) loaded and failed every backward after."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), (0, 1, 2, 3))
+    state = compcomm.fsdp.compress(model, start_iter=0)
+    for step in range(2):
+        loss_of(model, batch(rank, step)).backward()
+    saved = state.state_dict()
+    before = repr(state.state_dict())
+    if rank == 1:
+        layouts = saved["requires_grad"]
+        name = next(iter(layouts))
+        if case == "a list":
+            saved["requires_grad"] = list(layouts.values())
+        elif case == "flipped":
+            layouts[name] = [not flag for flag in layouts[name]]
+        else:
+            layouts[name] = layouts[name][1:]
+    return caught(state.load_state_dict, saved), repr(state.state_dict()) == before
+
+
+@pytest.mark.parametrize(
+    "case,says",
+    [
+        ("a list", "rank 1: ValueError: the state's requires_grad does not name"),
+        ("flipped", "different saves"),
+        ("short", "rank 1: ValueError: the state's requires_grad of FSDP module"),
+    ],
+)
+def test_a_damaged_requires_grad_entry_is_refused_on_every_rank_with_nothing_loaded(pool, case, says):
+    for failure, kept in pool.run(requires_grad_damaged, case):
+        assert failure is not None and failure[0] == "ValueError" and says in failure[1], failure
+        assert kept
+
+
 def another_mesh_loaded(mesh: str) -> dict:
     """An HSDP state of 2 replicas x 2 shards, with 1-bit errors, loaded into the same model on
     4 shards x 1 replica or 1 shard x 4 replicas: the world size, the mode, the module names and

@@ -507,10 +507,12 @@ class CompressionState:
             failure = ValueError(f"{type(exc).__name__}: {exc}")
         raise_agreed(failure, self.world, context="cannot load the compcomm.fsdp state: ")
         position = {"iteration": int(mine["iteration"]), "start_iter": int(mine["start_iter"])}
-        agree_on_position({**position, ERRORS_SCALE: mine.get(ERRORS_SCALE)}, self.world)
+        layouts = mine.get("requires_grad") or {}  # absent from states saved before it was kept
+        agree_on_position(
+            {**position, ERRORS_SCALE: mine.get(ERRORS_SCALE), "requires_grad": repr(layouts)}, self.world
+        )
         self.iteration, self.start_iter = int(mine["iteration"]), int(mine["start_iter"])
         self._loss_scale.load(mine)  # the scale checked by _own_part
-        layouts = mine.get("requires_grad") or {}  # absent from states saved before it was kept
         for name, ef in loaded.items():
             module = self._modules[name]
             module.errors = ef
@@ -552,4 +554,25 @@ class CompressionState:
             if not is_integer(state.get(key)) or state[key] < 0:
                 raise ValueError(f"the state's {key} must be an integer >= 0, got {state.get(key)!r}")
         LossScale.saved(state.get(ERRORS_SCALE))
+        self._check_layouts(state.get("requires_grad"))
         return state
+
+    def _check_layouts(self, layouts: Any) -> None:
+        """ValueError unless a state's `requires_grad` entry (absent from states saved before it
+        was kept) gives each module None or one bool per parameter: read after the agreement,
+        anything else failed there on one rank, with the rest of its state loaded."""
+        if layouts is None:
+            return
+        if not isinstance(layouts, dict) or set(layouts) != set(self._modules):
+            raise ValueError(
+                f"the state's requires_grad does not name this model's FSDP modules {sorted(self._modules)}"
+            )
+        for name, layout in layouts.items():
+            count = len(self._modules[name].params)
+            if layout is not None and not (
+                isinstance(layout, list) and len(layout) == count and all(isinstance(flag, bool) for flag in layout)
+            ):
+                raise ValueError(
+                    f"the state's requires_grad of FSDP module {name!r} is {layout!r}, not one bool per parameter "
+                    f"({count})"
+                )
