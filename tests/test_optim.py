@@ -427,16 +427,20 @@ def test_settings_that_differ_across_ranks_raise_on_every_rank(pool, name, setti
         assert steps == 0 and unchanged
 
 
+def saved_after_one_step(name: str) -> tuple[torch.nn.Module, dict]:
+    """A model and this rank's state of optimizer `name` (freeze_step 2) after one step."""
+    model = make_model()
+    opt = make_optimizer(name, model, 4, 2)
+    backward(model, rank_of(4), 0)
+    opt.step()
+    return model, opt.state_dict()
+
+
 def settings_differ_after_resume(name: str) -> tuple:
     """Every rank saves after one step; rank 3 resumes into an optimizer with another freeze_step
     (the schedule is the object's, not the checkpoint's)."""
-    rank = rank_of(4)
-    model = make_model()
-    opt = make_optimizer(name, model, 4, 2)
-    backward(model, rank, 0)
-    opt.step()
-    saved = opt.state_dict()
-    resumed = make_optimizer(name, model, 4, 3 if rank == 3 else 2)
+    model, saved = saved_after_one_step(name)
+    resumed = make_optimizer(name, model, 4, 3 if rank_of(4) == 3 else 2)
     return caught(resumed.load_state_dict, saved), resumed.step_count
 
 
@@ -493,12 +497,7 @@ def a_file_with_an_invalid_group(name: str, change: dict) -> tuple:
     """Every rank's file holds a parameter group changed by `change` alike (as one gathered file
     would), so the ranks agree on it: torch's load took it as saved, and an lr < 0 then stepped
     uphill without a word, a beta >= 1 or a mask of another shape failed at a later step."""
-    rank = rank_of(4)
-    model = make_model()
-    opt = make_optimizer(name, model, 4, 2)
-    backward(model, rank, 0)
-    opt.step()
-    saved = opt.state_dict()
+    model, saved = saved_after_one_step(name)
     saved["param_groups"][0].update(change)
     resumed = make_optimizer(name, model, 4, 2)
     failure = caught(resumed.load_state_dict, saved)
