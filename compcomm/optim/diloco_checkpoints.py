@@ -12,6 +12,7 @@ compared across ranks once each file has passed.
 from __future__ import annotations
 
 import math
+import numbers
 import zlib
 from typing import Any
 
@@ -26,10 +27,11 @@ IN_FLIGHT_KEYS = {"fragment", "apply_at", "mean", "sent", "failure"}
 """The entries of a fragment in flight (`OuterSync.in_flight_state`)."""
 
 
-def check_outer(lr: Any, momentum: Any, nesterov: Any) -> None:
+def check_outer(lr: Any, momentum: Any, nesterov: Any, scheduled: bool = False) -> None:
     """ValueError (TypeError for a nesterov that is not a bool) unless the outer SGD's settings
-    can step theta: lr > 0, 0 <= momentum < 1, Nesterov only with momentum."""
-    check_range("outer_lr", lr, 0.0, low_open=True)
+    can step theta: lr > 0 (or 0, as a scheduler on the outer SGD may have set it: `scheduled`),
+    0 <= momentum < 1, Nesterov only with momentum."""
+    check_range("outer_lr", lr, 0.0, low_open=not scheduled)
     check_range("outer_momentum", momentum, 0.0, 1.0, high_open=True)
     if not isinstance(nesterov, bool):
         raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
@@ -96,13 +98,13 @@ def _outer_problem(outer: Any, sync: OuterSync) -> str | None:
     if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], dict):
         return "the checkpoint's outer optimizer does not hold one parameter group, as DiLoCo's does"
     group = groups[0]
-    if set(group) != set(own):
-        return f"the checkpoint's outer optimizer group holds {sorted(group)}, not {sorted(own)}"
     try:
-        check_outer(group["lr"], group["momentum"], group["nesterov"])
+        check_outer(group.get("lr"), group.get("momentum"), group.get("nesterov"), scheduled=True)
     except (TypeError, ValueError) as exc:
         return f"the checkpoint's outer optimizer: {exc}"
-    fixed = {k: v for k, v in group.items() if k not in ("params", "lr", "momentum", "nesterov")}
+    # The SGD's other settings as DiLoCo builds it; a key it lacks (an older torch's) torch's
+    # load fills in, one it has besides (a scheduler's initial_lr) it keeps.
+    fixed = {k: group[k] for k in own if k in group and k not in ("params", "lr", "momentum", "nesterov")}
     ours = {k: own[k] for k in fixed}
     if fixed != ours:
         return f"the checkpoint's outer optimizer has {fixed}, DiLoCo's outer SGD {ours}"
@@ -162,9 +164,11 @@ def _in_flight_problem(saved: Any, sent_at: list[Any], sync: OuterSync, local_st
         if not (d["failure"] is None or isinstance(d["failure"], str)) or (d["mean"] is None) == (d["failure"] is None):
             return f"the checkpoint's fragment {f} in flight holds neither its landed mean nor the failure instead"
         buckets = schedule.buckets[f]
-        for name, parts, shapes in (
-            ("landed mean", d["mean"], [tuple(sync.layout.buckets[b].flat.shape) for b in buckets]),
-            ("parameters when sent", d["sent"], [tuple(sync.theta[b].shape) for b in buckets]),
+        # The mean is finite (else the collective failed); the parameters when sent are this
+        # rank's, which may be anything (a sync they failed is skipped, and they are reset).
+        for name, parts, shapes, check in (
+            ("landed mean", d["mean"], [tuple(sync.layout.buckets[b].flat.shape) for b in buckets], fp32_problem),
+            ("parameters when sent", d["sent"], [tuple(sync.theta[b].shape) for b in buckets], _fp32_of_shape),
         ):
             if parts is None and (name == "landed mean" or not schedule.overlap):
                 continue
@@ -173,14 +177,22 @@ def _in_flight_problem(saved: Any, sent_at: list[Any], sync: OuterSync, local_st
                     f"the checkpoint's fragment {f} in flight does not hold its {name} for its {len(buckets)} bucket(s)"
                 )
             for part, shape in zip(parts, shapes):
-                why = fp32_problem(f"the {name} of fragment {f} in flight", part, shape)
+                why = check(f"the {name} of fragment {f} in flight", part, shape)
                 if why is not None:
                     return why
     return None
 
 
+def _fp32_of_shape(what: str, value: Any, shape: tuple[int, ...]) -> str | None:
+    """`fp32_problem` without the finiteness, for values that may be non-finite in a good run."""
+    if torch.is_tensor(value) and value.dtype == torch.float32 and tuple(value.shape) == shape:
+        return None
+    return fp32_problem(what, value, shape)
+
+
 def _params_problem(saved: Any, params: list[torch.Tensor]) -> str | None:
-    """This rank's parameters: as many as the model's, each of its shape, and finite."""
+    """This rank's parameters: as many as the model's, each of its shape and dtype (their values
+    are this rank's: non-finite ones too, which the next sync resets, or a frozen one's -inf)."""
     if not isinstance(saved, list) or len(saved) != len(params):
         return (
             f"the checkpoint holds {len(saved) if isinstance(saved, list) else saved!r} parameters, not {len(params)}"
@@ -189,26 +201,22 @@ def _params_problem(saved: Any, params: list[torch.Tensor]) -> str | None:
     saved_shapes = [tuple(t.shape) if torch.is_tensor(t) else None for t in saved]
     if saved_shapes != shapes:
         return f"the checkpoint's parameters have the shapes {saved_shapes}, not this model's {shapes}"
-    for i, t in enumerate(saved):
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return f"the checkpoint's parameter {i} holds NaN or Inf"
+    for i, (t, p) in enumerate(zip(saved, params)):
+        if t.dtype != p.dtype:
+            return f"the checkpoint's parameter {i} is {t.dtype}, the model's {p.dtype}"
     return None
 
 
 def _inner_problem(inner: Any) -> str | None:
-    """The inner optimizer's state as far as any torch optimizer's can be checked: learning
-    rates that are finite numbers >= 0 and floating state that is finite (its layout is that
-    optimizer's own, which its load takes as saved)."""
+    """The inner optimizer's learning rates, as far as any torch optimizer's can be checked:
+    finite numbers >= 0 (its state is that optimizer's own, which may overflow in a good run,
+    and its load takes as saved)."""
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
     if not isinstance(groups, list):
         return "the checkpoint's inner optimizer state has no list of parameter groups"
     for i, group in enumerate(groups):
         lr = group.get("lr") if isinstance(group, dict) else None
-        value = float(lr) if torch.is_tensor(lr) and lr.numel() == 1 else lr
-        if lr is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        real = (torch.is_tensor(lr) and lr.numel() == 1) or (isinstance(lr, numbers.Real) and not isinstance(lr, bool))
+        if lr is not None and not (real and math.isfinite(float(lr)) and float(lr) >= 0):
             return f"the checkpoint's inner optimizer group {i} has the learning rate {lr!r}: not a finite number >= 0"
-    for index, entry in (inner.get("state") or {}).items():
-        for name, value in entry.items() if isinstance(entry, dict) else []:
-            if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                return f"the checkpoint's inner optimizer state {name} of parameter {index} holds NaN or Inf"
     return None
