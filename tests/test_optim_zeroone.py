@@ -562,8 +562,8 @@ def resumed_with_another_freeze(
 ) -> tuple[tuple[str, str] | None, int, bytes | None, bytes]:
     """Saved per rank after `saved_at` steps with the variance frozen at step 12, loaded into an
     optimizer that freezes it at `freeze`: what the load raised, the step count after it, the
-    weights after `steps` steps in all (None if refused), and those of a straight run frozen at
-    `freeze`."""
+    weights after `steps` steps in all and those of a straight run frozen at `freeze` (None and
+    nothing if refused)."""
     rank = rank_of(4)
     model = make_model()
     opt = build(name, model, 12)
@@ -576,12 +576,12 @@ def resumed_with_another_freeze(
     opt = build(name, model, freeze)
     failure = caught(opt.load_state_dict, saved["opt"])
     count = opt.step_count
-    resumed = None
-    if failure is None:
-        for step in range(saved_at, steps):
-            backward(model, rank, step)
-            opt.step()
-        resumed = raw(model)
+    if failure is not None:
+        return failure, count, None, b""
+    for step in range(saved_at, steps):
+        backward(model, rank, step)
+        opt.step()
+    resumed = raw(model)
     model = make_model()
     opt = build(name, model, freeze)
     for step in range(steps):
