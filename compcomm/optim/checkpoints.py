@@ -163,9 +163,9 @@ def state_problem(
     saved_by = extra.get("optimizer")
     if saved_by is not None and saved_by != optimizer:
         return f"this checkpoint was saved by {saved_by}, not {optimizer}: their states hold other quantities"
-    step = extra.get("step")
-    if not is_integer(step) or step < 0:
-        return f"the checkpoint's step count must be an integer >= 0, got {step!r}"
+    problem = step_problem(extra.get("step"))
+    if problem is not None:
+        return problem
     saved_scalars = extra.get("scalars", {})
     unknown = sorted(map(str, set(saved_scalars) - set(scalars))) if isinstance(saved_scalars, dict) else []
     if unknown:  # the load sets each as an attribute: only this optimizer's own counters
@@ -217,12 +217,22 @@ def freeze_problem(extra: dict[str, Any], setting: str, current: int) -> str | N
     )
 
 
-def fp32_problem(what: str, value: Any, shape: tuple[int, ...] | None) -> str | None:
+def step_problem(step: Any) -> str | None:
+    """Why a checkpoint's step count cannot be loaded (None if it can)."""
+    return (
+        None if is_integer(step) and step >= 0 else f"the checkpoint's step count must be an integer >= 0, got {step!r}"
+    )
+
+
+def fp32_problem(what: str, value: Any, shape: tuple[int, ...] | None, finite_only: bool = True) -> str | None:
     """Why saved state `what` cannot be loaded as kept (None if it can): with a `shape`, not an
-    fp32 tensor of that shape; either way, a tensor or float that is not finite."""
+    fp32 tensor of that shape; with `finite_only` (values that a sound run keeps finite), a
+    tensor or float that is not finite."""
     if shape is not None and (not torch.is_tensor(value) or value.dtype != torch.float32 or value.shape != shape):
         described = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
         return f"{what} must be float32 of shape {shape}, got {described}"
+    if not finite_only:
+        return None
     finite = (
         bool(torch.isfinite(value).all())
         if torch.is_tensor(value) and value.is_floating_point()

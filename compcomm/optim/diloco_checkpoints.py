@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..layout import is_integer
-from .checkpoints import crc32_of, fp32_problem
+from .checkpoints import crc32_of, fp32_problem, step_problem
 from .outer import OuterSync
 from .updates import check_range
 
@@ -44,8 +44,9 @@ def problem(state_dict: dict[str, Any], mine: dict[str, Any], sync: OuterSync, s
     `sync` here (None if it can), past the checks of its rank, world size, schedule and layout."""
     extra, local = state_dict["compcomm"], mine["rank_local"]
     step = extra.get("step")
-    if not is_integer(step) or step < 0:
-        return f"the checkpoint's step count must be an integer >= 0, got {step!r}"
+    problem = step_problem(step)
+    if problem is not None:
+        return problem
     local_step = step - start_iter
     return (
         _theta_problem(state_dict["synced"], sync)
@@ -166,9 +167,9 @@ def _in_flight_problem(saved: Any, sent_at: list[Any], sync: OuterSync, local_st
         buckets = schedule.buckets[f]
         # The mean is finite (else the collective failed); the parameters when sent are this
         # rank's, which may be anything (a sync they failed is skipped, and they are reset).
-        for name, parts, shapes, check in (
-            ("landed mean", d["mean"], [tuple(sync.layout.buckets[b].flat.shape) for b in buckets], fp32_problem),
-            ("parameters when sent", d["sent"], [tuple(sync.theta[b].shape) for b in buckets], _fp32_of_shape),
+        for name, parts, shapes, finite_only in (
+            ("landed mean", d["mean"], [tuple(sync.layout.buckets[b].flat.shape) for b in buckets], True),
+            ("parameters when sent", d["sent"], [tuple(sync.theta[b].shape) for b in buckets], False),
         ):
             if parts is None and (name == "landed mean" or not schedule.overlap):
                 continue
@@ -177,17 +178,10 @@ def _in_flight_problem(saved: Any, sent_at: list[Any], sync: OuterSync, local_st
                     f"the checkpoint's fragment {f} in flight does not hold its {name} for its {len(buckets)} bucket(s)"
                 )
             for part, shape in zip(parts, shapes):
-                why = check(f"the {name} of fragment {f} in flight", part, shape)
+                why = fp32_problem(f"the {name} of fragment {f} in flight", part, shape, finite_only)
                 if why is not None:
                     return why
     return None
-
-
-def _fp32_of_shape(what: str, value: Any, shape: tuple[int, ...]) -> str | None:
-    """`fp32_problem` without the finiteness, for values that may be non-finite in a good run."""
-    if torch.is_tensor(value) and value.dtype == torch.float32 and tuple(value.shape) == shape:
-        return None
-    return fp32_problem(what, value, shape)
 
 
 def _params_problem(saved: Any, params: list[torch.Tensor]) -> str | None:
