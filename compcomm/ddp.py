@@ -72,6 +72,7 @@ carried: the errors carried across it count once too much or too little.
 
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -518,13 +519,17 @@ class OnebitHookState:
         itself: torch is iterating over its hooks then)."""
         if self._optimizer_check is None and params and not self._optimizer_seen:
             watched = {id(p) for p in params}
+            state = weakref.ref(self)  # the global hook must not keep a dropped state alive
 
             def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-                if self._optimizer_seen or not any(
-                    id(p) in watched for group in optimizer.param_groups for p in group["params"]
+                owner = state()
+                if (
+                    owner is None
+                    or owner._optimizer_seen
+                    or not any(id(p) in watched for group in optimizer.param_groups for p in group["params"])
                 ):
                     return
-                self._optimizer_seen = True
+                owner._optimizer_seen = True
                 if "betas" in optimizer.defaults or isinstance(optimizer, _ADAPTIVE):
                     warnings.warn(
                         f"compcomm.ddp.onebit_hook feeds {type(optimizer).__name__} 1-bit gradients, whose second "
@@ -536,6 +541,7 @@ class OnebitHookState:
                     )
 
             self._optimizer_check = register_optimizer_step_pre_hook(check)
+            weakref.finalize(self, self._optimizer_check.remove)
         elif self._optimizer_seen and self._optimizer_check is not None:
             self._optimizer_check.remove()
             self._optimizer_check = None

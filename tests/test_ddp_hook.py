@@ -3,7 +3,9 @@ compressed_allreduce itself, bucket rebuilds, sub-groups, checkpoints and collec
 
 from __future__ import annotations
 
+import gc
 import io
+import weakref
 from pathlib import Path
 
 import pytest
@@ -891,3 +893,26 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="factor > 0"):
         compcomm.ErrorFeedback().rescale_(0.0)
     assert compcomm.ddp.onebit_hook is onebit_hook
+
+
+def dropped_before_any_step() -> tuple[bool, int]:
+    """A hooked DDP model trained by hand (no torch optimizer steps), then dropped with its
+    state: whether the state was collected, and the global step pre-hooks left behind."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    before = len(_global_optimizer_pre_hooks)
+    rank = dist.get_rank(group(4))
+    ddp, state = hooked(group(4), start_iter=1)
+    for step in range(3):
+        loss_of(ddp, rank, step).backward()
+    collected = weakref.ref(state)
+    del ddp, state
+    gc.collect()
+    return collected() is None, len(_global_optimizer_pre_hooks) - before
+
+
+def test_a_state_dropped_before_any_optimizer_step_is_collected(pool):
+    """The hook's look at the optimizer (a global step pre-hook, removed once it has seen one)
+    held the state: a state whose parameters no optimizer stepped, with its error buffers, stayed
+    alive for the life of the process."""
+    assert pool.run(dropped_before_any_step) == [(True, 0)] * 4

@@ -3,9 +3,11 @@ across ranks, all-or-nothing steps over several buckets, overflow, frozen parame
 
 from __future__ import annotations
 
+import gc
 import io
 import math
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 from test_optim import OPTIMIZERS, backward, batch, make_model, make_optimizer, rank_of, raw, snapshot
 
 import compcomm
-from compcomm.optim import OnebitAdam, OnebitOptimizer
+from compcomm.optim import DiLoCo, OnebitAdam, OnebitOptimizer, ZeroOneAdam
 
 from rankpool import caught, group
 
@@ -604,3 +606,44 @@ def test_a_step_without_backward_under_a_grad_scaler_is_refused_on_every_rank(po
     results = pool.run(batchless_rank_under_scaler, name, True, clipped)
     assert all(failure is None for failure, _, _ in results)
     assert len({tuple(scales) for _, scales, _ in results}) == 1 and results[0][1][2] == 2.0**11
+
+
+# ------------------------------------------------------------------ lifetime
+
+
+def dropped_optimizer(kind: str) -> tuple[bool, int, bool]:
+    """An optimizer of `kind` built on a model and stepped past its freeze (a sync for DiLoCo),
+    then dropped while the model is kept (as a run that builds a new optimizer does): whether it
+    was collected and how many of its hooks the parameters still hold; then, after another
+    backward, whether the parameters are collected once the model is dropped too."""
+    rank = rank_of(4)
+    model = make_model()
+    backend = compcomm.backends.get("gloo", group=group(4))
+    if kind == "diloco":
+        opt: torch.optim.Optimizer = DiLoCo(
+            list(model.parameters()), torch.optim.SGD(model.parameters(), lr=1e-2), 2, backend=backend
+        )
+    elif kind == "zeroone":
+        opt = ZeroOneAdam(model.parameters(), lr=1e-2, backend=backend)
+    else:
+        opt = make_optimizer(kind, model, 4, 2)
+    for step in range(4):
+        backward(model, rank, step)
+        opt.step()
+    collected = weakref.ref(opt)
+    del opt
+    gc.collect()
+    hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    backward(model, rank, 4)
+    param = weakref.ref(next(model.parameters()))
+    del model
+    gc.collect()
+    return collected() is None, hooks, param() is None
+
+
+@pytest.mark.parametrize("kind", [*OPTIMIZERS, "zeroone", "diloco"])
+def test_a_dropped_optimizer_is_collected_with_its_state(pool, kind):
+    """Each parameter's post-accumulate-grad hook held the optimizer, and torch keeps those hooks
+    where the garbage collector does not look: a dropped optimizer, its state and error buffers,
+    and the model's parameters stayed alive for the life of the process."""
+    assert pool.run(dropped_optimizer, kind) == [(True, 0, True)] * 4

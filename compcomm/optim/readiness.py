@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
 import torch
 from torch.autograd.function import BackwardCFunction
+from torch.utils.hooks import RemovableHandle
 
 _PYTHON_NODE = BackwardCFunction.apply.__code__  # how autograd runs a Python Function's backward
 
@@ -55,22 +57,22 @@ class Readiness:
         self._queued = False
         self._paused = False
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params) if p.requires_grad
+            p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), i))
+            for i, p in enumerate(params)
+            if p.requires_grad
         ]
+        weakref.finalize(self, _remove, self._handles)
 
-    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            if i not in self._seen:
-                self._seen.add(i)
-                self.order.append(i)
-            if self._paused:
-                return
-            if not self._queued:
-                self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._ready(i)
-
-        return hook
+    def _report(self, i: int) -> None:
+        if i not in self._seen:
+            self._seen.add(i)
+            self.order.append(i)
+        if self._paused:
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._ready(i)
 
     def _finish(self) -> None:
         self._queued = False
@@ -89,6 +91,25 @@ class Readiness:
             self._paused = before
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        _remove(self._handles)
+
+
+def _hook(readiness: weakref.ref[Readiness], i: int) -> Callable[[torch.Tensor], None]:
+    """Parameter i's hook. It holds its Readiness weakly: torch keeps a parameter's
+    post-accumulate-grad hooks where the garbage collector does not look, so a hook holding its
+    owner would keep the owner, its optimizer and their state (and through them the parameters)
+    alive for the life of the process."""
+
+    def hook(_: torch.Tensor) -> None:
+        owner = readiness()
+        if owner is not None:
+            owner._report(i)
+
+    return hook
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    """Unregister the hooks (when their Readiness is removed or collected)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()

@@ -12,6 +12,7 @@ they do not.
 from __future__ import annotations
 
 import gc
+import itertools
 import warnings
 import zlib
 from collections.abc import Sequence
@@ -73,11 +74,18 @@ def ddp_refusal(params: Sequence[torch.Tensor], owner: str, since_built: bool = 
 
 
 def _wrapped_by_ddp(params: Sequence[torch.Tensor]) -> bool:
+    """Whether a live DistributedDataParallel module wraps any of `params`. The objects are
+    listed, typed and filtered in C (`map`, `compress`): only their few distinct types go
+    through `issubclass` in Python, and only DDP modules, if any, are looked into: a process
+    holds hundreds of thousands of objects, and a test of each in Python would cost more than
+    the rest of an optimizer's construction."""
+    objects = gc.get_objects()
+    ddp_types = {kind for kind in set(map(type, objects)) if issubclass(kind, DistributedDataParallel)}
+    if not ddp_types:
+        return False
     ids = {id(p) for p in params}
-    return any(
-        issubclass(type(obj), DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters())
-        for obj in gc.get_objects()
-    )
+    wrappers = itertools.compress(objects, map(ddp_types.__contains__, map(type, objects)))
+    return any(any(id(p) in ids for p in ddp.module.parameters()) for ddp in wrappers)
 
 
 def equalize_from_rank0(
