@@ -14,6 +14,10 @@ What stays the caller's job, as with any collective: every rank submits the same
 order per group. Calls submitted from several threads are ordered by submission time on each rank,
 which only matches across ranks when the threads are themselves ordered.
 
+A channel lives as long as its group: one whose group was destroyed (torch's default group
+made again) is closed, once idle, when a channel is next opened (`retire`), so that its transport
+does not keep its sockets and threads for the life of the process.
+
 A broken channel. A backend whose collective timed out (mpi, shm: gloo and nccl time out inside
 torch, whose process group is then unusable too) marks its channel broken (`break_channel`): the
 transport may still hold the unfinished collective and its peers are out of step, so every call
@@ -108,6 +112,21 @@ def refuse_if_broken(keys: Sequence[Hashable]) -> None:
         raise RuntimeError(f"compcomm's collectives over this group are unusable after an earlier failure: {reason}")
 
 
+def retire(stale: Callable[[Hashable], bool]) -> None:
+    """Close the channels whose key `stale` names and on which no call runs or waits: those of
+    groups that no longer exist (a default group destroyed and made again), whose private
+    transports would otherwise keep their sockets, threads and buffers for the life of the
+    process. A broken one's reason goes with it (nothing can reach it any more)."""
+    with _cond:
+        keys = [key for key, ch in _registry.items() if stale(key) and ch._serving == ch._issued]
+        channels = [_registry.pop(key) for key in keys]
+        for key in keys:
+            _opening.pop(key, None)
+            _broken.pop(key, None)
+    for ch in channels:
+        _close(ch)
+
+
 @atexit.register
 def _close_all() -> None:
     """Let the workers finish and drop the private transports while the interpreter is still
@@ -116,9 +135,14 @@ def _close_all() -> None:
         channels = list(_registry.values())
         _registry.clear()
     for ch in channels:
-        if ch._worker is not None:
-            ch._worker.shutdown(wait=True)
-        ch.transport = None
+        _close(ch)
+
+
+def _close(ch: Channel) -> None:
+    """Let the channel's worker finish, then drop its transport (whose destructor closes it)."""
+    if ch._worker is not None:
+        ch._worker.shutdown(wait=True)
+    ch.transport = None
 
 
 class Pending:

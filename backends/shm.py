@@ -70,7 +70,7 @@ from . import ordering
 from .base import Backend, Handle
 from .rank_order import sum_in_rank_order
 from .shm_segment import SHM_DIRECTORY, RendezvousTimeout, Segment, alive, open_segment
-from .torch_dist import group_timeout, require_member
+from .torch_dist import group_key, group_timeout, made_before_this_world, require_member
 from .waiting import timeout_seconds
 
 _TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")
@@ -166,9 +166,10 @@ class ShmBackend(Backend):
         self._failed: str | None = None
 
     def _channel_key(self) -> Hashable:
-        return ("shm", dist.group.WORLD, tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD)))
+        return group_key("shm", self.group)
 
     def _open_transport(self) -> Any:
+        ordering.retire(made_before_this_world)
         ranks = ",".join(map(str, dist.get_process_group_ranks(self.group or dist.group.WORLD)))
         return _Rendezvous(dist.PrefixStore(f"compcomm/shm/{ranks}/", dist.distributed_c10d._get_default_store()))
 

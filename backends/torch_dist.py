@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from . import ordering
 from .base import Backend, Handle, OnRow, Task
 
 DIRECT_GATHER_BYTES = 128 * 1024
@@ -46,7 +47,7 @@ class TorchDistBackend(Backend):
 
     def _channel_key(self) -> Hashable:
         """One private group per set of member ranks (and per initialization of torch.distributed)."""
-        return (self.pg_backend, dist.group.WORLD, tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD)))
+        return group_key(self.pg_backend, self.group)
 
     def _open_transport(self) -> Any:
         """A new process group of the same members and timeout, private to compcomm.
@@ -55,6 +56,7 @@ class TorchDistBackend(Backend):
         members take part and no group counter of torch's is touched (torch's `new_group` needs
         every rank of the world, and its members-only form collides with groups made before).
         """
+        ordering.retire(made_before_this_world)
         group = self.group or dist.group.WORLD
         assert group is not None  # torch.distributed is initialized (checked at construction)
         ranks = dist.get_process_group_ranks(group)
@@ -142,6 +144,26 @@ class TorchDistBackend(Backend):
 
     def _barrier(self) -> None:
         self.transport.barrier().wait()
+
+
+class GroupKey(NamedTuple):
+    """The channel key of a transport over a torch.distributed group: its kind, the default group
+    it was made under and its members' global ranks."""
+
+    kind: str
+    world: Any
+    ranks: tuple[int, ...]
+
+
+def group_key(kind: str, group: dist.ProcessGroup | None) -> GroupKey:
+    """The key of `kind`'s transport over `group` (None: the default group), as of now."""
+    return GroupKey(kind, dist.group.WORLD, tuple(dist.get_process_group_ranks(group or dist.group.WORLD)))
+
+
+def made_before_this_world(key: Hashable) -> bool:
+    """Whether `key` is a torch group's made under a default group that has been destroyed
+    since (`ordering.retire` closes its channel once idle: nothing can call it any more)."""
+    return isinstance(key, GroupKey) and key.world is not dist.group.WORLD
 
 
 def require_member(group: dist.ProcessGroup | None, name: str, pg_backend: str) -> None:

@@ -34,7 +34,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .backends import ordering
 from .backends.mpi_runtime import launched_by_mpi
+from .backends.torch_dist import made_before_this_world
 from .layout import is_integer
 
 __all__ = ["find_mpirun", "launcher", "mpirun", "process_group", "spawn"]
@@ -181,7 +183,8 @@ def find_mpirun() -> str | None:
 @contextlib.contextmanager
 def process_group(backend: str = "gloo", **options: Any) -> Iterator[None]:
     """torch.distributed's default group for the block: `init_process_group(backend, **options)`
-    on entry, `destroy_process_group()` on exit.
+    on entry, `destroy_process_group()` on exit, and compcomm's private transports over its
+    groups closed with it (otherwise the next default group's first call closes them).
 
     Before leaving it sleeps 50 ms, with the GIL free: a gloo worker thread frees a collective's
     tensors after the caller's wait has returned, and needs the GIL for it when Python no longer
@@ -196,6 +199,7 @@ def process_group(backend: str = "gloo", **options: Any) -> Iterator[None]:
     finally:
         time.sleep(_WORKERS_RELEASE_S)
         dist.destroy_process_group()
+        ordering.retire(made_before_this_world)
 
 
 def mpirun(world_size: int) -> list[str]:
