@@ -206,18 +206,10 @@ def test_the_mpirun_command_the_main_job_prints_runs():
         (["--plot", "/proc/r.png"], "argument --plot: cannot write /proc/r.png"),
     ],
 )
-def test_bad_arguments_are_refused_before_any_rank_starts(args, says):
+def test_bad_arguments_are_refused_before_any_rank_starts(args, says, monkeypatch, capsys):
     """A plain run checks its arguments before spawning: one line, not a traceback per rank."""
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--nprocs", "2", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=_unlaunched_environment(),
-    )
-    assert proc.returncode != 0 and says in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and "rank 0" not in proc.stderr
+    status, err = bench_scripts.refusal("allreduce_bw", ["--nprocs", "2", *args], monkeypatch, capsys)
+    assert status != 0 and says in err, err[-2000:]
 
 
 def test_an_output_path_is_checked_and_left_as_it_was_found(tmp_path):
@@ -248,18 +240,11 @@ def test_an_output_path_is_checked_and_left_as_it_was_found(tmp_path):
         ("soak", "--json"),
     ],
 )
-def test_other_programs_refuse_an_unwritable_output_before_running(program, option):
+def test_other_programs_refuse_an_unwritable_output_before_running(program, option, monkeypatch, capsys):
     """--json / --plot / --png of the bench programs: an unwritable path is a usage error when
     the arguments are parsed (it failed after the run, losing what it measured)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / f"{program}.py"), option, "/proc/no/r.out"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=_unlaunched_environment(),
-    )
-    assert proc.returncode == 2 and f"argument {option}: cannot write /proc/no/r.out" in proc.stderr, proc.stderr
+    status, err = bench_scripts.refusal(program, [option, "/proc/no/r.out"], monkeypatch, capsys)
+    assert status == 2 and f"argument {option}: cannot write /proc/no/r.out" in err, err
 
 
 @pytest.mark.mpi
