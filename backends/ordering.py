@@ -56,6 +56,7 @@ class Channel:
         self.transport = transport
         self._issued = 0
         self._serving = 0
+        self._running = 0  # calls past their turn and not yet done (a hung one stays counted)
         self._worker: ThreadPoolExecutor | None = None
 
     def worker(self) -> ThreadPoolExecutor:
@@ -113,16 +114,20 @@ def refuse_if_broken(keys: Sequence[Hashable]) -> None:
 
 
 def retire(stale: Callable[[Hashable], bool]) -> None:
-    """Close the channels whose key `stale` names and on which no call runs or waits: those of
-    groups that no longer exist (a default group destroyed and made again), whose private
-    transports would otherwise keep their sockets, threads and buffers for the life of the
-    process. A broken one's reason goes with it (nothing can reach it any more)."""
+    """Close the channels whose key `stale` names and on which no call runs (nor waits, unless the
+    channel is broken: its waiting calls raise): those of groups that no longer exist (a default
+    group destroyed and made again), whose private transports would otherwise keep their sockets,
+    threads and buffers for the life of the process. A broken one's reason stays, for calls that
+    still hold the channel."""
     with _cond:
-        keys = [key for key, ch in _registry.items() if stale(key) and ch._serving == ch._issued]
+        keys = [
+            key
+            for key, ch in _registry.items()
+            if stale(key) and ch._running == 0 and (ch._serving == ch._issued or key in _broken)
+        ]
         channels = [_registry.pop(key) for key in keys]
         for key in keys:
             _opening.pop(key, None)
-            _broken.pop(key, None)
     for ch in channels:
         _close(ch)
 
@@ -142,6 +147,7 @@ def _close(ch: Channel) -> None:
     """Let the channel's worker finish, then drop its transport (whose destructor closes it)."""
     if ch._worker is not None:
         ch._worker.shutdown(wait=True)
+        ch._worker = None
     ch.transport = None
 
 
@@ -204,6 +210,7 @@ def _execute(channels: Sequence[Channel], tickets: list[int], fn: Callable, args
         with _cond:
             for ch in channels:
                 ch._serving += 1
+                ch._running -= 1
             _cond.notify_all()
 
 
@@ -221,6 +228,8 @@ def _await_turn(channels: Sequence[Channel], tickets: list[int]) -> None:
                 _cond.notify_all()
                 refuse_if_broken([channels[0].key])
             if all(ch._serving == t for ch, t in zip(channels, tickets)):
+                for ch in channels:
+                    ch._running += 1
                 return
             _cond.wait()
 

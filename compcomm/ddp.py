@@ -153,7 +153,7 @@ class OnebitHookState:
         self._backward: int | None = None  # autograd's id of the backward being reduced
         self._iter_before: int = 0  # `iter` when that backward began: where a failed one leaves it
         self._failure: Exception | None = None  # what that backward must raise when it ends
-        self._optimizer_check: Any = None  # the handle of the one-time look at the optimizer
+        self._watched: set[int] | None = None  # ids of the parameters whose optimizer it waits to see
         self._optimizer_seen = False
         self._settings_agreed = False  # start_iter and nonfinite compared across ranks
 
@@ -514,37 +514,28 @@ class OnebitHookState:
     def _watch_optimizer(self, params: list[torch.Tensor]) -> None:
         """Look once at the optimizer that steps these parameters (through torch's global step
         pre-hook, since DDP never tells the hook which one) and warn if it divides by a second
-        moment: 1-bit gradients have a second moment of their own, not the gradient's. The
-        global hook is removed at the next bucket once it has seen that optimizer (not inside
-        itself: torch is iterating over its hooks then)."""
-        if self._optimizer_check is None and params and not self._optimizer_seen:
-            watched = {id(p) for p in params}
-            state = weakref.ref(self)  # the global hook must not keep a dropped state alive
+        moment: 1-bit gradients have a second moment of their own, not the gradient's."""
+        if self._watched is None and params and not self._optimizer_seen:
+            self._watched = {id(p) for p in params}
+            _watch(self)
 
-            def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-                owner = state()
-                if (
-                    owner is None
-                    or owner._optimizer_seen
-                    or not any(id(p) in watched for group in optimizer.param_groups for p in group["params"])
-                ):
-                    return
-                owner._optimizer_seen = True
-                if "betas" in optimizer.defaults or isinstance(optimizer, _ADAPTIVE):
-                    warnings.warn(
-                        f"compcomm.ddp.onebit_hook feeds {type(optimizer).__name__} 1-bit gradients, whose second "
-                        "moment is not the gradient's: an optimizer that divides by it adapts to the compression "
-                        "noise. Use the hook with SGD (momentum), or compcomm.optim.OnebitAdam / OnebitLamb without "
-                        "DDP for Adam-like training",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-
-            self._optimizer_check = register_optimizer_step_pre_hook(check)
-            weakref.finalize(self, self._optimizer_check.remove)
-        elif self._optimizer_seen and self._optimizer_check is not None:
-            self._optimizer_check.remove()
-            self._optimizer_check = None
+    def _look_at(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer is about to step: if it steps these parameters, the look is done."""
+        if self._optimizer_seen or self._watched is None:
+            return
+        if not any(id(p) in self._watched for group in optimizer.param_groups for p in group["params"]):
+            return
+        self._optimizer_seen = True
+        _WATCHING.discard(self)
+        if "betas" in optimizer.defaults or isinstance(optimizer, _ADAPTIVE):
+            warnings.warn(
+                f"compcomm.ddp.onebit_hook feeds {type(optimizer).__name__} 1-bit gradients, whose second "
+                "moment is not the gradient's: an optimizer that divides by it adapts to the compression "
+                "noise. Use the hook with SGD (momentum), or compcomm.optim.OnebitAdam / OnebitLamb without "
+                "DDP for Adam-like training",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _spare(self, key: Key) -> ErrorFeedback:
         """Where bucket `key`'s errors after this iteration go: a spare held until every bucket of
@@ -562,6 +553,26 @@ class OnebitHookState:
     def _propagates(self, failure: Exception) -> bool:
         """Whether `failure` comes back as a NaN bucket (nonfinite="propagate") instead of raising."""
         return self.nonfinite == "propagate" and isinstance(failure, NonFiniteError)
+
+
+_WATCHING: weakref.WeakSet[OnebitHookState] = weakref.WeakSet()
+"""The states still waiting to see their optimizer (weakly: a dropped state goes)."""
+_looking: list[Any] = []  # the handle of `_look_at_optimizers`, once registered
+
+
+def _watch(state: OnebitHookState) -> None:
+    """Have `state` hear of every optimizer step until it has seen its own."""
+    _WATCHING.add(state)
+    if not _looking:
+        _looking.append(register_optimizer_step_pre_hook(_look_at_optimizers))
+
+
+def _look_at_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's global step pre-hook, registered once for every state: one hook in torch's dict
+    for the life of the process, never removed (removing one while torch iterates over them
+    fails its step), and it holds no state."""
+    for state in list(_WATCHING):
+        state._look_at(optimizer)
 
 
 def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

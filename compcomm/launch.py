@@ -184,7 +184,8 @@ def find_mpirun() -> str | None:
 def process_group(backend: str = "gloo", **options: Any) -> Iterator[None]:
     """torch.distributed's default group for the block: `init_process_group(backend, **options)`
     on entry, `destroy_process_group()` on exit, and compcomm's private transports over its
-    groups closed with it (otherwise the next default group's first call closes them).
+    groups closed with it (one with a call still in flight, such as an async call not waited
+    for, when the next default group opens one).
 
     Before leaving it sleeps 50 ms, with the GIL free: a gloo worker thread frees a collective's
     tensors after the caller's wait has returned, and needs the GIL for it when Python no longer

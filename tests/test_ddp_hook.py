@@ -895,24 +895,44 @@ def test_bad_arguments():
     assert compcomm.ddp.onebit_hook is onebit_hook
 
 
-def dropped_before_any_step() -> tuple[bool, int]:
-    """A hooked DDP model trained by hand (no torch optimizer steps), then dropped with its
-    state: whether the state was collected, and the global step pre-hooks left behind."""
-    from torch.optim.optimizer import _global_optimizer_pre_hooks
+def dropped_before_any_step() -> tuple[bool, int, str | None]:
+    """A hooked DDP model trained by hand (no torch optimizer steps), then dropped with its state
+    inside a cycle of the caller's (as a trainer object holding a bound method of its own keeps
+    it), and collected while torch runs the global step pre-hooks of another optimizer's step:
+    whether the state was collected, compcomm's global step pre-hooks, and the step's error."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
 
-    before = len(_global_optimizer_pre_hooks)
+    def collect(*args) -> None:  # a library's step pre-hook, registered before the state's look
+        gc.collect()
+
+    collecting = register_optimizer_step_pre_hook(collect)
     rank = dist.get_rank(group(4))
     ddp, state = hooked(group(4), start_iter=1)
     for step in range(3):
         loss_of(ddp, rank, step).backward()
     collected = weakref.ref(state)
-    del ddp, state
-    gc.collect()
-    return collected() is None, len(_global_optimizer_pre_hooks) - before
+
+    class Trainer:
+        pass
+
+    trainer = Trainer()
+    trainer.ddp, trainer.state, trainer.method = ddp, state, trainer.__init__
+
+    gc.disable()
+    try:
+        del ddp, state, trainer
+        model = torch.nn.Linear(4, 4)
+        model(torch.ones(2, 4)).sum().backward()
+        failure = caught(torch.optim.SGD(model.parameters(), lr=0.1).step)
+    finally:
+        gc.enable()
+        collecting.remove()
+    ours = sum(getattr(hook, "__module__", "") == "compcomm.ddp" for hook in _global_optimizer_pre_hooks.values())
+    return collected() is None, ours, failure
 
 
 def test_a_state_dropped_before_any_optimizer_step_is_collected(pool):
-    """The hook's look at the optimizer (a global step pre-hook, removed once it has seen one)
-    held the state: a state whose parameters no optimizer stepped, with its error buffers, stayed
-    alive for the life of the process."""
-    assert pool.run(dropped_before_any_step) == [(True, 0)] * 4
+    """The hook's look at the optimizer (a global step pre-hook) held the state: a state whose
+    parameters no optimizer stepped, with its error buffers, stayed alive for the life of the
+    process. Nor may its going remove a hook while torch iterates over them (the step failed)."""
+    assert pool.run(dropped_before_any_step) == [(True, 1, None)] * 4

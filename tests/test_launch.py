@@ -84,6 +84,42 @@ def test_a_default_group_made_again_leaves_no_transport_behind(tmp_path):
         assert counts[1][1] == counts[2][1] and counts[3][1] < counts[2][1], counts
 
 
+def broken_channel_made_again(folder: str) -> tuple[int, int]:
+    """A shm channel broken by a timeout (rank 1 stays away from two calls of rank 0's, the second
+    refused while it waits), then a default group made again and a call in it: compcomm's
+    channels before and after that call."""
+    import torch
+    import torch.distributed as dist
+
+    import compcomm
+    from compcomm.backends import ordering
+    from compcomm.backends.shm import ShmBackend
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"file://{folder}/s0", rank=rank, world_size=world)
+    shm = ShmBackend(timeout=1.0)
+    shm.barrier()
+    if rank == 0:
+        calls = [shm.all_reduce(torch.ones(10), async_op=True) for _ in range(2)]
+        for call in calls:
+            with contextlib.suppress(RuntimeError):
+                call.wait()
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{folder}/s1", rank=rank, world_size=world)
+    before = len(ordering._registry)
+    compcomm.compressed_allreduce(torch.ones(1000), compcomm.ErrorFeedback())
+    after = len(ordering._registry)
+    dist.destroy_process_group()
+    return before, after
+
+
+def test_a_broken_channel_goes_with_its_group(tmp_path):
+    """A call refused while it waited behind a timed-out one never counted as served, so its
+    broken channel was never idle and never closed."""
+    assert launch.spawn(broken_channel_made_again, 2, str(tmp_path)) == [(1, 1), (1, 1)]
+
+
 def test_ranks_leaving_process_group_exit_cleanly():
     """launch.process_group lets gloo's workers release their last collectives before the
     process exits (before it, about one run in four of these four ranks died of SIGABRT in

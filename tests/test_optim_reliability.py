@@ -647,3 +647,38 @@ def test_a_dropped_optimizer_is_collected_with_its_state(pool, kind):
     where the garbage collector does not look: a dropped optimizer, its state and error buffers,
     and the model's parameters stayed alive for the life of the process."""
     assert pool.run(dropped_optimizer, kind) == [(True, 0, True)] * 4
+
+
+def replaced_optimizer(name: str, collected_on: tuple[int, ...]) -> tuple[tuple[str, str] | None, bytes]:
+    """Train, then build a new optimizer of `name` on the same parameters in place of the first
+    (`opt = OnebitAdam(...)` again); the first, now garbage, is collected on the ranks
+    `collected_on` only (a collector runs when each rank's allocations say so), then training
+    goes on: the error if any, and the parameters."""
+    rank = rank_of(4)
+    model = make_model()
+    gc.disable()
+    try:
+        opt = make_optimizer(name, model, 4, 2)
+        for step in range(3):
+            backward(model, rank, step)
+            opt.step()
+        opt = make_optimizer(name, model, 4, 2)
+        if rank in collected_on:
+            gc.collect()
+        failure = None
+        for step in range(3, 6):
+            backward(model, rank, step)
+            failure = failure or caught(opt.step)
+    finally:
+        gc.enable()
+    return failure, raw(model)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_replaced_optimizer_stops_hearing_from_the_parameters_on_every_rank_alike(pool, name):
+    """A new optimizer on the parameters takes their hooks over when it is built: the old one,
+    until each rank's collector freed it, started its own bucket collectives on some ranks only,
+    and the ranks' collectives stopped pairing."""
+    skewed = pool.run(replaced_optimizer, name, (0,))
+    assert all(failure is None for failure, _ in skewed)
+    assert skewed == pool.run(replaced_optimizer, name, (0, 1, 2, 3))

@@ -11,6 +11,10 @@ one's end, while the outer backward still has gradients to make. Such an end is 
 (`nested_done`); the outer backward's next gradient queues the callback again, in the outer
 backward (if none comes, the optimizer's step finds that no backward ended, as after a missed
 one).
+
+A parameter reports to the newest Readiness built on it (an optimizer replacing another takes
+its parameters over when it is built, on every rank alike); the hooks hold their Readiness
+weakly, so that a dropped optimizer can be collected.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from types import FrameType
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 _PYTHON_NODE = BackwardCFunction.apply.__code__  # how autograd runs a Python Function's backward
 
@@ -56,11 +61,11 @@ class Readiness:
         self._seen: set[int] = set()
         self._queued = False
         self._paused = False
-        self._handles = [
-            p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), i))
-            for i, p in enumerate(params)
-            if p.requires_grad
-        ]
+        self._handles: dict[int, RemovableHandle] = {}
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                _take_over(p, self)
+                self._handles[id(p)] = p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), i))
         weakref.finalize(self, _remove, self._handles)
 
     def _report(self, i: int) -> None:
@@ -108,8 +113,26 @@ def _hook(readiness: weakref.ref[Readiness], i: int) -> Callable[[torch.Tensor],
     return hook
 
 
-def _remove(handles: list[RemovableHandle]) -> None:
+_REPORTS_TO: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Each parameter's Readiness (weakly): the newest one built on it, the only one it reports to."""
+
+
+def _take_over(param: torch.Tensor, readiness: Readiness) -> None:
+    """`param` reports to `readiness` from now on. An older Readiness on it (an optimizer that
+    this one replaces: `opt = OnebitAdam(...)` again) stops hearing from it here, at a point
+    that every rank reaches alike, rather than whenever each rank's garbage collector frees the
+    old optimizer: until then its hooks would start its own collectives on some ranks only."""
+    older = _REPORTS_TO.get(param)
+    replaced = older() if older is not None else None
+    if replaced is not None:
+        handle = replaced._handles.pop(id(param), None)
+        if handle is not None:
+            handle.remove()
+    _REPORTS_TO[param] = weakref.ref(readiness)
+
+
+def _remove(handles: dict[int, RemovableHandle]) -> None:
     """Unregister the hooks (when their Readiness is removed or collected)."""
-    for handle in handles:
+    for handle in handles.values():
         handle.remove()
     handles.clear()
