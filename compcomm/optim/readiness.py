@@ -95,9 +95,6 @@ class Readiness:
         finally:
             self._paused = before
 
-    def remove(self) -> None:
-        _remove(self._handles)
-
 
 def _hook(readiness: weakref.ref[Readiness], i: int) -> Callable[[torch.Tensor], None]:
     """Parameter i's hook. It holds its Readiness weakly: torch keeps a parameter's
@@ -132,7 +129,7 @@ def _take_over(param: torch.Tensor, readiness: Readiness) -> None:
 
 
 def _remove(handles: dict[int, RemovableHandle]) -> None:
-    """Unregister the hooks (when their Readiness is removed or collected)."""
+    """Unregister the hooks (when their Readiness is collected)."""
     for handle in handles.values():
         handle.remove()
     handles.clear()
