@@ -57,6 +57,7 @@ class Channel:
         self._issued = 0
         self._serving = 0
         self._running = 0  # calls past their turn and not yet done (a hung one stays counted)
+        self.retired: str | None = None  # why it was closed (`retire`): what its late calls raise
         self._worker: ThreadPoolExecutor | None = None
 
     def worker(self) -> ThreadPoolExecutor:
@@ -110,15 +111,19 @@ def refuse_if_broken(keys: Sequence[Hashable]) -> None:
     """RuntimeError, naming the first failure, if the channel of any of `keys` is broken."""
     reason = next((_broken[k] for k in keys if k in _broken), None)
     if reason is not None:
-        raise RuntimeError(f"compcomm's collectives over this group are unusable after an earlier failure: {reason}")
+        raise _unusable(reason)
+
+
+def _unusable(reason: str) -> RuntimeError:
+    return RuntimeError(f"compcomm's collectives over this group are unusable after an earlier failure: {reason}")
 
 
 def retire(stale: Callable[[Hashable], bool]) -> None:
     """Close the channels whose key `stale` names and on which no call runs (nor waits, unless the
     channel is broken: its waiting calls raise): those of groups that no longer exist (a default
     group destroyed and made again), whose private transports would otherwise keep their sockets,
-    threads and buffers for the life of the process. A broken one's reason stays, for calls that
-    still hold the channel."""
+    threads and buffers for the life of the process. A broken one's reason moves onto the
+    channel, for calls that still hold it (kept by key, it would keep the old group alive)."""
     with _cond:
         keys = [
             key
@@ -126,8 +131,9 @@ def retire(stale: Callable[[Hashable], bool]) -> None:
             if stale(key) and ch._running == 0 and (ch._serving == ch._issued or key in _broken)
         ]
         channels = [_registry.pop(key) for key in keys]
-        for key in keys:
+        for key, ch in zip(keys, channels):
             _opening.pop(key, None)
+            ch.retired = _broken.pop(key, None) or "its group was destroyed"
     for ch in channels:
         _close(ch)
 
@@ -221,12 +227,14 @@ def _await_turn(channels: Sequence[Channel], tickets: list[int]) -> None:
     so none of its later calls there may run."""
     with _cond:
         while True:
-            reason = next((_broken[ch.key] for ch in channels if ch.key in _broken), None)
+            reasons = (_broken.get(ch.key) or ch.retired for ch in channels)
+            reason = next((why for why in reasons if why is not None), None)
             if reason is not None:
                 for ch in channels:
-                    _broken.setdefault(ch.key, reason)
+                    if ch.retired is None:
+                        _broken.setdefault(ch.key, reason)
                 _cond.notify_all()
-                refuse_if_broken([channels[0].key])
+                raise _unusable(reason)
             if all(ch._serving == t for ch, t in zip(channels, tickets)):
                 for ch in channels:
                     ch._running += 1

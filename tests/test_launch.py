@@ -84,16 +84,17 @@ def test_a_default_group_made_again_leaves_no_transport_behind(tmp_path):
         assert counts[1][1] == counts[2][1] and counts[3][1] < counts[2][1], counts
 
 
-def broken_channel_made_again(folder: str) -> tuple[int, int]:
+def broken_channel_made_again(folder: str) -> tuple[int, int, int]:
     """A shm channel broken by a timeout (rank 1 stays away from two calls of rank 0's, the second
     refused while it waits), then a default group made again and a call in it: compcomm's
-    channels before and after that call."""
+    channels before and after that call, and the failures it still keeps by an old group's key."""
     import torch
     import torch.distributed as dist
 
     import compcomm
     from compcomm.backends import ordering
     from compcomm.backends.shm import ShmBackend
+    from compcomm.backends.torch_dist import made_before_this_world
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"file://{folder}/s0", rank=rank, world_size=world)
@@ -110,14 +111,16 @@ def broken_channel_made_again(folder: str) -> tuple[int, int]:
     before = len(ordering._registry)
     compcomm.compressed_allreduce(torch.ones(1000), compcomm.ErrorFeedback())
     after = len(ordering._registry)
+    kept = sum(made_before_this_world(key) for key in ordering._broken)
     dist.destroy_process_group()
-    return before, after
+    return before, after, kept
 
 
 def test_a_broken_channel_goes_with_its_group(tmp_path):
     """A call refused while it waited behind a timed-out one never counted as served, so its
-    broken channel was never idle and never closed."""
-    assert launch.spawn(broken_channel_made_again, 2, str(tmp_path)) == [(1, 1), (1, 1)]
+    broken channel was never idle and never closed; and its failure, kept by its key, kept the
+    destroyed default group alive (its sockets and threads)."""
+    assert launch.spawn(broken_channel_made_again, 2, str(tmp_path)) == [(1, 1, 0), (1, 1, 0)]
 
 
 def test_ranks_leaving_process_group_exit_cleanly():
