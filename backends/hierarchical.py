@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import numbers
 import os
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
@@ -313,5 +314,26 @@ def _layout(local_world_size: int | None, transport: str | None, intra: str | No
     return k, transport, intra
 
 
+_made: dict[tuple[tuple[int, ...], datetime.timedelta], Any] = {}
+"""The groups `from_torch` made, by members and timeout: weakly (torch holds them while they
+live), or torch's mark for a group this rank is not a member of."""
+_made_under: list[weakref.ref[Any]] = []  # the default group they were made under
+
+
 def _groups(members: Sequence[list[int]], timeout: datetime.timedelta) -> list[Any]:
-    return [dist.new_group(ranks, timeout=timeout) for ranks in members]
+    """One torch group per member list, made once per default group: `from_torch` called again
+    (as every rank calls it, alike) takes the same groups, where new ones would each keep
+    their sockets and threads for the life of the default group."""
+    if not _made_under or _made_under[0]() is not dist.group.WORLD:
+        _made.clear()
+        _made_under[:] = [weakref.ref(dist.group.WORLD)]
+    groups = []
+    for ranks in members:
+        key = (tuple(ranks), timeout)
+        kept = _made.get(key)
+        group = kept() if isinstance(kept, weakref.ref) else kept
+        if group is None:
+            group = dist.new_group(ranks, timeout=timeout)
+            _made[key] = group if group == dist.GroupMember.NON_GROUP_MEMBER else weakref.ref(group)
+        groups.append(group)
+    return groups

@@ -659,3 +659,26 @@ def test_an_agreed_runtime_error_leaves_the_hierarchical_group_usable(six):
     for refused, after in six.run(agreed_runtime_error):
         assert refused is not None and refused[0] == "RuntimeError", refused
         assert after is None, after
+
+
+def made_again() -> tuple[int, bool]:
+    """get('hierarchical') once more with a layout made at start-up: the torch groups it added,
+    and whether its backend's groups are those of the first."""
+    import torch.distributed as dist
+
+    from compcomm import backends
+
+    before = len(dist.distributed_c10d._world.pg_map)
+    again = backends.get("hierarchical", local_world_size=3, intra="gloo")
+    first = _backends["2x3"]
+    return len(dist.distributed_c10d._world.pg_map) - before, (again.intra.group, again.inter.group) == (
+        first.intra.group,
+        first.inter.group,
+    )
+
+
+def test_get_hierarchical_again_takes_the_groups_it_made(six):
+    """Each call made new torch groups (one per node and one per local index), which torch keeps,
+    with their sockets and threads, for the life of the default group: a program that asked for
+    the backend again and again ran out of file descriptors."""
+    assert six.run(made_again) == [(0, True)] * 6
