@@ -59,6 +59,35 @@ def test_a_model_wrapped_in_ddp_after_the_optimizer_was_built_is_refused_at_the_
         assert "wrapped in DistributedDataParallel after" in failure[1] and unchanged
 
 
+def ddp_made_before_and_after_the_first_check() -> list[tuple[str, str] | None]:
+    """As in a fresh process, where no check has run yet: a DDP model made before the first
+    check (found among every object) and one made after it (noted as it takes its module)."""
+    from compcomm.optim import replicas
+
+    for handle in replicas._noting:
+        handle.remove()
+    replicas._noting.clear()
+    replicas._DDP_MODULES.clear()
+    before = model()
+    kept = [torch.nn.parallel.DistributedDataParallel(before)]
+    failures = [caught(OnebitAdam, before.parameters())]
+    after = model()
+    kept.append(torch.nn.parallel.DistributedDataParallel(after))
+    failures.append(caught(OnebitAdam, after.parameters()))
+    failures.append(caught(OnebitAdam, model().parameters()))
+    return failures
+
+
+def test_ddp_models_made_before_and_after_the_first_check_are_both_seen(pool):
+    """The check no longer walks every object of the process each time (it took most of an
+    optimizer's construction): it must still see a DDP model made before its first run and
+    one made after it."""
+    for before, after, bare in pool.run(ddp_made_before_and_after_the_first_check):
+        assert before is not None and "DistributedDataParallel" in before[1], before
+        assert after is not None and "DistributedDataParallel" in after[1], after
+        assert bare is None
+
+
 def optimizer_without_ddp() -> tuple[str, str] | None:
     return caught(OnebitAdam, model().parameters())
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 import gc
 import itertools
 import warnings
+import weakref
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_module_registration_hook
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from ..agreement import raise_agreed
 from ..backends import Backend
@@ -57,8 +60,6 @@ def ddp_refusal(params: Sequence[torch.Tensor], owner: str, since_built: bool = 
     """The ValueError `refuse_ddp_wrapped` raises, or None. `since_built`: the check at the first
     step, for a model wrapped after `owner` was built (which its construction could not see);
     the caller raises it on every rank alike."""
-    # DDP puts no mark on the parameters it wraps, so the live DDP modules are found through the
-    # garbage collector's list of objects (once when the optimizer is built, once at its first step).
     if not _wrapped_by_ddp(params):
         return None
     gc.collect()  # a wrapper already dropped may still be listed, waiting for a collection
@@ -73,19 +74,35 @@ def ddp_refusal(params: Sequence[torch.Tensor], owner: str, since_built: bool = 
     return ValueError(f"{what}: it does its own communication, and DDP would average every gradient as well; {fix}")
 
 
+_DDP_MODULES: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+"""The live DDP modules, once `_wrapped_by_ddp` has first run: those alive then, and each one
+made since (`_note_ddp`)."""
+_noting: list[RemovableHandle] = []  # the global module registration hook, once registered
+
+
 def _wrapped_by_ddp(params: Sequence[torch.Tensor]) -> bool:
-    """Whether a live DistributedDataParallel module wraps any of `params`. The objects are
-    listed, typed and filtered in C (`map`, `compress`): only their few distinct types go
-    through `issubclass` in Python, and only DDP modules, if any, are looked into: a process
-    holds hundreds of thousands of objects, and a test of each in Python would cost more than
-    the rest of an optimizer's construction."""
-    objects = gc.get_objects()
-    ddp_types = {kind for kind in set(map(type, objects)) if issubclass(kind, DistributedDataParallel)}
-    if not ddp_types:
-        return False
+    """Whether a live DistributedDataParallel module wraps any of `params`. DDP puts no mark on
+    the parameters it wraps, so the first check finds the DDP modules among every object of the
+    process (typed and filtered in C: only their distinct types go through `issubclass`), and
+    from then on torch's module registration hook notes each new one as it takes its module
+    (`self.module = ...` in its constructor). A walk over the process's hundreds of thousands of
+    objects at every check would cost more than the rest of an optimizer's construction. (A DDP
+    module unpickled or deep-copied sets its attributes without the hook: it is not seen.)"""
+    if not _noting:
+        objects = gc.get_objects()
+        ddp_types = {kind for kind in set(map(type, objects)) if issubclass(kind, DistributedDataParallel)}
+        if ddp_types:
+            _DDP_MODULES.update(itertools.compress(objects, map(ddp_types.__contains__, map(type, objects))))
+        del objects
+        _noting.append(register_module_module_registration_hook(_note_ddp))
     ids = {id(p) for p in params}
-    wrappers = itertools.compress(objects, map(ddp_types.__contains__, map(type, objects)))
-    return any(any(id(p) in ids for p in ddp.module.parameters()) for ddp in wrappers)
+    return any(any(id(p) in ids for p in ddp.module.parameters()) for ddp in list(_DDP_MODULES))
+
+
+def _note_ddp(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
+    """torch's global module registration hook: a DDP module taking its module is noted."""
+    if isinstance(module, DistributedDataParallel):
+        _DDP_MODULES.add(module)
 
 
 def equalize_from_rank0(
