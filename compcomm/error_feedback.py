@@ -74,6 +74,7 @@ class ErrorFeedback:
             self.tag if isinstance(self.tag, str) and not _inside_package(sys._getframe(1)) else None
         )
         self._calls = 0  # calls served while followed
+        self._follow: dict[str, Any] | None = None  # what its finalizer reads, once followed
 
     @property
     def worker_error(self) -> torch.Tensor | None:
@@ -107,10 +108,17 @@ class ErrorFeedback:
             codec.codec_for(worker.device).error_update_(worker, scale, real)
             self._state = (worker, None, 0)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        follow = self.__dict__.get("_follow")
+        if follow is not None and name in follow:
+            follow[name] = value
+
     def __getstate__(self) -> dict[str, Any]:
         """The errors and what they belong to, without the scratch buffers: a copy or a pickle
-        starts with none (a `copy.copy` sharing the spare let two instances write one buffer)."""
-        return {**self.__dict__, "_spare": None, "_spare_server": None}
+        starts with none (a `copy.copy` sharing the spare let two instances write one buffer),
+        nor with the original's record as a followed instance (`DroppedInstances`)."""
+        return {**self.__dict__, "_spare": None, "_spare_server": None, "_follow": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle, also an instance pickled by an earlier version: `worker_error` a plain
@@ -135,7 +143,7 @@ class ErrorFeedback:
             "double_buffer": True,
             "tag": "",
         }
-        self.__dict__.update({**defaults, **state, "_spare": None, "_spare_server": None})
+        self.__dict__.update({**defaults, **state, "_spare": None, "_spare_server": None, "_follow": None})
 
     def worker_form(self, device: torch.device) -> tuple[torch.Tensor | None, float | None]:
         """What a scan reads the worker error from, on `device`, as it is held: (the buffer, None)
@@ -492,7 +500,11 @@ class DroppedInstances:
         if ef._calls > 1:  # it serves several calls: not the mistake, no longer followed
             ef._made_at = None
             return
-        weakref.finalize(ef, self._gone, (site, numel), ef.__dict__).atexit = False
+        # What the finalizer reads when the instance goes: a record of its own, which the
+        # instance keeps up to date (`__setattr__`). Given the instance's dict instead, the
+        # finalizer (a root) would keep alive whatever that dict leads to, the instance too.
+        ef._follow = {"_made_at": site, "numel": ef.numel}
+        weakref.finalize(ef, self._gone, (site, numel), ef._follow).atexit = False
         with self._lock:
             dropped = self._dropped.get((site, numel), 0)
             warn = dropped >= self.REPEATS and site not in self._warned

@@ -4,7 +4,9 @@ behind an Adam-like optimizer, and a new ErrorFeedback made for every call."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -288,3 +290,34 @@ def test_a_tag_that_is_not_a_string_is_refused_where_the_error_feedback_is_made(
     """It failed inside the first call's agreement (an AttributeError of `encode`), on every rank."""
     with pytest.raises(TypeError, match="tag must be a string"):
         compcomm.ErrorFeedback(tag=["x"])
+
+
+def error_feedback_in_a_cycle() -> tuple[int, int]:
+    """ErrorFeedbacks of the caller's that point back at themselves (through an owner that
+    holds them), each used for one call or for two, then dropped: how many of each survive a
+    collection."""
+    grad = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+
+    class Owner:
+        pass
+
+    survivors = []
+    for calls in (1, 2):
+        alive = []
+        for _ in range(3):
+            owner = Owner()
+            owner.ef = compcomm.ErrorFeedback(tag=f"cycle {calls}")
+            owner.ef.owner = owner
+            for _ in range(calls):
+                compcomm.compressed_allreduce(grad.clone(), owner.ef)
+            alive.append(weakref.ref(owner.ef))
+            del owner
+        gc.collect()
+        survivors.append(sum(ref() is not None for ref in alive))
+    return survivors[0], survivors[1]
+
+
+def test_an_error_feedback_in_a_cycle_of_the_callers_is_collected(pool):
+    """The dropped-instance count's finalizer held the instance's own dict: whatever it led to
+    stayed alive, and through an attribute pointing back, the instance and its error buffers."""
+    assert pool.run(error_feedback_in_a_cycle) == [(0, 0)] * 4
