@@ -4,6 +4,7 @@ behind an Adam-like optimizer, and a new ErrorFeedback made for every call."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import warnings
 import weakref
@@ -63,7 +64,8 @@ def test_a_model_wrapped_in_ddp_after_the_optimizer_was_built_is_refused_at_the_
 
 def ddp_made_before_and_after_the_first_check() -> list[tuple[str, str] | None]:
     """As in a fresh process, where no check has run yet: a DDP model made before the first
-    check (found among every object) and one made after it (noted as it takes its module)."""
+    check (found among every object), one made after it (noted as it takes its module), a bare
+    model, and a deep copy of a DDP model (found among every object at construction)."""
     from compcomm.optim import replicas
 
     for handle in replicas._noting:
@@ -77,17 +79,20 @@ def ddp_made_before_and_after_the_first_check() -> list[tuple[str, str] | None]:
     kept.append(torch.nn.parallel.DistributedDataParallel(after))
     failures.append(caught(OnebitAdam, after.parameters()))
     failures.append(caught(OnebitAdam, model().parameters()))
+    copied = copy.deepcopy(kept.pop())  # a copy sets its attributes without the hook
+    failures.append(caught(OnebitAdam, copied.module.parameters()))
     return failures
 
 
 def test_ddp_models_made_before_and_after_the_first_check_are_both_seen(pool):
-    """The check no longer walks every object of the process each time (it took most of an
-    optimizer's construction): it must still see a DDP model made before its first run and
-    one made after it."""
-    for before, after, bare in pool.run(ddp_made_before_and_after_the_first_check):
+    """The check no longer walks every object of the process at the first step (it took most of
+    an optimizer's construction): it must still see a DDP model made before its first run, one
+    made after it, and at construction a copy of one."""
+    for before, after, bare, copied in pool.run(ddp_made_before_and_after_the_first_check):
         assert before is not None and "DistributedDataParallel" in before[1], before
         assert after is not None and "DistributedDataParallel" in after[1], after
         assert bare is None
+        assert copied is not None and "DistributedDataParallel" in copied[1], copied
 
 
 def optimizer_without_ddp() -> tuple[str, str] | None:

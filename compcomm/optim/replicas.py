@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import warnings
 import weakref
 import zlib
@@ -60,10 +61,10 @@ def ddp_refusal(params: Sequence[torch.Tensor], owner: str, since_built: bool = 
     """The ValueError `refuse_ddp_wrapped` raises, or None. `since_built`: the check at the first
     step, for a model wrapped after `owner` was built (which its construction could not see);
     the caller raises it on every rank alike."""
-    if not _wrapped_by_ddp(params):
+    if not _wrapped_by_ddp(params, every_object=not since_built):
         return None
     gc.collect()  # a wrapper already dropped may still be listed, waiting for a collection
-    if not _wrapped_by_ddp(params):
+    if not _wrapped_by_ddp(params, every_object=not since_built):
         return None
     if since_built:
         what = f"the model {owner} steps was wrapped in DistributedDataParallel after {owner} was built"
@@ -75,34 +76,46 @@ def ddp_refusal(params: Sequence[torch.Tensor], owner: str, since_built: bool = 
 
 
 _DDP_MODULES: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
-"""The live DDP modules, once `_wrapped_by_ddp` has first run: those alive then, and each one
-made since (`_note_ddp`)."""
+"""The live DDP modules found so far: those among every object at a walk, and each one made since
+the first (`_note_ddp`); changed and read under `_DDP_LOCK` (a DDP may be built in any thread)."""
+_DDP_LOCK = threading.RLock()
 _noting: list[RemovableHandle] = []  # the global module registration hook, once registered
 
 
-def _wrapped_by_ddp(params: Sequence[torch.Tensor]) -> bool:
+def _wrapped_by_ddp(params: Sequence[torch.Tensor], every_object: bool) -> bool:
     """Whether a live DistributedDataParallel module wraps any of `params`. DDP puts no mark on
-    the parameters it wraps, so the first check finds the DDP modules among every object of the
-    process (typed and filtered in C: only their distinct types go through `issubclass`), and
-    from then on torch's module registration hook notes each new one as it takes its module
-    (`self.module = ...` in its constructor). A walk over the process's hundreds of thousands of
-    objects at every check would cost more than the rest of an optimizer's construction. (A DDP
-    module unpickled or deep-copied sets its attributes without the hook: it is not seen.)"""
+    the parameters it wraps, so an optimizer's construction (`every_object`) finds the DDP modules
+    among every object of the process (typed and filtered in C: only their distinct types go
+    through `issubclass`), copies and unpickled ones included, and from then on torch's module
+    registration hook notes each new one as its constructor takes its module (`self.module =
+    ...`): the check at the first step, for a model wrapped after the optimizer was built, looks
+    at those alone, where a second walk over the process's hundreds of thousands of objects would
+    cost more than the rest of the optimizer's construction. (A DDP copied or unpickled between
+    the two is not seen.) The hook is registered before the first walk, so that a DDP built in
+    another thread meanwhile is in one or the other."""
     if not _noting:
+        _noting.append(register_module_module_registration_hook(_note_ddp))
+        every_object = True
+    if every_object:
         objects = gc.get_objects()
         ddp_types = {kind for kind in set(map(type, objects)) if issubclass(kind, DistributedDataParallel)}
-        if ddp_types:
-            _DDP_MODULES.update(itertools.compress(objects, map(ddp_types.__contains__, map(type, objects))))
+        found = list(itertools.compress(objects, map(ddp_types.__contains__, map(type, objects)))) if ddp_types else []
         del objects
-        _noting.append(register_module_module_registration_hook(_note_ddp))
+        with _DDP_LOCK:
+            _DDP_MODULES.update(found)
+    with _DDP_LOCK:
+        wrappers = list(_DDP_MODULES)
     ids = {id(p) for p in params}
-    return any(any(id(p) in ids for p in ddp.module.parameters()) for ddp in list(_DDP_MODULES))
+    # a DDP whose construction failed before it took its module, or is still under way, has none
+    modules = (getattr(ddp, "module", None) for ddp in wrappers)
+    return any(any(id(p) in ids for p in module.parameters()) for module in modules if module is not None)
 
 
 def _note_ddp(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
     """torch's global module registration hook: a DDP module taking its module is noted."""
     if isinstance(module, DistributedDataParallel):
-        _DDP_MODULES.add(module)
+        with _DDP_LOCK:
+            _DDP_MODULES.add(module)
 
 
 def equalize_from_rank0(
