@@ -44,9 +44,9 @@ def problem(state_dict: dict[str, Any], mine: dict[str, Any], sync: OuterSync, s
     `sync` here (None if it can), past the checks of its rank, world size, schedule and layout."""
     extra, local = state_dict["compcomm"], mine["rank_local"]
     step = extra.get("step")
-    problem = step_problem(step)
-    if problem is not None:
-        return problem
+    why = step_problem(step)
+    if why is not None:
+        return why
     local_step = step - start_iter
     return (
         _theta_problem(state_dict["synced"], sync)
