@@ -437,10 +437,12 @@ def magnitudes(kind: str, steps: int) -> dict[str, float]:
         x = torch.randn(16, 6, 8, generator=g)
         model.zero_grad(set_to_none=True)
         torch.nn.functional.mse_loss(model(x), x[:, 0, :4].sin()).backward()
-        if kind == "adamw":  # the exact data-parallel mean for the reference
-            for p in model.parameters():
-                dist.all_reduce(p.grad, group=group(4))
-                p.grad /= 4
+        if kind == "adamw":  # the exact data-parallel mean for the reference, in one collective
+            grads = [p.grad for p in model.parameters()]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group(4))
+            for g, mean in zip(grads, torch.split(flat / 4, [g.numel() for g in grads])):
+                g.copy_(mean.view_as(g))
         opt.step()
     return {name: float(p.detach().abs().max()) for name, p in model.named_parameters()}
 

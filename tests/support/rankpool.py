@@ -3,7 +3,8 @@
 The processes are forked from multiprocessing's fork server, which imports torch, numpy and
 compcomm once for the whole session: a module's ranks then start in a fraction of a second,
 where spawning them (a fresh interpreter importing torch each) took about 4 s of the suite's two
-cores per module. They are plain processes all the same: their own memory, their own gloo.
+cores per module. It imports torch._dynamo too, which torch's Optimizer imports when a process
+builds its first optimizer: about 1.8 s of a core per rank otherwise. They are plain processes all the same: their own memory, their own gloo.
 Their environment is the fork server's, taken when the session's first pool started (after
 conftest's): a variable a test sets later in this process does not reach them.
 
@@ -25,7 +26,7 @@ from typing import Any
 
 from compcomm.launch import free_port, rank_environment
 
-PRELOADED = ["torch", "torch.distributed", "numpy", "compcomm"]
+PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "numpy", "compcomm"]
 SUBGROUPS = [(0,), (1,), (2,), (3,), (0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 3), (0, 2), (2, 3)]
 _groups: dict[tuple[int, ...], Any] = {}
 
