@@ -278,6 +278,8 @@ def test_fsdp_memory_counts_an_unsharded_error_per_rank(tmp_path):
         str(ROOT / "bench" / "fsdp_memory.py"),
         "--modes",
         "fsdp",
+        "--nprocs",
+        "2",
         "--steps",
         "3",
         "--json",
