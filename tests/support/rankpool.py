@@ -4,9 +4,10 @@ The processes are forked from multiprocessing's fork server, which imports torch
 compcomm once for the whole session: a module's ranks then start in a fraction of a second,
 where spawning them (a fresh interpreter importing torch each) took about 4 s of the suite's two
 cores per module. It imports torch._dynamo too, which torch's Optimizer imports when a process
-builds its first optimizer: about 1.8 s of a core per rank otherwise. They are plain processes all the same: their own memory, their own gloo.
-Their environment is the fork server's, taken when the session's first pool started (after
-conftest's): a variable a test sets later in this process does not reach them.
+builds its first optimizer: about 1.8 s of a core per rank otherwise. They are plain processes
+all the same: their own memory, their own gloo. Their environment is the fork server's, taken
+when the session's first pool started (after conftest's): a variable a test sets later in this
+process does not reach them.
 
 `RankPool.run(fn, *args, ranks=...)` calls a picklable module-level `fn(*args)` on the chosen
 ranks at once and returns their results in rank order; a rank that raises fails the test with
