@@ -131,6 +131,59 @@ def test_fsdp_mode_matches_reference(pool, world, reduce_dtype):
                 assert_close(got, want, rtol=rtol, atol=atol * np.abs(want).max(initial=1.0))
 
 
+def reduced_twice_per_backward(members: tuple[int, ...], steps: int) -> dict:
+    """A model called twice in each forward (two views of the batch): FSDP reduce-scatters each
+    module twice per backward. Every call's input and output, and the errors left at the end."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group(members))
+    model = shard(make_model(), members)
+    state = compcomm.fsdp.compress(model, start_iter=0)
+    calls: list[tuple[str, np.ndarray, np.ndarray]] = []
+    reduce = state.reduce_scatter
+
+    def recorded(name, output, tensor, over, op):
+        given = tensor.detach().double().numpy().copy()
+        reduce(name, output, tensor, over, op)
+        calls.append((name, given, output.detach().double().numpy().copy()))
+
+    state.reduce_scatter = recorded
+    for step in range(steps):
+        x = batch(rank, step)
+        (loss_of(model, x) + loss_of(model, -2 * x)).backward()
+        model.zero_grad()
+    errors = {
+        name: None if ef.worker_error is None else ef.worker_error.double().numpy()
+        for name, ef in state.error_feedback.items()
+    }
+    return {"calls": calls, "errors": errors, "iteration": state.iteration}
+
+
+def test_a_module_reduced_twice_in_one_backward_carries_its_errors_from_call_to_call(pool):
+    """Each call of the 1-bit reduce-scatter starts from the errors the one before left, also
+    the second call of a backward. Both calls used to read the errors the backward began with
+    and write the same spare, which the end of the backward then swapped in and out again: the
+    errors of a module reduced twice stayed as they were (None from the start)."""
+    members, steps = (0, 1), 3
+    res = pool.run(reduced_twice_per_backward, members, steps, ranks=members)
+    n = len(members)
+    assert all(r["iteration"] == steps for r in res)
+    counts = {name: sum(c[0] == name for c in res[0]["calls"]) for name in res[0]["errors"]}
+    assert 2 * steps in counts.values(), counts  # FSDP reduces the first layer once: both uses end there
+    for name in counts:
+        mine = [[c for c in r["calls"] if c[0] == name] for r in res]
+        length = mine[0][0][1].size // n
+        worker = np.zeros((n, n, math.ceil(length / 8) * 8))
+        for k in range(counts[name]):
+            expected, worker = reference_reduce_scatter([mine[r][k][1] for r in range(n)], worker, "mean")
+            for r in range(n):
+                assert_close(mine[r][k][2], expected[r], rtol=1e-5, atol=1e-6 * np.abs(expected[r]).max(initial=1.0))
+        for r in range(n):
+            got = res[r]["errors"][name]
+            assert got is not None, name
+            assert_close(got.reshape(n, -1), worker[r], rtol=1e-5, atol=1e-6 * np.abs(worker[r]).max(initial=1.0))
+
+
 class Experts(torch.nn.Module):
     """One FSDP module with two experts of one shape, of which each iteration uses one (as a
     mixture of experts routes): FSDP2 leaves a parameter without a gradient out of the

@@ -366,12 +366,21 @@ class CompressionState:
     def _spec(self, module: _Module, tensor: torch.Tensor, op: str, failed: Exception | None = None) -> CallSpec:
         """Module `module`'s call on `tensor`: its new errors go into its spare; what `failed`
         before it on this rank, and a changed layout of its gradients, are refused in the call's
-        agreement, on every rank."""
+        agreement, on every rank. FSDP reduces a module once per forward that used it: a
+        backward through a model called twice (two views of a batch) or a block applied twice
+        reduces it twice, and the second call starts from the errors the first left, in the
+        spare, which it updates in place."""
         exact = [not self.compressing]
         if self.compressing:
             self._loss_scale.follow(m.errors for m in self._modules.values())
         refused = failed or module.layout_changed()
+        if self._reduced(module):
+            return CallSpec([tensor], [module.spare], op, exact=exact, refused=refused)
         return CallSpec([tensor], [module.errors], op, [module.spare], exact=exact, refused=refused)
+
+    def _reduced(self, module: _Module) -> bool:
+        """Whether `module` was reduced already in the backward under way."""
+        return any(m is module for m in self._pending)
 
     def _run(self, module: _Module, output: torch.Tensor, reduce: Any) -> None:
         """`reduce()`, then note the module for the end of the backward; a non-finite verdict
@@ -390,7 +399,8 @@ class CompressionState:
             self._failed = True
             self._abort_backward()
             raise
-        self._pending.append(module)
+        if not self._reduced(module):
+            self._pending.append(module)
 
     def _abort_backward(self) -> None:
         """The backward ends at this raise, before FSDP reduces the modules it has not reached:
