@@ -65,7 +65,8 @@ class ErrorFeedback:
         self.numel: int | None = None
         self.world_size: int | None = None
         self.layout: str | None = None
-        self._server_max: float | None = None
+        self._server_max: float | None = None  # max |server_error|, valid while `_server_seen` says so
+        self._server_seen: tuple[weakref.ref[torch.Tensor], int | None] | None = None
         self.double_buffer = double_buffer
         self.tag = tag if tag is not None else _creation_site(sys._getframe(1))
         # Where a user's code made it (its tag), while it has served at most one call: see
@@ -118,7 +119,7 @@ class ErrorFeedback:
         """The errors and what they belong to, without the scratch buffers: a copy or a pickle
         starts with none (a `copy.copy` sharing the spare let two instances write one buffer),
         nor with the original's record as a followed instance (`DroppedInstances`)."""
-        return {**self.__dict__, "_spare": None, "_spare_server": None, "_follow": None}
+        return {**self.__dict__, "_spare": None, "_spare_server": None, "_follow": None, "_server_seen": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle, also an instance pickled by an earlier version: `worker_error` a plain
@@ -143,7 +144,9 @@ class ErrorFeedback:
             "double_buffer": True,
             "tag": "",
         }
-        self.__dict__.update({**defaults, **state, "_spare": None, "_spare_server": None, "_follow": None})
+        self.__dict__.update(
+            {**defaults, **state, "_spare": None, "_spare_server": None, "_follow": None, "_server_seen": None}
+        )
 
     def worker_form(self, device: torch.device) -> tuple[torch.Tensor | None, float | None]:
         """What a scan reads the worker error from, on `device`, as it is held: (the buffer, None)
@@ -176,8 +179,10 @@ class ErrorFeedback:
 
     def mismatch(self, numel: int, world_size: int, layout: str = ALLREDUCE) -> str | None:
         """Why this state cannot serve a call of (numel, world_size) with `layout`, or None if it can."""
-        if not self.initialized or (self.numel, self.world_size, self.layout) == (numel, world_size, layout):
+        if not self.initialized:
             return None
+        if (self.numel, self.world_size, self.layout) == (numel, world_size, layout):
+            return self._unfit_buffer(numel, world_size, layout)
         if self.layout != layout:
             return (
                 f"this ErrorFeedback holds the errors of a compressed {self.layout}, not of a {layout}; "
@@ -191,20 +196,69 @@ class ErrorFeedback:
             "serves no flat call of the same tensor, nor the reverse"
         )
 
+    def _unfit_buffer(self, numel: int, world_size: int, layout: str) -> str | None:
+        """Why a held error buffer cannot be this state's, or None: `worker_error` and
+        `server_error` are attributes a caller may assign, and the codec reads and writes them
+        as dense fp32 arrays of the sizes the first call gave them."""
+        server_shape = None if layout == REDUCE_SCATTER else (chunk_size(numel, world_size),)
+        for name, held, shape in (
+            ("worker_error", self._worker, (padded_size(numel, world_size),)),
+            ("server_error", self.server_error, server_shape),
+        ):
+            if shape is None and held is None:
+                continue
+            if shape is None:
+                return f"this ErrorFeedback holds a server_error, which a {layout} has none of; reset() it"
+            fits = (
+                isinstance(held, torch.Tensor)
+                and held.layout == torch.strided
+                and held.dtype == torch.float32
+                and tuple(held.shape) == shape
+                and held.is_contiguous()
+            )
+            if not fits:
+                return (
+                    f"this ErrorFeedback's {name} is {_held(held)}, where its calls of {numel} elements over "
+                    f"{world_size} ranks need a contiguous fp32 tensor of shape {shape}: assign errors of that "
+                    "shape, load_state_dict() a saved state, or reset() it"
+                )
+        return None
+
     def server_error_max(self) -> float:
-        """max |server_error| (0 before first use): bounds the next server sum in phase 0."""
+        """max |server_error| (0 before first use): bounds the next server sum in phase 0, and
+        finds a NaN or Inf in it. The value the last update measured serves while the attribute
+        holds the tensor it was measured on, unchanged since (torch's version counter): a
+        server error assigned or changed in place by the caller is measured again (one pass)."""
         if self.server_error is None:
             return 0.0
-        if self._server_max is None:
+        known = self._known_server_max()
+        if known is None:
             self.record_server_max()
-        assert self._server_max is not None
-        return self._server_max
+            known = self._server_max
+        assert known is not None
+        return known
 
     def record_server_max(self, peak: float | None = None) -> None:
         """Record max |server_error| after the algorithm updated it: `peak`, as the update measured
         it while writing, or else measured here (one pass over C elements)."""
         assert self.server_error is not None
-        self._server_max = largest_magnitude(self.server_error) if peak is None else peak
+        self._note_server_max(largest_magnitude(self.server_error) if peak is None else peak)
+
+    def _note_server_max(self, value: float | None) -> None:
+        """`value` is max |server_error| as the tensor is now (None: not known)."""
+        server = self.server_error
+        self._server_max = value
+        self._server_seen = None if value is None or server is None else (weakref.ref(server), _version(server))
+
+    def _known_server_max(self) -> float | None:
+        """The recorded max |server_error|, if the attribute still holds the tensor it was
+        recorded for, unchanged since; else None."""
+        server, seen = self.server_error, self._server_seen
+        if self._server_max is None or server is None or seen is None:
+            return None
+        if seen[0]() is not server or seen[1] is None or seen[1] != _version(server):
+            return None
+        return self._server_max
 
     def buffers(
         self, numel: int, world_size: int, device: torch.device, layout: str = ALLREDUCE
@@ -214,7 +268,8 @@ class ErrorFeedback:
         if self._worker is None:
             self.worker_error = torch.zeros(padded_size(numel, world_size), dtype=torch.float32, device=device)
             self.server_error = _server_zeros(numel, world_size, device, layout)
-            self.numel, self.world_size, self.layout, self._server_max = numel, world_size, layout, 0.0
+            self.numel, self.world_size, self.layout = numel, world_size, layout
+            self._note_server_max(0.0)
         else:
             self._to(device)
             self._materialize_()
@@ -350,7 +405,7 @@ class ErrorFeedback:
         if self.server_error is not None and source.server_error is not None:
             self.server_error.copy_(source.server_error)
         self.numel, self.world_size, self.layout = source.numel, source.world_size, source.layout
-        self._server_max = source._server_max
+        self._note_server_max(source._known_server_max())
         return self
 
     def _own_buffers(
@@ -390,10 +445,10 @@ class ErrorFeedback:
         if worker is not None:
             worker.mul_(factor)
             self._state = (worker, None if scale is None else scale * factor, real)
+        known = self._known_server_max()
         if self.server_error is not None:
             self.server_error.mul_(factor)
-        if self._server_max is not None:
-            self._server_max *= factor
+        self._note_server_max(None if known is None else known * factor)
 
     def reset(self) -> None:
         """Forget the carried errors (the next call starts from zero)."""
@@ -562,6 +617,14 @@ def _creation_site(frame: Any) -> str:
     return f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}:{column}"
 
 
+def _held(value: Any) -> str:
+    """An error buffer as a message names it."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    layout = "" if value.layout == torch.strided and value.is_contiguous() else f" ({value.layout}, not contiguous)"
+    return f"a {value.dtype} tensor of shape {tuple(value.shape)}{layout}"
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, Mapping):
         return f"a dict with keys {sorted(map(str, value))}"
@@ -593,3 +656,12 @@ def _error_tensor(name: str, value: Any, length: int) -> torch.Tensor:
     if not bool(torch.isfinite(copy).all()):
         raise ValueError(f"ErrorFeedback state: {name} holds NaN or Inf (or values beyond fp32's range)")
     return copy
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """torch's count of the in-place changes to `tensor` (None for an inference tensor, which
+    keeps none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None

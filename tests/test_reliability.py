@@ -33,11 +33,17 @@ def snapshot(ef: compcomm.ErrorFeedback) -> tuple:
 
 
 def unchanged(ef: compcomm.ErrorFeedback, before: tuple) -> bool:
+    """Bit for bit (a NaN kept is unchanged)."""
     now = (ef.worker_error, ef.server_error)
     return all(
-        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        (a is None and b is None)
+        or (a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype and bits(a) == bits(b))
         for a, b in zip(before, now)
     )
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().numpy().tobytes()
 
 
 # ----------------------------------------------------------------- ordering and isolation
@@ -194,6 +200,53 @@ def test_finite_input_never_gives_non_finite_output(pool, case):
     assert set(results[0]["outcomes"]) <= {None, "NonFiniteError"}
     if case in ("3e38-mean", "2e38-sum"):
         assert results[0]["outcomes"][0] == "NonFiniteError"
+
+
+def error_state_edited(case: str) -> dict:
+    """Rank 1 edits its error state between two calls, as the attributes allow; the second call
+    is refused on every rank, and changes neither tensor nor state on any."""
+    rank = rank_of()
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(seeded(rank, step=0), ef, backend="gloo")
+    t = torch.full((NUMEL,), 1e38) if case == "finite-server-overflows" else seeded(rank, step=1)
+    if rank == 1:
+        if case == "nan-server-in-place":
+            ef.server_error[3] = float("nan")
+        elif case == "inf-server-assigned":
+            ef.server_error = torch.full_like(ef.server_error, float("inf"))
+        elif case == "finite-server-overflows":
+            ef.server_error.fill_(3e38)
+        elif case == "server-of-another-size":
+            ef.server_error = torch.zeros(8)
+        elif case == "worker-of-another-size":
+            ef.worker_error = torch.zeros(8)
+        elif case == "worker-float64":
+            ef.worker_error = ef.worker_error.double()
+    before, original = snapshot(ef), t.clone()
+    error = caught(compcomm.compressed_allreduce, t, ef, backend="gloo")
+    return {"error": error, "kept": unchanged(ef, before) and torch.equal(t, original)}
+
+
+@pytest.mark.parametrize(
+    "case, kind",
+    [
+        ("nan-server-in-place", "NonFiniteError"),
+        ("inf-server-assigned", "NonFiniteError"),
+        ("finite-server-overflows", "NonFiniteError"),
+        ("server-of-another-size", "ValueError"),
+        ("worker-of-another-size", "ValueError"),
+        ("worker-float64", "ValueError"),
+    ],
+)
+def test_an_error_state_edited_on_one_rank_is_refused_on_every_rank(pool, case, kind):
+    """The largest server error, which the last call measured as it wrote it, bounds the next
+    call's sums and finds a NaN: an edit since (in place or by assignment) is measured again.
+    Before, a NaN or Inf put in the server error went through into every rank's result, and a
+    finite one that overflows gave inf silently. A buffer of another size or dtype crashed the
+    process (the codec reads and writes raw memory) or was read past its end."""
+    results = pool.run(error_state_edited, case)
+    assert all(r["error"] is not None and r["error"][0] == kind for r in results), results
+    assert all(r["kept"] for r in results)
 
 
 def coalesced(bad: bool) -> dict:
