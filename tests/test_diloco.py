@@ -195,6 +195,40 @@ def reference_step(ref: Reference, per_rank: list[dict], t: int) -> float:
 # ------------------------------------------------------------------ the outer step
 
 
+def first_step_without_backward(late: int, poisoned: bool) -> dict:
+    """Rank `late` has no batch at its first step (its step() counts all the same); both ranks
+    average a logged value with their own all_reduce after every step, and sync every 3."""
+    import torch.distributed as dist
+
+    rank = rank_of(2)
+    model = make_model()
+    opt = DiLoCo(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.05), sync_every=3, backend=gloo(2))
+    logged = []
+    for step in range(6):
+        model.zero_grad(set_to_none=True)
+        if not (rank == late and step == 0):
+            backward(model, rank, step)
+            if poisoned and step == 0:
+                next(model.parameters()).grad[0, 0] = float("nan")
+        opt.step()
+        value = torch.tensor([float(step + rank)])
+        dist.all_reduce(value, group=group(2))
+        logged.append(float(value))
+    return {"logged": logged, "params": raw(model), "skipped": opt.skipped_steps}
+
+
+@pytest.mark.parametrize("late, poisoned", [(1, False), (0, False), (1, True)])
+def test_a_rank_whose_first_step_has_no_backward_runs_in_step_with_the_others(pool, late, poisoned):
+    """DiLoCo agrees on non-finite gradients at the end of the run's first backward (it cannot
+    know yet whether a GradScaler is in use): a rank that steps before its first backward takes
+    part in that agreement at the step. It used to wait for it in its first backward, while the
+    others waited for it in their own collectives: a deadlock."""
+    res = pool.run(first_step_without_backward, late, poisoned, ranks=[0, 1])
+    assert [r["logged"] for r in res] == [[2.0 * s + 1 for s in range(6)]] * 2
+    assert res[0]["params"] == res[1]["params"]
+    assert res[0]["skipped"] == int(poisoned)  # rank 0's NaN: its first inner step skipped (rank 1's had no gradient)
+
+
 @pytest.mark.parametrize("compress", [False, True])
 def test_outer_step_matches_float64_reference_and_ranks_agree_bitwise(pool, compress):
     steps, h = 9, 3  # three syncs, every parameter in one fragment
@@ -228,7 +262,8 @@ def test_syncs_in_several_passes_match_float64_reference(pool, passes_until):
     assert worst < 1e-5, worst
     for r, run in enumerate(per_rank):
         assert relative(run["errors"][-1][0][: sum(SIZES)], ref.errors[0][0][r][: sum(SIZES)]) < 1e-4
-    sent = [b for b in per_rank[0]["bytes"] if b]
+    assert 0 < per_rank[0]["bytes"][0] < 64  # step 1: the first backward's agreement (no backward came before)
+    sent = [b for b in per_rank[0]["bytes"][1:] if b]
     if passes_until is None:
         assert len(set(sent)) == 1
     else:  # syncs at steps 3 and 6 in two calls, 9 and 12 in one (the same call's bytes again)
@@ -412,7 +447,8 @@ def test_fragments_are_staggered_and_mix_on_arrival_as_documented(pool, passes):
     for t in range(1, steps + 1):
         worst = max(worst, reference_step(ref, per_rank, t))
         assert len({run["theta"][t - 1] for run in per_rank}) == 1
-        assert (per_rank[0]["bytes"][t - 1] > 0) == (t % 2 == 0), f"step {t}: one fragment every H/K = 2 steps"
+        if t > 1:  # step 1 sends the first backward's agreement (8 bytes), made at the step with no backward
+            assert (per_rank[0]["bytes"][t - 1] > 0) == (t % 2 == 0), f"step {t}: one fragment every H/K = 2 steps"
     assert worst < 1e-5, worst
     assert per_rank[0]["buckets"] == 2
     assert len({run["after_sync"] for run in per_rank}) == 1, "sync() leaves every rank on theta"
@@ -447,8 +483,9 @@ def peak_bytes(fragments: int, compress: bool) -> list[int]:
 def test_fragments_cut_the_peak_bytes_per_step(pool, compress):
     whole = pool.run(peak_bytes, 1, compress)[0]
     streamed = pool.run(peak_bytes, 4, compress)[0]
-    assert [t for t, b in enumerate(whole, 1) if b] == [8, 16]
-    assert [t for t, b in enumerate(streamed, 1) if b] == [2, 4, 6, 8, 10, 12, 14, 16]
+    # Step 1 sends the first backward's agreement (8 bytes), made at the step where no backward came before.
+    assert [t for t, b in enumerate(whole, 1) if b] == [1, 8, 16] and whole[0] < 64
+    assert [t for t, b in enumerate(streamed, 1) if b] == [1, 2, 4, 6, 8, 10, 12, 14, 16] and streamed[0] < 64
     # Over the second round only: phase 0's first call on a group sizes its slots by the calls
     # made before it (here another test's), the later ones by their own.
     whole, streamed = whole[8:], streamed[8:]

@@ -128,6 +128,9 @@ class DiLoCo(torch.optim.Optimizer):
     rank's), except at the very first backward, which is agreed as below because whether a
     GradScaler is in use is not known yet: a non-finite gradient on any rank there puts a NaN
     into one gradient element of every other rank, and every rank skips its first inner step.
+    That agreement is a collective at the end of each rank's first backward, or at its first
+    `step()` where that comes first (a rank with no batch yet), so a rank runs its own
+    collectives after it in step with the others.
     With torch.amp.GradScaler (`scaler.step(opt)`), the ranks agree at the end of every
     backward, every rank skips alike and the scales stay equal; that agreement is one 8-byte
     all-reduce per backward, which waits behind a fragment still in flight, so the ranks then
@@ -293,6 +296,7 @@ class DiLoCo(torch.optim.Optimizer):
         if t == 1:  # a DDP wrapper made after DiLoCo was built. Its constructor is collective, so
             # every rank has one and raises alike, with no message of DiLoCo's own at step 1.
             refuse_ddp_wrapped(self._params, "DiLoCo", since_built=True)
+        self._agreement.at_step()
         try:
             found = None if found_inf is None else self._agreement.scaler_verdict(bool(float(found_inf)))
         except ValueError:  # the scaler deletes what it set on the optimizer only after a step that returns

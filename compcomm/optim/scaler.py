@@ -61,8 +61,9 @@ def mark_nonfinite(grads: Iterable[torch.Tensor | None]) -> None:
 
 class BackwardAgreement:
     """Runs `agree_nonfinite` at the end of the first backward (whether a scaler is used is not
-    known yet) and of every backward once a scaler is known (`given` at construction, or seen
-    at a step): one 8-byte all-reduce each, and none at all without a scaler. The end of a
+    known yet; or at the first step, where that comes first: `at_step`) and of every backward
+    once a scaler is known (`given` at construction, or seen at a step): one 8-byte all-reduce
+    each, and none at all without a scaler. The end of a
     backward nested in one (reentrant checkpointing's region) counts as an end: if every
     gradient comes in nested ones, no other comes before the scaler's check. `agreed` tells
     `step()` whether the last backward agreed."""
@@ -105,6 +106,16 @@ class BackwardAgreement:
             found = total > 0
         self.scaler_seen = True
         return found
+
+    def at_step(self) -> None:
+        """A step that comes before this rank's first backward has ended (a rank with no batch
+        yet, whose `step()` counts all the same): the first agreement runs here, paired with
+        the other ranks' at the end of their first backwards, so that every rank takes part in
+        it once, and then runs its own collectives in step with theirs."""
+        if self._first:
+            self._first = False
+            self.agreed = True
+            agree_nonfinite([p.grad for p in self._params], self._backend())
 
     def _backward_done(self) -> None:
         self._nested_backward_done()
