@@ -1106,11 +1106,28 @@ def test_rank0_state_loaded_everywhere_raises_on_every_rank(pool):
         assert failure is not None and failure[0] == "ValueError" and "rank 0's state" in failure[1], failure
 
 
+class Pair(torch.nn.Module):
+    """Two weights of one shape, registered in either order."""
+
+    def __init__(self, swapped: bool) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        a, b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8, 8))
+        if swapped:
+            self.b, self.a = b, a
+        else:
+            self.a, self.b = a, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.a).sum() - 3 * (x @ self.b).sum()
+
+
 def other_saves() -> dict:
     """Refused loads: rank 2 loads an earlier iteration's per-rank file than the others, or one
     of another start_iter (it would switch to 1 bit at another backward than they); a state
-    of a model whose modules have the same names but other shapes. A model built anew on an
-    equal but new mesh is accepted."""
+    of a model whose modules have the same names but other shapes, or the same shapes laid out
+    otherwise (sharded by columns, parameters registered in another order). A model built anew
+    on an equal but new mesh is accepted."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -1129,6 +1146,7 @@ def other_saves() -> dict:
     wide = torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
     mesh = DeviceMesh.from_group(group((0, 1, 2, 3)), "cpu")
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     for layer in wide:
         if isinstance(layer, torch.nn.Linear):
@@ -1136,6 +1154,17 @@ def other_saves() -> dict:
     fully_shard(wide, mesh=mesh)
     out["reshaped"] = caught(compcomm.fsdp.compress(wide, start_iter=0).load_state_dict, state.state_dict())
     out["rebuilt"] = caught(compcomm.fsdp.compress, shard(make_model(), (0, 1, 2, 3)), start_iter=0)
+    for case, variants in (
+        ("placement", [(False, Shard(0)), (False, Shard(1))]),
+        ("order", [(False, None), (True, None)]),
+    ):
+        states = []  # the same parameters laid out otherwise: other elements in each row of the reduce-scatter
+        for swapped, placement in variants:
+            pair = Pair(swapped)
+            fully_shard(pair, mesh=mesh, shard_placement_fn=None if placement is None else lambda p, s=placement: s)
+            states.append(compcomm.fsdp.compress(pair, start_iter=0))
+            pair(torch.randn(2, 8)).backward()
+        out[case] = caught(states[1].load_state_dict, states[0].state_dict())
     return out
 
 
@@ -1146,6 +1175,8 @@ def test_other_saves_and_layouts_are_refused_on_every_rank(pool):
         assert res["start_iter"][0] == "ValueError" and "different saves" in res["start_iter"][1], res
         assert res["reshaped"][0] == "ValueError" and "shapes" in res["reshaped"][1], res["reshaped"]
         assert res["rebuilt"] is None, res["rebuilt"]
+        for case in ("placement", "order"):  # loaded silently before: the rows hold other elements
+            assert res[case][0] == "ValueError" and "laid out its parameters" in res[case][1], res[case]
 
 
 def requires_grad_damaged(case: str) -> tuple[tuple[str, str] | None, bool]:

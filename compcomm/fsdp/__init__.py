@@ -10,7 +10,7 @@ compcomm's (`compcomm.schedules.reduce_scatter`): exact (fp32 sums in rank order
 `start_iter` iterations, then with 1 bit per element. Rank r views its flat gradient x_r (N = n L
 elements, as FSDP lays it out: row j is rank j's shard) as n rows; with e_r its worker error
 (fp32, carried from step to step: n rows of L rounded up to a multiple of 8, N elements when L
-is one),
+is a multiple of 8),
 
     x'_r = x_r + e_r;   s_(r,j) = ||x'_r[row j]|| / sqrt(L);   e_r[row j] <- x'_r[row j] - s_(r,j) sign(x'_r[row j])
     rank j's shard = (sum_r s_(r,j) sign(x'_r[row j])) / d      (rank order, fp32; d = n for FSDP's mean)

@@ -34,6 +34,15 @@ class ShardedModule:
     module: FSDPModule
     params: list[torch.nn.Parameter]  # the parameters it shards (DTensors)
     shard_group: dist.ProcessGroup  # the group its gradients are reduce-scattered over
+    param_names: list[str]  # each parameter's name in its FSDP module, in the order FSDP lays them out
+
+    def layout(self) -> list[list[str]]:
+        """How FSDP lays out this module's gradients in its reduce-scatter: each parameter's name,
+        shape and placement on the mesh, in order (what its error feedback lines up with)."""
+        return [
+            [name, str(list(p.shape)), str(getattr(p, "placements", ""))]
+            for name, p in zip(self.param_names, self.params)
+        ]
 
 
 def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
@@ -51,19 +60,22 @@ def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
             "model first, then compcomm.fsdp.compress(model)"
         )
     owned: dict[int, str] = {}
-    grouped: dict[int, tuple[list[str], FSDPModule, list[torch.nn.Parameter]]] = {}
+    grouped: dict[int, tuple[list[str], FSDPModule, list[torch.nn.Parameter], list[str]]] = {}
     for name, module in fsdp:
         params = _own_parameters(module)
         for p in params:
             owned[id(p)] = name
         if params:  # `fully_shard([a, b])` gives a and b one state: one reduce-scatter of both
-            names, _, together = grouped.setdefault(id(module._get_fsdp_state()), ([], module, []))
+            names, _, together, param_names = grouped.setdefault(id(module._get_fsdp_state()), ([], module, [], []))
             names.append(name)
             together.extend(params)
+            assert isinstance(module, torch.nn.Module)
+            named = {id(p): n for n, p in module.named_parameters()}
+            param_names.extend(named[id(p)] for p in params)
     found = []
-    for names, module, params in grouped.values():
+    for names, module, params, param_names in grouped.values():
         name = "+".join(names)
-        found.append(ShardedModule(name, module, params, _shard_group(name, params)))
+        found.append(ShardedModule(name, module, params, _shard_group(name, params), param_names))
     loose = [name for name, p in model.named_parameters() if id(p) not in owned]
     if loose:
         raise ValueError(

@@ -269,6 +269,7 @@ class CompressionState:
         self._intra_failures: dict[str, Exception] = {}  # HSDP: the failed reduce-scatter inside the replica
         self._shard_of = {id(p): self._modules[m.name].shard for m in modules for p in m.params}
         self._shapes = {m.name: [list(p.shape) for p in m.params] for m in modules}
+        self._layouts = {m.name: m.layout() for m in modules}
         for p in self.params:
             register(p, self)
         for module in watched or []:
@@ -487,6 +488,7 @@ class CompressionState:
             "world_size": self.world.world_size,
             "modules": modules,
             "shapes": self._shapes,
+            "parameters": self._layouts,
             "requires_grad": {name: None if m.layout is None else list(m.layout) for name, m in self._modules.items()},
         }
 
@@ -553,6 +555,15 @@ class CompressionState:
                 f"the state's FSDP modules hold parameters of the shapes {shapes}, this model's {self._shapes}: "
                 "its error feedback belongs to another model"
             )
+        layouts = state.get("parameters", self._layouts)  # saved before these were kept: unchecked
+        for name, mine in self._layouts.items():
+            if layouts.get(name) != mine:
+                raise ValueError(
+                    f"FSDP module {name!r} laid out its parameters (name, shape, placement) as {layouts.get(name)} "
+                    f"when the state was saved, and lays them out as {mine} here: its error feedback would meet "
+                    "other elements' gradients. Shard the model as it was (the same parameters in the same order, "
+                    "the same shard placements)"
+                )
         if state.get("rank") != self.world.rank and any(
             saved.get("worker_error") is not None for saved in state["modules"].values()
         ):
