@@ -29,15 +29,28 @@ def span(tensor: torch.Tensor) -> Span:
 
 
 def overlaps_itself(tensor: torch.Tensor) -> bool:
-    """Whether two indices of the tensor can address the same element (strides alone decide:
-    sorted by stride, each dimension must step past everything the smaller ones span)."""
+    """Whether two indices of the tensor address the same element. Strides decide at once in
+    the usual layouts: sorted by stride, each dimension steps past everything the smaller ones
+    span (no overlap), or one has stride 0 (expand: overlap). Interleaved strides (shape (2, 3),
+    strides (3, 2) addresses 0, 2, 4, 3, 5, 7) are settled element by element."""
     dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1)
     extent = 0
     for stride, size in dims:
         if stride <= extent:
-            return True
+            return stride == 0 or _offsets_repeat(tensor)
         extent += stride * (size - 1)
     return False
+
+
+def _offsets_repeat(tensor: torch.Tensor) -> bool:
+    """Whether two of the tensor's elements lie at one offset (8 bytes per element, once)."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for d, (size, stride) in enumerate(zip(tensor.shape, tensor.stride())):
+        along = [1] * tensor.dim()
+        along[d] = size
+        offsets = offsets + (torch.arange(size, dtype=torch.int64) * stride).view(along)
+    flat = offsets.reshape(-1)
+    return torch.unique(flat).numel() < flat.numel()
 
 
 def share_elements(tensors: Sequence[torch.Tensor], spans: Sequence[Span]) -> bool:

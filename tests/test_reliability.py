@@ -416,6 +416,25 @@ def overlapping_input() -> dict:
     return {"error": error, "kept": kept, "after": after.numpy().tobytes()}
 
 
+def interleaved_strides() -> dict:
+    """A view whose strides interleave without overlapping: shape (2, 48), strides (3, 2)
+    addresses the even offsets 0..94 and the odd ones 3..97 of a 98-element buffer."""
+    rank = rank_of()
+    buffer = torch.zeros(98)
+    view = torch.as_strided(buffer, (2, 48), (3, 2))
+    view.copy_(seeded(rank).view(2, 48))
+    plain = seeded(rank).view(2, 48).clone()
+    error = caught(compcomm.compressed_allreduce, view, compcomm.ErrorFeedback(), backend="gloo")
+    compcomm.compressed_allreduce(plain, compcomm.ErrorFeedback(), backend="gloo")
+    return {"error": error, "same": bool(torch.equal(view, plain)), "untouched": float(buffer[1])}
+
+
+def test_a_view_with_interleaved_strides_that_do_not_overlap_is_reduced(pool):
+    """Refused before as overlapping: the strides' quick test cannot tell, the elements can."""
+    for r in pool.run(interleaved_strides):
+        assert r == {"error": None, "same": True, "untouched": 0.0}, r
+
+
 def test_overlapping_tensor_rejected_on_every_rank(pool):
     results = pool.run(overlapping_input)
     assert {r["error"][0] for r in results} == {"ValueError"}
