@@ -33,6 +33,7 @@ def import_mpi() -> Any:
     size 1 "singleton" MPI is fine if the MPI library can start one; whether it can is first
     tried in a child process, because a failing MPI_Init may abort the whole process.
     """
+    _refuse_a_singleton_under_torchrun()
     already = sys.modules.get("mpi4py.MPI")
     if already is not None:
         if already.Is_finalized():
@@ -53,6 +54,19 @@ def import_mpi() -> Any:
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
         atexit.register(_finalize, MPI)  # initialized here, so finalized here (mpirun checks)
     return _threaded(MPI)
+
+
+def _refuse_a_singleton_under_torchrun() -> None:
+    """A process that another launcher made one of several ranks (torchrun's WORLD_SIZE > 1) but
+    mpirun did not start would get MPI's world of one: each rank would reduce with itself alone
+    and return its own values as the mean."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if not launched_by_mpi() and world.isdigit() and int(world) > 1:
+        raise RuntimeError(
+            f"backend='mpi' in a process started as one of {world} ranks (WORLD_SIZE={world}, as torchrun sets) "
+            "but not by mpirun/mpiexec: MPI would be a world of this process alone, and each rank would reduce "
+            "with itself. Start the ranks with mpirun, or use backend='gloo' (CPU) or 'nccl' (CUDA) under torchrun"
+        )
 
 
 def _threaded(MPI: Any) -> Any:

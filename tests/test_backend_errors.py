@@ -109,6 +109,26 @@ def test_mpi_without_launcher_is_a_world_of_one_and_checks_comm():
 
 
 @pytest.mark.skipif(not HAS_MPI4PY, reason="mpi4py is not installed")
+def test_mpi_in_a_rank_torchrun_started_is_refused_rather_than_a_world_of_one():
+    """Each of torchrun's ranks got MPI's world of one and returned its own values as the mean."""
+    env = {**no_launcher_env(), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    out = run_child(
+        """
+        import torch, compcomm
+        for make in (lambda: compcomm.backends.get("mpi"),
+                     lambda: compcomm.compressed_allreduce(torch.ones(8), compcomm.ErrorFeedback(), backend="mpi")):
+            try:
+                make()
+            except RuntimeError as exc:
+                print(type(exc).__name__, exc)
+        """,
+        env,
+    )
+    lines = out.splitlines()
+    assert len(lines) == 2 and all("mpirun" in line and "WORLD_SIZE=2" in line for line in lines), out
+
+
+@pytest.mark.skipif(not HAS_MPI4PY, reason="mpi4py is not installed")
 def test_mpi_that_cannot_start_says_use_mpirun():
     # an MCA setting Open MPI cannot satisfy makes MPI_Init abort; the probe must catch it here
     out = run_child(
