@@ -33,17 +33,18 @@ def import_mpi() -> Any:
     size 1 "singleton" MPI is fine if the MPI library can start one; whether it can is first
     tried in a child process, because a failing MPI_Init may abort the whole process.
     """
-    _refuse_a_singleton_under_torchrun()
     already = sys.modules.get("mpi4py.MPI")
     if already is not None:
         if already.Is_finalized():
             raise RuntimeError("the mpi backend cannot be used after MPI.Finalize() was called")
         if already.Is_initialized():
+            _refuse_a_singleton_under_torchrun()
             return _threaded(already)
     try:
         import mpi4py  # noqa: F401  (the package alone, which does not initialize MPI)
     except ImportError as exc:
         raise ImportError(f"the mpi backend needs mpi4py, which is not installed: {INSTALL_HINT}") from exc
+    _refuse_a_singleton_under_torchrun()
     if not launched_by_mpi() and already is None:
         _probe_singleton()
     try:
