@@ -184,6 +184,51 @@ def test_a_module_reduced_twice_in_one_backward_carries_its_errors_from_call_to_
             assert_close(got.reshape(n, -1), worker[r], rtol=1e-5, atol=1e-6 * np.abs(worker[r]).max(initial=1.0))
 
 
+def hsdp_reduced_twice_per_backward(steps: int) -> dict:
+    """HSDP on 2 replicas x 2 shards, the model called twice in each forward: the average across
+    replicas of each module's shard, replayed afterwards with compressed_allreduce and an
+    ErrorFeedback of its own over the same replicas, call by call."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = shard(make_model(), SHARDS["2x2"][rank // 2])
+    state = compcomm.fsdp.compress(model, start_iter=0, replicate_group=group(REPLICAS["2x2"][rank % 2]))
+    calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    average = state.all_reduce
+
+    def recorded(name, shard_):
+        given = shard_.detach().clone()
+        average(name, shard_)
+        calls.append((name, given, shard_.detach().clone()))
+
+    state.all_reduce = recorded
+    for step in range(steps):
+        x = batch(rank, step)
+        (loss_of(model, x) + loss_of(model, -2 * x)).backward()
+        model.zero_grad()
+    replayed = {name: compcomm.ErrorFeedback(tag=f"replay:{name}") for name in state.error_feedback}
+    same_outputs = True
+    for name, given, result in calls:
+        again = given.clone()
+        compcomm.compressed_allreduce(again, replayed[name], backend=state._modules[name].replicas)
+        same_outputs &= torch.equal(again, result)
+    same_errors = all(
+        torch.equal(replayed[name].worker_error, ef.worker_error)
+        and torch.equal(replayed[name].server_error, ef.server_error)
+        for name, ef in state.error_feedback.items()
+    )
+    counts = {name: sum(c[0] == name for c in calls) for name in state.error_feedback}
+    return {"counts": counts, "outputs": same_outputs, "errors": same_errors}
+
+
+def test_hsdp_a_module_averaged_twice_in_one_backward_carries_its_errors_from_call_to_call(pool):
+    """HSDP's average across replicas goes through the same per-backward bookkeeping: a module
+    averaged twice in one backward gives bitwise what its calls give one after the other."""
+    for r in pool.run(hsdp_reduced_twice_per_backward, 3):
+        assert 6 in r["counts"].values(), r["counts"]
+        assert r["outputs"] and r["errors"], r
+
+
 class Experts(torch.nn.Module):
     """One FSDP module with two experts of one shape, of which each iteration uses one (as a
     mixture of experts routes): FSDP2 leaves a parameter without a gradient out of the
