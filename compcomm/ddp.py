@@ -29,10 +29,11 @@ bucket by its parameter numbers, so a bucket keeps its error feedback across ite
 across the rebuild. A bucket made of buckets the state already knows (a freshly built DDP after a
 checkpoint resume: one big bucket) is reduced as those known buckets, so a resumed run makes the
 same collectives, bit for bit, as the run that never stopped; but for a state saved before DDP's
-rebuild (after its first iteration, or second with static_graph) with compression begun, which
-knows only the big bucket of before the rebuild: the resumed run's first iteration reduces that
-bucket whole. A bucket that splits a known one (other DDP arguments) starts from zero errors. A
-state from another model is refused at the first backward after the load, on every rank.
+rebuild (after its first iteration, or first or second with static_graph), which knows only the
+big bucket of before the rebuild, resumed into a run that compresses before its own DDP rebuilds
+(its first iteration, or first two with static_graph): those iterations reduce that bucket
+whole. A bucket that splits a known one (other DDP arguments) starts from zero errors. A state
+from another model is refused at the first backward after the load, on every rank.
 
 DDP's `join()`: a rank out of inputs runs the hook with zeros outside any backward; its
 iteration ends at its last bucket, with `iter` kept where the ranks still training failed.
