@@ -209,14 +209,7 @@ class ErrorFeedback:
                 continue
             if shape is None:
                 return f"this ErrorFeedback holds a server_error, which a {layout} has none of; reset() it"
-            fits = (
-                isinstance(held, torch.Tensor)
-                and held.layout == torch.strided
-                and held.dtype == torch.float32
-                and tuple(held.shape) == shape
-                and held.is_contiguous()
-            )
-            if not fits:
+            if not (isinstance(held, torch.Tensor) and _fits(held, shape, held.device, set())):
                 return (
                     f"this ErrorFeedback's {name} is {_held(held)}, where its calls of {numel} elements over "
                     f"{world_size} ranks need a contiguous fp32 tensor of shape {shape}: assign errors of that "
@@ -510,13 +503,16 @@ class ErrorFeedback:
         self.numel, self.world_size, self.layout, self._server_max = numel, world, layout, None
 
 
-def _fits(t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device, avoid: set[int]) -> bool:
-    """Whether `t` is an fp32 buffer of `shape` on `device` sharing no memory with `avoid`."""
+def _fits(t: object, shape: tuple[int, ...], device: torch.device, avoid: set[int]) -> bool:
+    """Whether `t` is a dense fp32 buffer of `shape` on `device` sharing no memory with `avoid`
+    (the codec reads and writes the errors as such arrays)."""
     return (
-        t is not None
+        isinstance(t, torch.Tensor)
+        and t.layout == torch.strided
         and tuple(t.shape) == shape
         and t.device == device
         and t.dtype == torch.float32
+        and t.is_contiguous()
         and not codec.storages(t) & avoid
     )
 

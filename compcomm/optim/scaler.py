@@ -113,9 +113,7 @@ class BackwardAgreement:
         the other ranks' at the end of their first backwards, so that every rank takes part in
         it once, and then runs its own collectives in step with theirs."""
         if self._first:
-            self._first = False
-            self.agreed = True
-            agree_nonfinite([p.grad for p in self._params], self._backend())
+            self._backward_done()
 
     def _backward_done(self) -> None:
         self._nested_backward_done()
