@@ -78,6 +78,9 @@ def channel(key: Hashable, open_transport: Callable[[], Any]) -> Channel:
     caller's thread at the first call, which every member makes; two threads asking at once
     open it once.
     """
+    found = _registry.get(key)  # without the lock: a dict read is atomic, and a channel broken or
+    if found is not None and key not in _broken:  # retired after it is read refuses in `_await_turn`
+        return found
     with _cond:
         refuse_if_broken([key])
         found = _registry.get(key)

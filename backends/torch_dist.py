@@ -44,10 +44,21 @@ class TorchDistBackend(Backend):
                 f"{used!r}: create one with torch.distributed.new_group(backend='{self.pg_backend}')"
             )
         self.group = group
+        self._facts: _GroupFacts | None = None
+
+    def _group_facts(self) -> _GroupFacts:
+        """The group's channel key, rank and size, read from torch once per default group: they
+        cannot change while it lives, and a call asks for them a dozen times (each a few
+        microseconds of torch's lookups)."""
+        world, facts = dist.group.WORLD, self._facts
+        if facts is None or facts.world is not world:
+            key, group = group_key(self.pg_backend, self.group), self.group
+            facts = self._facts = _GroupFacts(world, key, dist.get_rank(group), dist.get_world_size(group))
+        return facts
 
     def _channel_key(self) -> Hashable:
         """One private group per set of member ranks (and per initialization of torch.distributed)."""
-        return group_key(self.pg_backend, self.group)
+        return self._group_facts().key
 
     def _open_transport(self) -> Any:
         """A new process group of the same members and timeout, private to compcomm.
@@ -72,11 +83,11 @@ class TorchDistBackend(Backend):
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.group)
+        return self._group_facts().rank
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size(self.group)
+        return self._group_facts().size
 
     @property
     def device(self) -> torch.device:
@@ -153,6 +164,15 @@ class GroupKey(NamedTuple):
     kind: str
     world: Any
     ranks: tuple[int, ...]
+
+
+class _GroupFacts(NamedTuple):
+    """What a backend reads of its group under one default group (`world`)."""
+
+    world: Any
+    key: GroupKey
+    rank: int
+    size: int
 
 
 def group_key(kind: str, group: dist.ProcessGroup | None) -> GroupKey:

@@ -123,6 +123,37 @@ def test_a_broken_channel_goes_with_its_group(tmp_path):
     assert launch.spawn(broken_channel_made_again, 2, str(tmp_path)) == [(1, 1, 0), (1, 1, 0)]
 
 
+def world_made_again_alone(folder: str) -> tuple[float, int, int, float]:
+    """A call in a world of two, then each rank alone in a world of one made after it: the first
+    call's result, the default backend's rank and size in the new world, and its call's result."""
+    import torch
+    import torch.distributed as dist
+
+    import compcomm
+    from compcomm.backends import resolve
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"file://{folder}/both", rank=rank, world_size=world)
+    pair = compcomm.compressed_allreduce(torch.full((1000,), float(rank + 1)), compcomm.ErrorFeedback())
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{folder}/alone{rank}", rank=0, world_size=1)
+    alone = compcomm.compressed_allreduce(torch.full((1000,), float(rank + 1)), compcomm.ErrorFeedback())
+    be = resolve(None)
+    seen = be.rank, be.world_size
+    dist.destroy_process_group()
+    return pair[0].item(), *seen, alone[0].item()
+
+
+def test_the_default_backend_follows_a_default_group_made_again_with_other_ranks(tmp_path):
+    """The default backend is kept across default groups, and reads its group's rank and size
+    once per default group (a call asks a dozen times): a group made again with another size
+    and rank must be read anew, or the call would run over the old world's ranks."""
+    assert launch.spawn(world_made_again_alone, 2, str(tmp_path), timeout=120) == [
+        (1.5, 0, 1, 1.0),
+        (1.5, 0, 1, 2.0),
+    ]
+
+
 def test_ranks_leaving_process_group_exit_cleanly():
     """launch.process_group lets gloo's workers release their last collectives before the
     process exits (before it, about one run in four of these four ranks died of SIGABRT in
