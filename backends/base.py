@@ -11,6 +11,18 @@ import torch
 from . import ordering
 
 REDUCE_OPS = ("sum", "mean")
+ALL_REDUCE_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+)
+"""What `all_reduce` sums, on every backend alike: the dtypes that gloo, NCCL, MPI and shm all
+add (gloo has no int16; none of them sums bool or complex the same way)."""
 AGREED = "compcomm_agreed"
 """The attribute (True) of an error that every rank of a call raised alike, as agreed (the ranks
 are in step after it): any other error out of a call may have left them out of step."""
@@ -204,7 +216,8 @@ class Backend(ABC):
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
         """Uncompressed in-place all-reduce (warm-up phases, baselines); returns `tensor`, or
-        with async_op=True a handle whose `wait()` returns it.
+        with async_op=True a handle whose `wait()` returns it. Every backend sums the dtypes of
+        `ALL_REDUCE_DTYPES` and refuses the others (TypeError) before any byte moves.
 
         The sum is the transport's own (gloo's ring, NCCL's or MPI's algorithm; MPI's in fp32
         for dtypes it has no type for, such as bf16), so that the DDP
@@ -214,6 +227,12 @@ class Backend(ABC):
         last bits."""
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        if tensor.dtype not in ALL_REDUCE_DTYPES:
+            names = ", ".join(str(d).replace("torch.", "") for d in ALL_REDUCE_DTYPES)
+            raise TypeError(
+                f"{self.name}: all_reduce sums {names} tensors (on every backend alike), got {tensor.dtype}"
+            )
+        self._check_device(tensor)
         if not tensor.is_contiguous():
             raise ValueError("all_reduce needs a contiguous tensor")
         if op == "mean" and not tensor.is_floating_point():
@@ -267,6 +286,14 @@ class Backend(ABC):
         for t in (send, recv):
             if t.dtype != torch.uint8 or not t.is_contiguous() or t.device != send.device:
                 raise ValueError(f"{self.name}: collectives take contiguous uint8 buffers on one device")
+        self._check_device(send)
+
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        """ValueError for a buffer on a device this backend does not serve, before any byte
+        moves: a transport that refused it mid-call would leave a composite call's other level
+        waiting (so the hierarchical backend would have to break both of its groups)."""
+        if not self.serves(tensor.device):
+            raise ValueError(f"{self.name}: buffers on {tensor.device} cannot go through this backend")
 
     @abstractmethod
     def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:

@@ -661,6 +661,50 @@ def test_an_agreed_runtime_error_leaves_the_hierarchical_group_usable(six):
         assert after is None, after
 
 
+def refused_before_any_byte_moves() -> dict:
+    """A hierarchical backend of one rank per node, whose group across nodes has the world's ranks
+    and so shares the world's channel: byte collectives a transport would refuse mid-call (dtypes
+    gloo cannot sum, meta buffers), the bytes they counted, then good calls on it, on the world's
+    gloo and a compressed call."""
+    import torch.distributed as dist
+
+    from compcomm import backends
+
+    alone = [dist.new_group([r]) for r in range(6)]  # group creation: all six ranks
+    be = backends.hierarchical(
+        backends.get("gloo", group=alone[dist.get_rank()]), backends.get("gloo", group=dist.new_group(list(range(6))))
+    )
+    before = be.bytes_sent
+    refused = [
+        caught(be.all_reduce, torch.ones(8, dtype=dtype)) for dtype in (torch.int16, torch.bool, torch.complex64)
+    ]
+    meta = torch.zeros(4, dtype=torch.uint8, device="meta")
+    refused.append(caught(be.all_gather, meta, torch.zeros(6, 4, dtype=torch.uint8, device="meta")))
+    counted = be.bytes_sent - before
+    t = torch.ones(16)
+    compcomm.compressed_allreduce(t, compcomm.ErrorFeedback())
+    world = backends.get("gloo").all_reduce(torch.ones(4))
+    return {
+        "refused": refused,
+        "counted": counted,
+        "sums": [be.all_reduce(torch.ones(4)).tolist(), world.tolist()],
+        "mean": t.tolist(),
+    }
+
+
+def test_byte_collectives_a_transport_would_refuse_are_refused_before_any_byte_moves(six):
+    """A hierarchical all_reduce of int16 (which gloo cannot sum) raised gloo's RuntimeError in
+    the middle of the composite call, which the backend took for a transport failure: it broke
+    both of its groups' channels, here the world's, so every later compcomm call raised. The
+    backends now refuse a dtype that not every transport sums, or a buffer on a device they do
+    not serve, before anything moves (TypeError / ValueError, the same on every backend), and
+    count no bytes for it."""
+    for res in six.run(refused_before_any_byte_moves):
+        assert [kind for kind, _ in res["refused"]] == ["TypeError"] * 3 + ["ValueError"], res["refused"]
+        assert res["counted"] == 0
+        assert res["sums"] == [[6.0] * 4] * 2 and res["mean"] == [1.0] * 16
+
+
 def made_again() -> tuple[int, bool]:
     """get('hierarchical') once more with a layout made at start-up: the torch groups it added,
     and whether its backend's groups are those of the first."""
