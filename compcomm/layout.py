@@ -31,20 +31,20 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 def padded_size(numel: int, world_size: int) -> int:
     """M = ceil(numel / (8 n)) * 8 n."""
-    _check_count("numel", numel, 0)
-    _check_count("world_size", world_size, 1)
+    numel, world_size = _count("numel", numel, 0), _count("world_size", world_size, 1)
     unit = 8 * world_size
     return -(-numel // unit) * unit
 
 
 def chunk_size(numel: int, world_size: int) -> int:
     """C = M / n: the number of padded elements each rank serves."""
+    world_size = _count("world_size", world_size, 1)
     return padded_size(numel, world_size) // world_size
 
 
 def chunk_range(rank: int, numel: int, world_size: int) -> tuple[int, int]:
     """[start, stop) of the padded elements served by `rank`."""
-    _check_count("rank", rank, 0)
+    rank = _count("rank", rank, 0)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world of size {world_size}")
     c = chunk_size(numel, world_size)
@@ -54,7 +54,7 @@ def chunk_range(rank: int, numel: int, world_size: int) -> tuple[int, int]:
 def real_count(rank: int, numel: int, world_size: int) -> int:
     """k = clamp(N - jC, 0, C): how many elements of rank j's chunk are real, not padding."""
     start, stop = chunk_range(rank, numel, world_size)
-    return max(0, min(numel, stop) - start)
+    return max(0, min(_count("numel", numel, 0), stop) - start)
 
 
 def is_integer(value: object) -> TypeGuard[int]:
@@ -64,12 +64,14 @@ def is_integer(value: object) -> TypeGuard[int]:
     return type(value) is int or (not isinstance(value, bool) and isinstance(value, numbers.Integral))
 
 
-def _check_count(name: str, value: object, low: int) -> None:
-    """TypeError unless `value` is an integer, ValueError below `low`."""
+def _count(name: str, value: object, low: int) -> int:
+    """`value` as a Python int: TypeError unless it is an integer, ValueError below `low`. A
+    numpy integer is converted, so that sizes computed from it cannot wrap in its width."""
     if not is_integer(value):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
 
 
 def flatten(tensors: Iterable[torch.Tensor], numel: int | None = None) -> torch.Tensor:
@@ -84,7 +86,7 @@ def flatten(tensors: Iterable[torch.Tensor], numel: int | None = None) -> torch.
     _check_uniform(tensors)
     total = sum(t.numel() for t in tensors)
     if numel is not None:
-        _check_count("numel", numel, total)
+        numel = _count("numel", numel, total)
     buffer = torch.zeros(total if numel is None else numel, dtype=tensors[0].dtype, device=tensors[0].device)
     for view, t in zip(unflatten(buffer, [t.shape for t in tensors]), tensors):
         view.copy_(t.detach())
@@ -192,7 +194,7 @@ def bucket_groups(
 ) -> list[list[int]]:
     """The tensor indices of each bucket that `Bucketer` makes (see there), allocating nothing."""
     tensors = tensor_list(tensors, "bucket_groups")
-    _check_count("bucket_bytes", bucket_bytes, 1)
+    bucket_bytes = _count("bucket_bytes", bucket_bytes, 1)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__} {dtype!r}")
     groups: list[list[int]] = []
@@ -227,8 +229,7 @@ class Bucketer:
         dtype: torch.dtype | None = None,
     ) -> None:
         tensors = tensor_list(tensors, "Bucketer")  # also model.parameters(), read once
-        _check_count("world_size", world_size, 1)
-        self.world_size = world_size
+        self.world_size = _count("world_size", world_size, 1)
         groups = bucket_groups(tensors, bucket_bytes, dtype)
         self.buckets: list[Bucket] = [self._make_bucket(tensors, idx, dtype) for idx in groups]
 

@@ -1,5 +1,6 @@
 """Layout helpers and the Bucketer (no ranks needed)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,6 +115,25 @@ def test_sizes_that_are_not_integers_are_refused(call):
     """A float size gave float padded sizes and offsets (padded_size(10.5, 2) was 16.0)."""
     with pytest.raises(TypeError, match="must be an integer"):
         call()
+
+
+def test_numpy_integer_sizes_give_python_ints_that_cannot_wrap():
+    """numpy integers are taken as counts, but the sizes were computed in their width: padded_size
+    of np.int16(32767) was np.int16(-32768), of np.uint8(250) np.uint8(0) (from a probe)."""
+    cases = [
+        (padded_size(np.int16(32767), 1), 32768),
+        (padded_size(np.uint8(250), 1), 256),
+        (padded_size(np.int32(2**31 - 1), np.int8(1)), 2**31),
+        (padded_size(300, np.uint8(200)), 1600),
+        (chunk_size(np.int16(32767), np.int64(2)), 16384),
+        (chunk_range(np.int16(0), np.int16(32767), 1), (0, 32768)),
+        (real_count(np.int8(1), np.int16(32767), np.int8(2)), 16383),
+    ]
+    for got, expected in cases:
+        assert got == expected
+        assert {type(v) for v in (got if isinstance(got, tuple) else (got,))} == {int}
+    bucketer = Bucketer([torch.ones(3)], bucket_bytes=np.int16(32767), world_size=np.uint8(250))
+    assert type(bucketer.world_size) is int and bucketer.buckets[0].buffer.numel() == 2000
 
 
 def test_bucket_refuses_a_tensor_shaped_unlike_its_slot():
