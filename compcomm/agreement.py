@@ -614,11 +614,17 @@ def _check_headroom(headers: np.ndarray, call: np.void) -> None:
     largest = min(_LARGEST[torch.float32], _LARGEST[FLOAT_DTYPES[int(call["dtype"])]]) * _HEADROOM
     peak = total / divisor + float(np.max(headers["server_max"].astype(np.float64)))
     limit = float(call["limit"])
-    if total >= _LARGEST[torch.float32] * _HEADROOM or peak >= largest or not math.isfinite(peak):
+    if total >= _LARGEST[torch.float32] * _HEADROOM:
         raise NonFiniteError(
-            f"the reduction would overflow: the ranks' scales sum to {total:.3e} and the server values could "
-            f"reach {peak:.3e}, beyond the {largest:.3e} that fp32 and the tensor's dtype hold; nothing was "
-            "reduced and no error state changed (scale the tensor down)"
+            f"the reduction would overflow: the ranks' scales sum to {total:.3e}, beyond the "
+            f"{_LARGEST[torch.float32]:.3e} that the servers' fp32 partial sums hold (the sum comes before "
+            "op='mean' divides it); nothing was reduced and no error state changed (scale the tensor down)"
+        )
+    if peak >= largest or not math.isfinite(peak):
+        raise NonFiniteError(
+            f"the reduction would overflow: the server values could reach {peak:.3e}, beyond the {largest:.3e} "
+            "that fp32 and the result's dtype hold; nothing was reduced and no error state changed (scale "
+            "the tensor down)"
         )
     if peak >= limit:
         raise NonFiniteError(

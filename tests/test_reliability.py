@@ -202,6 +202,30 @@ def test_finite_input_never_gives_non_finite_output(pool, case):
         assert results[0]["outcomes"][0] == "NonFiniteError"
 
 
+def overflow_messages() -> list:
+    """The messages of two refused overflows: a mean whose servers' fp32 sum overflows though the
+    mean fits, and a fp16 sum beyond fp16's range."""
+    return [
+        caught(compcomm.compressed_allreduce, torch.full((NUMEL,), 1.8e38), compcomm.ErrorFeedback(), "gloo")[1],
+        caught(
+            compcomm.compressed_allreduce,
+            torch.full((NUMEL,), 3.5e4, dtype=torch.float16),
+            compcomm.ErrorFeedback(),
+            "gloo",
+            op="sum",
+        )[1],
+    ]
+
+
+def test_an_overflow_refusal_names_the_quantity_that_overflows(pool):
+    """A mean of 1.8e38 on every rank was refused saying that "the server values could reach
+    1.800e+38, beyond the 3.403e+38" fp32 holds: what overflows is the servers' fp32 sum of the
+    scales, before the division (from a probe)."""
+    for mean, fp16_sum in pool.run(overflow_messages):
+        assert "scales sum to" in mean and "before op='mean' divides it" in mean and "1.800e+38" not in mean
+        assert "server values could reach" in fp16_sum and "6.544e+04" in fp16_sum and "scales sum" not in fp16_sum
+
+
 def error_state_edited(case: str) -> dict:
     """Rank 1 edits its error state between two calls, as the attributes allow; the second call
     is refused on every rank, and changes neither tensor nor state on any."""
