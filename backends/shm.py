@@ -10,8 +10,10 @@ synchronize through counters in the segment.
 
 Each backend object has its own segment (`backends/shm_segment.py`: layout, creation, cleanup):
 one slot per rank, sized to the largest call so far and replaced by a larger one, collectively,
-when a call needs more (every rank asks for the same size at the same call, so all grow
-together). Its name is unlinked as soon as every rank has mapped it, so a crashed or killed rank
+when a call needs more: the call first agrees on itself in the present segment, so that ranks
+passing different sizes get a ValueError on every rank rather than some waiting there for the
+others gone to make a new one (and a new segment takes the largest size any rank asks for).
+Its name is unlinked as soon as every rank has mapped it, so a crashed or killed rank
 leaves nothing in /dev/shm; the memory goes when the last rank unmaps it (`close()`, the
 backend's collection, or the process's exit). Segments are numbered per group in call order; a
 rendezvous that timed out leaves the group's numbering out of step, so after a timeout, as after
@@ -228,8 +230,20 @@ class ShmBackend(Backend):
         self._watch = all(alive(pid) for pid in self._pids)
         return segment
 
-    def _start(self, kind: int, slot_bytes: int) -> Segment:
-        """Steps 1-2's start: a segment with room, every peer done with the previous call."""
+    def _start(self, kind: int, slot_bytes: int, what: str) -> Segment:
+        """Steps 1-2's start: a segment with room, every peer done with the previous call.
+
+        A call that needs a larger segment first agrees on itself in the present one (steps 1,
+        2 and 4 with its descriptor alone): ranks passing different sizes, of which only some
+        need the larger segment, are then told so (ValueError on every rank) instead of some
+        waiting here for the others gone to make a new one."""
+        segment = self._mapping.segment
+        if segment is not None and segment.slot_bytes < slot_bytes:
+            self._await(segment, self._count, "the previous call")
+            segment.describe(kind, slot_bytes)
+            self._step(segment, what)
+            self._check_same_call(segment, what)
+            self._finish(segment)
         segment = self._segment_for(slot_bytes)
         self._await(segment, self._count, "the previous call")
         segment.describe(kind, slot_bytes)
@@ -307,9 +321,9 @@ class ShmBackend(Backend):
     def _all_gather(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
         size = send.numel()
         recv[self._rank].copy_(send)
-        if self._size == 1 or size == 0:
+        if self._size == 1:  # an empty call still meets its peers: theirs may not be empty
             return None
-        segment = self._start(_ALL_GATHER, size)
+        segment = self._start(_ALL_GATHER, size, "all_gather")
         segment.slots[self._rank, :size].copy_(send)
         self._step(segment, "all_gather")
         self._check_same_call(segment, "all_gather")
@@ -321,9 +335,9 @@ class ShmBackend(Backend):
     def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool) -> Handle | None:
         n, me, length = self._size, self._rank, send.shape[1]
         recv[me].copy_(send[me])
-        if n == 1 or length == 0:
+        if n == 1:  # an empty call still meets its peers: theirs may not be empty
             return None
-        segment = self._start(_ALL_TO_ALL, n * length)
+        segment = self._start(_ALL_TO_ALL, n * length, "all_to_all")
         mine = segment.slots[me, : n * length].view(n, length)
         for rows in self._others():
             mine[rows].copy_(send[rows])
@@ -340,10 +354,8 @@ class ShmBackend(Backend):
             raise TypeError(f"the shm backend cannot all-reduce {tensor.dtype} tensors")
         flat, n, me = tensor.view(-1), self._size, self._rank
         numel, nbytes = flat.numel(), flat.numel() * flat.element_size()
-        if numel == 0:
-            return
         chunk = -(-numel // (n * _CHUNK_ALIGN)) * _CHUNK_ALIGN
-        segment = self._start(_ALL_REDUCE + REDUCE_DTYPES.index(tensor.dtype), nbytes)
+        segment = self._start(_ALL_REDUCE + REDUCE_DTYPES.index(tensor.dtype), nbytes, "all_reduce")
         slots = segment.slots[:, :nbytes].view(tensor.dtype)
         slots[me].copy_(flat)
         self._step(segment, "all_reduce")
@@ -382,11 +394,11 @@ class ShmBackend(Backend):
         own = flat[me * size : (me + 1) * size]
         if own.numel() < size or own.dtype != dtype:  # a short or converted block: padded copy
             own = _block(flat, me, torch.empty(size, dtype=dtype, device=flat.device))
-        if n == 1 or size == 0:
+        if n == 1:  # an empty call still meets its peers: theirs may not be empty
             combine([own] * n)
             return
         nbytes = n * size * own.element_size()
-        segment = self._start(_EXCHANGE_BLOCKS + REDUCE_DTYPES.index(dtype), nbytes)
+        segment = self._start(_EXCHANGE_BLOCKS + REDUCE_DTYPES.index(dtype), nbytes, "exchange_blocks")
         mine = segment.slots[me, :nbytes].view(dtype)
         for q in range(n):
             if q != me:
@@ -404,7 +416,7 @@ class ShmBackend(Backend):
             self._finish(segment)  # the peers may write their slots again
 
     def _barrier(self) -> None:
-        segment = self._start(_BARRIER, 0)
+        segment = self._start(_BARRIER, 0, "barrier")
         self._step(segment, "barrier")
         self._check_same_call(segment, "barrier")
         self._finish(segment)  # the descriptor read: peers may overwrite theirs after this

@@ -109,11 +109,17 @@ def data_offset(world: int) -> int:
 def open_segment(
     store: Any, key: str, rank: int, world: int, slot_bytes: int, timeout: float, directory: str = SHM_DIRECTORY
 ) -> Segment:
-    """Create (rank 0) or attach (the others) the segment of rendezvous `key`: a collective over
-    the group, bounded by `timeout` seconds. RuntimeError on every rank when any rank fails (e.g.
-    ranks that do not share `directory`, i.e. are not on one host)."""
+    """Create (rank 0) or attach (the others) the segment of rendezvous `key`, with slots of the
+    largest `slot_bytes` any rank asks for (ranks passing different sizes to a call then meet
+    in one segment, where the call's check tells them so): a collective over the group, bounded
+    by `timeout` seconds. RuntimeError on every rank when any rank fails (e.g. ranks that do not
+    share `directory`, i.e. are not on one host)."""
     wait = datetime.timedelta(seconds=timeout)
     name_key, reports = f"{key}/name", [f"{key}/attached/{r}" for r in range(world)]
+    wanted = [f"{key}/slot_bytes/{r}" for r in range(world)]
+    store.set(wanted[rank], str(slot_bytes))
+    _store_wait(store, wanted, wait, "every rank's segment size")
+    slot_bytes = max(int(store.get(k)) for k in wanted)
     size = data_offset(world) + world * slot_bytes
     path: Path | None = None
     memory: mmap.mmap | None = None

@@ -192,6 +192,38 @@ def test_ranks_making_different_calls_raise_valueerror_everywhere(pool):
     assert pool.run(still_works, ranks=[0, 1]) == [[2.0] * 4] * 2  # still in step
 
 
+def sizes_that_differ(case: str) -> tuple:
+    """Ranks 0 and 1 passing different sizes on a fresh backend (its own segment): at its first
+    call, both beyond the first segment's size; after a small call, where only rank 1's needs a
+    larger segment; or where rank 0's is empty. The error, how long it took, and a call after."""
+    import torch.distributed as dist
+
+    shm = backends.get("shm", group=group((0, 1)), timeout=10)
+    rank = dist.get_rank()
+    if case == "one-grows":
+        shm.all_gather(torch.zeros(10, dtype=torch.uint8), torch.empty(2, 10, dtype=torch.uint8))
+    size = {"first": 100_000 * (rank + 1), "one-grows": 10 if rank == 0 else 100_000, "one-empty": 5 * rank}[case]
+    start = time.monotonic()
+    error = caught(shm.all_gather, torch.zeros(size, dtype=torch.uint8), torch.empty(2, size, dtype=torch.uint8))
+    took = time.monotonic() - start
+    x = torch.ones(4)
+    shm.all_reduce(x)
+    return error, took, x.tolist()
+
+
+@pytest.mark.parametrize("case", ["first", "one-grows", "one-empty"])
+def test_ranks_passing_different_sizes_raise_valueerror_everywhere_at_once(pool, case):
+    """The module promised a ValueError on every rank for ranks making different calls, but a
+    size that needed a larger segment on one rank only sent that rank to make one while its peer
+    waited in the present one: both timed out and the group broke (at the first call, the two
+    sizes made segments that did not match: "ranks do not share memory"); an empty call on one
+    rank returned at once and left the ranks out of step (from a probe)."""
+    results = pool.run(sizes_that_differ, case, ranks=[0, 1])
+    assert results[0][0] == results[1][0] and results[0][0][0] == "ValueError", results
+    assert "different calls" in results[0][0][1]
+    assert all(took < 5 and after == [2.0] * 4 for _, took, after in results), results
+
+
 def behind_a_long_call() -> tuple:
     """A call queued behind a healthy call that takes longer than the backend's timeout (here a
     1.2 s task in the group's ordered lane, timeout 0.5 s): the queue has no bound of its own."""
