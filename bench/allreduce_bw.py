@@ -46,7 +46,7 @@ from collective_model import flat_bytes, flat_parts
 from peak_memory import PeakMemory, mmap_threshold_env
 from peak_memory import supported as memory_measurable
 from ranks import add_nprocs_argument, gather_floats, launch_label, launched_world, mpirun_needed, set_threads
-from records import codec_line, output_path, rel_error, write_json
+from records import codec_line, make_parent, output_path, rel_error, write_json
 from units import human, parse_rate, parse_size
 
 OPS = ("compressed", "allreduce", "exact")
@@ -62,6 +62,11 @@ DTYPES = {
 }
 
 
+MAX_ROWS = 100
+"""The most sizes a sweep takes (--factor 2 from 1 byte to 1 TiB is 41), so that a factor just
+above 1 is refused rather than spending minutes listing millions of sizes before any rank starts."""
+
+
 def sweep_sizes(lo: int, hi: int, factor: float, elem: int) -> list[int]:
     """Sizes lo, lo*factor, ... <= hi, rounded down to whole elements (at least one, which
     --max-bytes must hold: a row is never larger than it)."""
@@ -71,6 +76,12 @@ def sweep_sizes(lo: int, hi: int, factor: float, elem: int) -> list[int]:
         raise ValueError(f"--max-bytes {hi} is less than one element ({elem} bytes): no size to time")
     if factor <= 1:
         raise ValueError(f"--factor must be > 1, got {factor}")
+    rows = math.floor(math.log(hi / lo) / math.log(factor)) + 1 if hi > lo else 1
+    if rows > MAX_ROWS:
+        raise ValueError(
+            f"--factor {factor!r} from {lo} to {hi} bytes makes about {rows} sizes, more than {MAX_ROWS}: "
+            "take a larger --factor or a narrower range"
+        )
     sizes, size = [], float(lo)
     while size <= hi * (1 + 1e-9):
         nbytes = max(elem, int(size) // elem * elem)
@@ -472,7 +483,7 @@ def write_plot(records: list[dict], path: str, title: str, rate_GBps: float | No
     ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(make_parent(path), dpi=120)
     plt.close(fig)
 
 

@@ -22,8 +22,10 @@ def output_path(path: str) -> str:
     """argparse type of an output file (--json, --plot, --png): `path`, once it is known that it
     can be written. An existing file is opened for appending (its contents left as they are);
     otherwise a temporary file is made and removed in the directory where the file would go
-    (made if missing; for a dangling link, its target's), so that nothing is left behind and
-    ranks that all parse the same path do not race."""
+    (for a dangling link, its target's; where that directory is missing, in its nearest
+    existing ancestor, the directory being made when the file is written: `make_parent`), so
+    that nothing is left behind, also by a run refused afterwards, and ranks that all parse the
+    same path do not race."""
     try:
         if not path or os.path.isdir(path):
             raise IsADirectoryError(21, "a directory, not a file")
@@ -38,8 +40,9 @@ def output_path(path: str) -> str:
 
 
 def output_dir(path: str) -> str:
-    """argparse type of an output directory (--out): `path`, made if missing, once a file can be
-    written in it, so that a run never ends by failing to write what it measured."""
+    """argparse type of an output directory (--out): `path`, once a file can be written in it
+    (made when the first file is), so that a run never ends by failing to write what it
+    measured."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path} exists and is not a directory")
     try:
@@ -50,16 +53,26 @@ def output_dir(path: str) -> str:
 
 
 def _writable_directory(directory: str) -> None:
-    """Make `directory` if missing and a temporary file in it (removed at once): OSError if not."""
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.TemporaryFile(dir=directory):
+    """OSError unless files can be made in `directory`: a temporary file made and removed in it,
+    or where it is missing in its nearest existing ancestor (where its folders would be made)."""
+    existing = directory
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise NotADirectoryError(20, f"{existing} is not a directory")
+    with tempfile.TemporaryFile(dir=existing):
         pass
+
+
+def make_parent(path: str) -> str:
+    """`path`, once the directory it goes in exists (made if missing): before writing it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
 
 
 def write_json(records: Any, path: str) -> None:
     """Write `records` (a list of records, or one report) as JSON to `path`."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    with open(make_parent(path), "w") as f:
         json.dump(records, f, indent=1)
         f.write("\n")
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from emulation import dilation, record_fields
 from ranks import add_nprocs_argument, launch_label, launched_world, run_ranks, set_threads
-from records import codec_line, output_path, write_json
+from records import codec_line, make_parent, output_path, write_json
 from units import parse_rate, parse_size
 
 STEPS = (
@@ -414,7 +414,7 @@ def draw(calls: list[dict], path: str, meta: dict) -> None:
         ax.invert_yaxis()
     fig.suptitle(describe(meta), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(make_parent(path), dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

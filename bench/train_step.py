@@ -85,7 +85,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import emulation
 from ranks import add_nprocs_argument, launch_label, launched_world, mpirun_needed, run_ranks, set_threads
-from records import codec_line, output_path, write_json
+from records import codec_line, make_parent, output_path, write_json
 from tasks import CharMLP, load_text, random_windows
 
 RECORD_KEYS = ("method", "world_size", "step_time_ms", "bytes_per_step", "final_loss", "steps")
@@ -643,7 +643,7 @@ def plot(records: list[dict[str, Any]], path: str, label: str) -> None:
     fig.suptitle(f"train_step: {label}, {records[0]['world_size']} ranks", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(make_parent(path), dpi=120)
     plt.close(fig)
 
 

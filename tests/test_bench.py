@@ -50,6 +50,14 @@ def test_size_parsing_and_sweep():
     assert bw.sweep_sizes(10, 10, 2, 4) == [8]
     with pytest.raises(ValueError):
         bw.sweep_sizes(100, 10, 2, 4)
+    assert len(bw.sweep_sizes(1, 1 << 40, 1.32, 1)) <= bw.MAX_ROWS  # about 100 sizes: still taken
+
+
+def test_a_factor_just_above_one_is_refused_before_listing_the_sizes():
+    """-f 1.0000001 from 4 B to 64 MiB spent minutes listing some 1.7e8 sizes before any rank
+    started, printing nothing (from a probe)."""
+    with pytest.raises(ValueError, match="more than 100"):
+        _load_module().sweep_sizes(4, 64 << 20, 1.0000001, 4)
 
 
 @pytest.fixture(scope="module")
@@ -213,15 +221,20 @@ def test_bad_arguments_are_refused_before_any_rank_starts(args, says, monkeypatc
 
 
 def test_an_output_path_is_checked_and_left_as_it_was_found(tmp_path):
-    """Nothing is created but missing directories (ranks parsing one new path used to race on
-    the file they made and removed), an existing file is left as it is, a dangling link too."""
+    """Nothing is created (ranks parsing one new path used to race on the file they made and
+    removed; a missing directory was made at parsing, and left behind by a run refused on
+    another argument: from a probe), an existing file is left as it is, a dangling link too;
+    the directory is made when the file is written."""
     records = bench_scripts.load("records")
     kept = tmp_path / "kept.json"
     kept.write_text("[]\n")
     assert records.output_path(str(kept)) == str(kept) and kept.read_text() == "[]\n"
     fresh = tmp_path / "new" / "r.json"
-    assert records.output_path(str(fresh)) == str(fresh) and not fresh.exists()
-    assert list((tmp_path / "new").iterdir()) == []
+    assert records.output_path(str(fresh)) == str(fresh) and not (tmp_path / "new").exists()
+    records.write_json([], str(fresh))
+    assert fresh.read_text() == "[]\n"
+    with pytest.raises(argparse.ArgumentTypeError, match="not a directory"):
+        records.output_path(str(kept / "below" / "r.json"))
     link = tmp_path / "link.json"
     link.symlink_to(tmp_path / "target.json")
     assert records.output_path(str(link)) == str(link)
