@@ -74,8 +74,8 @@ def sweep_sizes(lo: int, hi: int, factor: float, elem: int) -> list[int]:
         raise ValueError(f"need 0 < --min-bytes <= --max-bytes, got {lo}, {hi}")
     if hi < elem:
         raise ValueError(f"--max-bytes {hi} is less than one element ({elem} bytes): no size to time")
-    if factor <= 1:
-        raise ValueError(f"--factor must be > 1, got {factor}")
+    if not (math.isfinite(factor) and factor > 1):
+        raise ValueError(f"--factor must be a finite number > 1, got {factor}")
     rows = math.floor(math.log(hi / lo) / math.log(factor)) + 1 if hi > lo else 1
     if rows > MAX_ROWS:
         raise ValueError(
@@ -185,7 +185,7 @@ def _time_calls(be, fn, iters: int) -> tuple[np.ndarray, float]:
 
 
 def check_args(args) -> list[str]:
-    """The ops to run, after rejecting bad --ops / --iters / --warmup / --factor / --intra /
+    """The ops to run, after rejecting bad --ops / --iters / --warmup / --intra /
     --backend (in `main`, before any rank is spawned, and again on each rank); sets
     `args.dtype` to the type's one name (bf16 -> bfloat16), as the records carry it."""
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
@@ -196,8 +196,6 @@ def check_args(args) -> list[str]:
         raise SystemExit(f"--ops names no op (choose from {', '.join(OPS)})")
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
-    if not math.isfinite(args.factor):
-        raise SystemExit(f"--factor must be a finite number > 1, got {args.factor}")
     if args.intra is not None and not args.hierarchical:
         raise SystemExit("--intra is the transport inside a node of --hierarchical: add --hierarchical or drop it")
     if args.backend == "nccl" and not torch.cuda.is_available():

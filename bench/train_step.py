@@ -233,7 +233,6 @@ def diloco_method(compress: bool, rotate: bool = False) -> Builder:
     """compcomm.optim.DiLoCo around AdamW (the model is not wrapped), every --sync-every steps."""
 
     def build(model: torch.nn.Module, args: argparse.Namespace) -> Run:
-        from compcomm.layout import DEFAULT_BUCKET_BYTES
         from compcomm.optim import DiLoCo
 
         backend = compcomm_backend(args)
@@ -246,7 +245,7 @@ def diloco_method(compress: bool, rotate: bool = False) -> Builder:
             rotate=rotate,
             fragments=args.diloco_fragments,
             backend=backend,
-            bucket_bytes=DEFAULT_BUCKET_BYTES if args.bucket_mb is None else int(args.bucket_mb * 2**20),
+            bucket_bytes=bucket_bytes(args),  # None: DiLoCo sizes them for its fragments
         )
         return Run(model, opt, lambda: float(backend.bytes_sent))
 
@@ -746,12 +745,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--text-bytes must be at least the context + 2 ({args.shape[0] + 2}), got {args.text_bytes}")
     if args.bucket_mb is not None and not (math.isfinite(args.bucket_mb) and args.bucket_mb > 0):
         p.error(f"--bucket-mb must be a positive number, got {args.bucket_mb:g}")
+    if any(m.startswith("diloco") for m in chosen):
+        why = diloco_schedule_problem(args)
+        if why:
+            p.error(why)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             p.error("--plot needs matplotlib (pip install matplotlib)")
     return args
+
+
+def diloco_schedule_problem(args: argparse.Namespace) -> str | None:
+    """Why the DiLoCo methods cannot run as asked, found before any rank starts (they come late
+    in the list, after the other methods have trained): more fragments than sync steps or than
+    the model makes buckets (a bucket holds whole parameters), or no sync in the timed steps
+    (its step time "with its syncs" would have none)."""
+    from compcomm.layout import bucket_groups
+
+    h, fragments, w = args.sync_every, args.diloco_fragments, args.warmup_steps
+    if fragments > h:
+        return f"--diloco-fragments {fragments} must be at most --sync-every {h} (one fragment's sync per step)"
+    with torch.device("meta"):  # the parameters' sizes, without their memory
+        trained = [p for p in make_model(args).parameters() if p.requires_grad]
+    buckets = len(trained) if args.bucket_mb is None else len(bucket_groups(trained, bucket_bytes(args), torch.float32))
+    if fragments > buckets:
+        return f"--diloco-fragments {fragments} needs as many buckets, and this model's parameters make {buckets}"
+    if args.steps // h * h <= w:
+        return (
+            f"DiLoCo syncs every {h} steps: --steps {args.steps} after {w} warm-up steps times no sync; "
+            f"take --steps >= {(w // h + 1) * h} or a smaller --sync-every"
+        )
+    return None
+
+
+def bucket_bytes(args: argparse.Namespace) -> int | None:
+    """--bucket-mb in bytes (None: each method's own default)."""
+    return None if args.bucket_mb is None else int(args.bucket_mb * 2**20)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,11 +124,18 @@ def test_a_run_no_longer_than_its_warmup_still_reports(tmp_path):
         (["--methods", "ddp_adamw_powersgd", "--warmup-steps", "1"], "--warmup-steps >= 2"),
         (["--methods", "diloco", "--sync-every", "0"], "--sync-every and --diloco-fragments must be >= 1"),
         (["--methods", "ddp_sgd", "--backend", "mpi"], "--backend mpi runs under mpirun"),
+        (
+            ["--methods", "ddp_sgd,diloco", "--sync-every", "2", "--diloco-fragments", "3"],
+            "must be at most --sync-every",
+        ),
+        (["--methods", "diloco", "--sync-every", "4", "--diloco-fragments", "4", "--bucket-mb", "1"], "make 1"),
+        (["--methods", "ddp_sgd,diloco_exact", "--steps", "6", "--sync-every", "8"], "times no sync"),
     ],
 )
 def test_arguments_a_method_cannot_take_are_refused_before_any_rank_starts(args, says, monkeypatch, capsys):
     """Refused by the parser with the reason (they used to fail on a rank after the methods
-    before them had trained, in a traceback)."""
+    before them had trained, in a traceback; DiLoCo's fragments, and a run too short for a
+    DiLoCo sync, which reported a step time "with its syncs" that had none: from a probe)."""
     status, err = bench_scripts.refusal("train_step", ["--nprocs", "2", *TINY, *args], monkeypatch, capsys)
     assert status == 2 and says in err, err[-2000:]
 
