@@ -58,6 +58,11 @@ class Backend(ABC):
     every backend object over it. So the caller's own collectives on the group, and compcomm
     calls still in flight, never pair with the wrong messages. The `_`-methods send on
     `self.transport`, the private duplicate.
+
+    The byte collectives trust their sizes, as torch's and MPI's do: every rank must pass the
+    same (shm checks and raises ValueError on every rank; gloo aborts the process; MPI may fail
+    on some ranks only). compcomm's own calls never rely on that: their agreement sizes every
+    exchange alike on every rank, whatever the arguments.
     """
 
     name = "backend"
