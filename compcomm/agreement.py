@@ -615,10 +615,11 @@ def _check_headroom(headers: np.ndarray, call: np.void) -> None:
     peak = total / divisor + float(np.max(headers["server_max"].astype(np.float64)))
     limit = float(call["limit"])
     if total >= _LARGEST[torch.float32] * _HEADROOM:
+        before_mean = " (the sum comes before op='mean' divides it)" if divisor > 1 else ""
         raise NonFiniteError(
             f"the reduction would overflow: the ranks' scales sum to {total:.3e}, beyond the "
-            f"{_LARGEST[torch.float32]:.3e} that the servers' fp32 partial sums hold (the sum comes before "
-            "op='mean' divides it); nothing was reduced and no error state changed (scale the tensor down)"
+            f"{_LARGEST[torch.float32]:.3e} that the servers' fp32 partial sums hold{before_mean}; nothing was "
+            "reduced and no error state changed (scale the tensor down)"
         )
     if peak >= largest or not math.isfinite(peak):
         raise NonFiniteError(
