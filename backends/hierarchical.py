@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from . import ordering
-from .base import AGREED, Backend, Handle
+from .base import AGREED, ALL_REDUCE_DTYPES, Backend, Handle
 from .gloo import GlooBackend
 from .nccl import NcclBackend
 from .rank_order import sum_in_rank_order
-from .shm import REDUCE_DTYPES, ShmBackend
+from .shm import ShmBackend
 from .shm import runs_here as shm_runs_here
 from .torch_dist import group_timeout
 
@@ -161,7 +161,7 @@ class HierarchicalBackend(Backend):
         share memory with blocks[0]. The part lives in the reused buffer of `slot` (one per
         tensor of a call) until the next call."""
         k = self.intra.world_size
-        if isinstance(self.intra, ShmBackend) and dtype in REDUCE_DTYPES:  # read in place, fewer copies
+        if isinstance(self.intra, ShmBackend) and dtype in ALL_REDUCE_DTYPES:  # read in place, fewer copies
             part = self._received(slot, 1, size, dtype)[0]
             self.intra.exchange_blocks(flat, size, dtype, lambda blocks: combine(blocks, part))
             return part

@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from . import ordering
-from .base import Backend, Handle
+from .base import ALL_REDUCE_DTYPES, Backend, Handle
 from .rank_order import sum_in_rank_order
 from .shm_segment import SHM_DIRECTORY, RendezvousTimeout, Segment, alive, open_segment
 from .torch_dist import group_key, group_timeout, made_before_this_world, require_member
@@ -84,17 +84,6 @@ _SLOT_ALIGN = 64 * 1024  # slot sizes: multiples of 64 KiB, grown by at least ha
 _CHUNK_ALIGN = 16  # elements: the all-reduce's per-rank chunks start on vector boundaries
 
 _ALL_GATHER, _ALL_TO_ALL, _BARRIER, _ALL_REDUCE, _EXCHANGE_BLOCKS = 1, 2, 3, 16, 32
-REDUCE_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-)
 
 
 def runs_here() -> bool:
@@ -350,12 +339,12 @@ class ShmBackend(Backend):
         return None
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        if tensor.dtype not in REDUCE_DTYPES:
+        if tensor.dtype not in ALL_REDUCE_DTYPES:
             raise TypeError(f"the shm backend cannot all-reduce {tensor.dtype} tensors")
         flat, n, me = tensor.view(-1), self._size, self._rank
         numel, nbytes = flat.numel(), flat.numel() * flat.element_size()
         chunk = -(-numel // (n * _CHUNK_ALIGN)) * _CHUNK_ALIGN
-        segment = self._start(_ALL_REDUCE + REDUCE_DTYPES.index(tensor.dtype), nbytes, "all_reduce")
+        segment = self._start(_ALL_REDUCE + ALL_REDUCE_DTYPES.index(tensor.dtype), nbytes, "all_reduce")
         slots = segment.slots[:, :nbytes].view(tensor.dtype)
         slots[me].copy_(flat)
         self._step(segment, "all_reduce")
@@ -380,7 +369,7 @@ class ShmBackend(Backend):
         views of their slots, valid only during the call (what the caller computes from them,
         e.g. a reduce-scatter's sum, is its own). Each rank copies into its slot only the blocks
         its peers read. bytes_sent counts the (n-1) blocks, as for that all-to-all."""
-        if dtype not in REDUCE_DTYPES:
+        if dtype not in ALL_REDUCE_DTYPES:
             raise TypeError(f"the shm backend cannot exchange {dtype} blocks")
         if flat.dim() != 1 or flat.numel() > self._size * size:
             raise ValueError(f"exchange_blocks: flat {tuple(flat.shape)} must be 1-D, at most {self._size} x {size}")
@@ -398,7 +387,7 @@ class ShmBackend(Backend):
             combine([own] * n)
             return
         nbytes = n * size * own.element_size()
-        segment = self._start(_EXCHANGE_BLOCKS + REDUCE_DTYPES.index(dtype), nbytes, "exchange_blocks")
+        segment = self._start(_EXCHANGE_BLOCKS + ALL_REDUCE_DTYPES.index(dtype), nbytes, "exchange_blocks")
         mine = segment.slots[me, :nbytes].view(dtype)
         for q in range(n):
             if q != me:
