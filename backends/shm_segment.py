@@ -106,6 +106,10 @@ def data_offset(world: int) -> int:
     return -(-_LINE * (1 + world) // _PAGE) * _PAGE
 
 
+_FIRST_POLL_S, _LAST_POLL_S = 1e-4, 1e-2
+"""The rendezvous polls the store, from every 0.1 ms to every 10 ms as the wait grows."""
+
+
 def open_segment(
     store: Any, key: str, rank: int, world: int, slot_bytes: int, timeout: float, directory: str = SHM_DIRECTORY
 ) -> Segment:
@@ -174,13 +178,20 @@ class RendezvousTimeout(RuntimeError):
 
 
 def _store_wait(store: Any, keys: list[str], wait: datetime.timedelta, what: str) -> Any:
-    try:
-        store.wait(keys, wait)
-    except RuntimeError as exc:
-        raise RendezvousTimeout(
-            f"the shm backend timed out after {wait.total_seconds():g}s waiting for {what}: a rank of its "
-            f"group did not reach the same call (crashed, hung, or out of step): {exc}"
-        ) from exc
+    """`store` once every one of `keys` is in it, polled (`check`) rather than waited for: the
+    threads of a process share the default store's client, on which a blocking wait holds up
+    their other requests, so that a segment made on a channel's worker thread while another
+    channel opens its transport in the caller's thread (or makes its own segment) could wait
+    for each other across ranks until the timeout. RendezvousTimeout after `wait`."""
+    deadline, pause = time.monotonic() + wait.total_seconds(), _FIRST_POLL_S
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            raise RendezvousTimeout(
+                f"the shm backend timed out after {wait.total_seconds():g}s waiting for {what}: a rank of "
+                "its group did not reach the same call (crashed, hung, or out of step)"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, _LAST_POLL_S)
     return store
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import compcomm
 from compcomm import backends
 from compcomm.backends.rank_order import sum_in_rank_order
 from compcomm.backends.shm_segment import PREFIX, SHM_DIRECTORY
@@ -222,6 +223,36 @@ def test_ranks_passing_different_sizes_raise_valueerror_everywhere_at_once(pool,
     assert results[0][0] == results[1][0] and results[0][0][0] == "ValueError", results
     assert "different calls" in results[0][0][1]
     assert all(took < 5 and after == [2.0] * 4 for _, took, after in results), results
+
+
+def two_segments_made_at_once(tries: int) -> list:
+    """Fresh shm backends over ranks 0-2 and over 0-1 (each makes its first segment inside its
+    first call, on its channel's worker thread), one async call on each in flight at once, a few
+    times: the results' first elements, or the errors."""
+    import torch.distributed as dist
+
+    rank, out = dist.get_rank(), []
+    for _ in range(tries):
+        three = backends.get("shm", group=group((0, 1, 2)), timeout=10)
+        two = backends.get("shm", group=group((0, 1)), timeout=10) if rank < 2 else None
+        a, b = torch.full((100_000,), float(rank)), torch.full((100_000,), float(rank))
+        calls = [compcomm.compressed_allreduce(a, compcomm.ErrorFeedback(), backend=three, async_op=True)]
+        if two is not None:
+            calls.append(compcomm.compressed_allreduce(b, compcomm.ErrorFeedback(), backend=two, async_op=True))
+        try:
+            out.append([call.wait()[0].item() for call in calls])
+        except RuntimeError as exc:
+            out.append(str(exc)[:200])
+    return out
+
+
+def test_segments_made_at_once_on_two_groups_do_not_wait_for_each_other(pool):
+    """Each segment's rendezvous waited on the default store, whose client a process's threads
+    share: a blocking wait on one thread held up the other's requests, so two rendezvous in
+    flight at once (or one beside a transport being opened) waited for each other across ranks
+    until the timeout, in four tries of five (from a probe). They poll the store now."""
+    results = pool.run(two_segments_made_at_once, 3, ranks=[0, 1, 2])
+    assert results == [[[1.0, 0.5]] * 3, [[1.0, 0.5]] * 3, [[1.0]] * 3], results
 
 
 def behind_a_long_call() -> tuple:
