@@ -100,10 +100,19 @@ class Backend(ABC):
         return self.channel.transport
 
     def ordered(self, fn: Callable, *args, async_op: bool = False) -> Any:
-        """fn(*args) in its turn on this backend's channels; async_op returns a handle at once."""
+        """fn(*args) in its turn on this backend's channels; async_op returns a handle at once.
+        RuntimeError for a backend whose group is gone (`check_current`)."""
+        self.check_current()
         if async_op:
             return ordering.submit(self.channels, fn, *args)
         return ordering.run(self.channels, fn, *args)
+
+    def check_current(self) -> None:
+        """RuntimeError when this backend's group was made under a default process group that
+        has since been destroyed (`torch.distributed.destroy_process_group`): it cannot follow
+        the new one, and its calls would pair with nobody or with the wrong ranks. Nothing to
+        check for a backend that depends on no such group."""
+        return None
 
     def abandon(self, reason: str) -> None:
         """This rank leaves a call of this group out of step with its peers (a composite call

@@ -80,6 +80,10 @@ class HierarchicalBackend(Backend):
         self.intra.abandon(reason)
         self.inter.abandon(reason)
 
+    def check_current(self) -> None:
+        self.intra.check_current()
+        self.inter.check_current()
+
     @contextlib.contextmanager
     def leaving_on_failure(self) -> Iterator[None]:
         """A call over both levels that fails on one of them (a RuntimeError that was not agreed,

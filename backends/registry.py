@@ -25,7 +25,8 @@ _REGISTRY: dict[str, Callable[..., Backend]] = {
     "shm": ShmBackend,
     "hierarchical": from_torch,
 }
-_defaults: dict[str, Backend] = {}
+_defaults: dict[str, tuple[object, Backend]] = {}
+"""By name: the default process group a default backend was built under, and the backend."""
 T = TypeVar("T")
 
 
@@ -50,8 +51,9 @@ def check_backend_argument(backend: object) -> None:
 def resolve(backend: Backend | str | None, tensor: torch.Tensor | None = None) -> Backend:
     """The backend a collective on `tensor` uses.
 
-    An object is used as is; a name gives a cached default instance of that backend; None
-    picks: an initialized torch.distributed default group (nccl for CUDA tensors, gloo for
+    An object is used as is; a name gives a cached default instance of that backend (built again
+    once the default process group is made again: one over the old group could not follow it);
+    None picks: an initialized torch.distributed default group (nccl for CUDA tensors, gloo for
     the rest), else MPI when launched by mpirun, else the single-process backend; but a process
     that a launcher started as one of several (WORLD_SIZE > 1) without a process group is a
     RuntimeError naming `init_process_group`, never a silent world of one.
@@ -60,9 +62,11 @@ def resolve(backend: Backend | str | None, tensor: torch.Tensor | None = None) -
     if isinstance(backend, Backend):
         return backend
     name = backend if backend is not None else _auto_name(tensor)
-    if name not in _defaults:
-        _defaults[name] = get(name)
-    return _defaults[name]
+    world = torch.distributed.group.WORLD if torch.distributed.is_available() else None
+    made = _defaults.get(name)
+    if made is None or made[0] is not world:
+        made = _defaults[name] = (world, get(name))
+    return made[1]
 
 
 def resolve_for_call(

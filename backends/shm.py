@@ -72,7 +72,13 @@ from . import ordering
 from .base import ALL_REDUCE_DTYPES, Backend, Handle
 from .rank_order import sum_in_rank_order
 from .shm_segment import SHM_DIRECTORY, RendezvousTimeout, Segment, alive, open_segment
-from .torch_dist import group_key, group_timeout, made_before_this_world, require_member
+from .torch_dist import (
+    group_key,
+    group_timeout,
+    made_before_this_world,
+    made_under_a_destroyed_group,
+    require_member,
+)
 from .waiting import timeout_seconds
 
 _TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")
@@ -149,6 +155,8 @@ class ShmBackend(Backend):
         self.timeout = timeout_seconds(timeout)
         self.directory = directory
         self._rank, self._size = dist.get_rank(group), dist.get_world_size(group)
+        self._world = dist.group.WORLD  # the default group its ranks were counted under
+        self._key = group_key("shm", group)  # fixed: after a new default group, not the new group's
         self._mapping = _Mapping()
         weakref.finalize(self, self._mapping.release)
         self._count = 0  # this rank's phase counter in the current segment
@@ -157,7 +165,13 @@ class ShmBackend(Backend):
         self._failed: str | None = None
 
     def _channel_key(self) -> Hashable:
-        return group_key("shm", self.group)
+        return self._key
+
+    def check_current(self) -> None:
+        """Its rank and size are those of the default group it was built under: refused once that
+        group is destroyed (even for group=None), rather than waiting for ranks that are gone."""
+        if dist.group.WORLD is not self._world:
+            raise made_under_a_destroyed_group(self.name)
 
     def _open_transport(self) -> Any:
         ordering.retire(made_before_this_world)
@@ -179,7 +193,7 @@ class ShmBackend(Backend):
             self._failed = "the shm backend was closed"
         if self._mapping.segment is None:
             return
-        if ordering.broken(self._channel_key()) is not None:
+        if ordering.broken(self._channel_key()) is not None or dist.group.WORLD is not self._world:
             self._mapping.release()
         else:
             self.ordered(self._mapping.release)

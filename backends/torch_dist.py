@@ -44,6 +44,7 @@ class TorchDistBackend(Backend):
                 f"{used!r}: create one with torch.distributed.new_group(backend='{self.pg_backend}')"
             )
         self.group = group
+        self._world = dist.group.WORLD  # the default group `group` was made under
         self._facts: _GroupFacts | None = None
 
     def _group_facts(self) -> _GroupFacts:
@@ -52,6 +53,8 @@ class TorchDistBackend(Backend):
         microseconds of torch's lookups)."""
         world, facts = dist.group.WORLD, self._facts
         if facts is None or facts.world is not world:
+            if self.group is not None and world is not self._world:
+                raise made_under_a_destroyed_group(self.name)
             key, group = group_key(self.pg_backend, self.group), self.group
             facts = self._facts = _GroupFacts(world, key, dist.get_rank(group), dist.get_world_size(group))
         return facts
@@ -59,6 +62,11 @@ class TorchDistBackend(Backend):
     def _channel_key(self) -> Hashable:
         """One private group per set of member ranks (and per initialization of torch.distributed)."""
         return self._group_facts().key
+
+    def check_current(self) -> None:
+        """A backend over the default group (group=None) follows it when it is made again; one
+        over a group made under a destroyed default group is refused."""
+        self._group_facts()
 
     def _open_transport(self) -> Any:
         """A new process group of the same members and timeout, private to compcomm.
@@ -178,6 +186,15 @@ class _GroupFacts(NamedTuple):
 def group_key(kind: str, group: dist.ProcessGroup | None) -> GroupKey:
     """The key of `kind`'s transport over `group` (None: the default group), as of now."""
     return GroupKey(kind, dist.group.WORLD, tuple(dist.get_process_group_ranks(group or dist.group.WORLD)))
+
+
+def made_under_a_destroyed_group(name: str) -> RuntimeError:
+    """The error of a backend used after the default process group its group belonged to was
+    destroyed."""
+    return RuntimeError(
+        f"this {name} backend was built over a group of a default process group that has since been "
+        "destroyed: build it again over a group of the present one"
+    )
 
 
 def made_before_this_world(key: Hashable) -> bool:

@@ -154,6 +154,56 @@ def test_the_default_backend_follows_a_default_group_made_again_with_other_ranks
     ]
 
 
+def backends_of_a_destroyed_group(folder: str) -> dict | None:
+    """Three ranks use shm by name, an shm backend and a gloo one over a sub-group; then ranks 0
+    and 1 make a default group of two: what each of those does there, and a new shm backend."""
+    import torch
+    import torch.distributed as dist
+
+    import compcomm
+    from compcomm.backends import get
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    def outcome(backend: object) -> object:
+        try:
+            return compcomm.compressed_allreduce(torch.full((64,), float(rank)), compcomm.ErrorFeedback(), backend)[
+                0
+            ].item()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/three", rank=rank, world_size=world)
+    sub = dist.new_group([0, 1])
+    old_shm, old_sub = get("shm"), get("gloo", group=sub) if rank < 2 else None
+    before = [outcome("shm"), outcome(old_shm), outcome(old_sub) if old_sub else None]
+    dist.destroy_process_group()
+    if rank == 2:
+        return None
+    dist.init_process_group("gloo", init_method=f"file://{folder}/two", rank=rank, world_size=2)
+    after = {"by name": outcome("shm"), "old shm": outcome(old_shm), "old sub-group": outcome(old_sub)}
+    after["new shm"] = outcome(get("shm"))
+    old_shm.close()
+    dist.destroy_process_group()
+    return {"before": before, **after}
+
+
+def test_backends_of_a_destroyed_default_group_are_refused_and_names_follow_the_new_one(tmp_path):
+    """After the default group was made again with fewer ranks, backend="shm" by name still took
+    the shm backend built for the three ranks (its rank and size fixed then): the call waited for
+    a rank that had gone, then broke the new group's shm lane, so a new shm backend over the new
+    group was refused too; a gloo backend over an old sub-group raised torch's KeyError (from a
+    probe). Names now give a backend of the present group; an old shm backend, or one over an old
+    sub-group, is refused with a RuntimeError that says why, and leaves the new group alone."""
+    results = launch.spawn(backends_of_a_destroyed_group, 3, str(tmp_path), timeout=120)
+    assert results[2] is None
+    for res in results[:2]:
+        assert res["before"][:2] == [1.0, 1.0] and res["before"][2] == 0.5, res
+        assert res["by name"] == 0.5 and res["new shm"] == 0.5, res
+        for old in ("old shm", "old sub-group"):
+            assert res[old].startswith("RuntimeError") and "destroyed" in res[old], res
+
+
 def test_ranks_leaving_process_group_exit_cleanly():
     """launch.process_group lets gloo's workers release their last collectives before the
     process exits (before it, about one run in four of these four ranks died of SIGABRT in
