@@ -310,7 +310,7 @@ class ShmBackend(Backend):
 
     def _fail(self, message: str) -> None:
         self._failed = (
-            f"the shm backend's {message}. Its peers are out of step, so every shm backend over its "
+            f"the shm backend failed: {message}. Its peers are out of step, so every shm backend over its "
             "group is unusable; end the job and restart from a checkpoint"
         )
         raise self._break_channel(self._failed)
