@@ -352,9 +352,7 @@ class ShmBackend(Backend):
         self._finish(segment)
         return None
 
-    def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        if tensor.dtype not in ALL_REDUCE_DTYPES:
-            raise TypeError(f"the shm backend cannot all-reduce {tensor.dtype} tensors")
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> None:  # dtype checked by `all_reduce`
         flat, n, me = tensor.view(-1), self._size, self._rank
         numel, nbytes = flat.numel(), flat.numel() * flat.element_size()
         chunk = -(-numel // (n * _CHUNK_ALIGN)) * _CHUNK_ALIGN
