@@ -216,3 +216,50 @@ def test_fsdp_on_a_torch_without_fsdp2s_seams_says_what_it_needs():
     assert out.returncode == 0 and "set_custom_reduce_scatter" in out.stdout and "torch 2.13" in out.stdout, (
         out.stdout + out.stderr[-2000:]
     )
+
+
+def test_fsdp_imports_without_torch_private_helpers_missing_from_older_torch():
+    """compcomm.fsdp imported `collect_grad_tensors` from torch's private `_common_utils`, which
+    torch 2.11 lacks: `import compcomm.fsdp` raised a bare ImportError there (seen on a GPU
+    machine's torch 2.11), instead of compress saying what that torch lacks."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.distributed.fsdp._common_utils as private\n"
+        "if hasattr(private, 'collect_grad_tensors'):\n"
+        "    del private.collect_grad_tensors  # as torch 2.11, which lacks it\n"
+        "import compcomm.fsdp\n"
+        "print('imported')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-2000:]
+
+
+def test_the_outputs_fsdp_watches_are_found_in_every_container_fsdp_looks_into():
+    """compcomm.fsdp begins a backward at the gradient of a forward's output: those outputs are
+    found in tensors, dicts, lists, tuples, NamedTuples and dataclasses, at any depth, once
+    each, and a structure that holds itself ends the search instead of recursing forever."""
+    import dataclasses
+    from typing import NamedTuple
+
+    from compcomm.fsdp.modules import grad_tensors
+
+    a, b, c, d = (torch.ones(2, requires_grad=True) for _ in range(4))
+    frozen = torch.ones(2)
+
+    class Pair(NamedTuple):
+        left: torch.Tensor
+        right: object
+
+    @dataclasses.dataclass
+    class Out:
+        loss: torch.Tensor
+        extras: dict
+
+    cyclic: list = [d]
+    cyclic.append(cyclic)
+    output = Out(a, {"pair": Pair(b, [frozen, (c,)]), "cycle": cyclic, "n": 3})
+    assert {id(t) for t in grad_tensors(output)} == {id(a), id(b), id(c), id(d)}
+    assert len(grad_tensors(output)) == 4
+    assert grad_tensors(frozen) == [] and grad_tensors(Out) == []

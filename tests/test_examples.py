@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_models import NEEDS_FSDP_SEAMS
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = ("collective", "ddp_hook_sgd", "onebit_adam", "fsdp", "hsdp", "diloco", "hierarchical")
 HELPER = "_ranks"  # the launcher the examples share
@@ -39,7 +41,9 @@ def test_every_example_is_tested_and_shows_how_to_launch_it():
         assert "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d" in doc, name
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=NEEDS_FSDP_SEAMS) if n in ("fsdp", "hsdp") else n for n in SCRIPTS]
+)
 def test_example_runs_on_four_spawned_ranks(name, tmp_path):
     out = run_example([sys.executable, str(EXAMPLES / f"{name}.py")], tmp_path)
     assert f"{name}: OK" in out, out

@@ -16,9 +16,11 @@ import torch
 
 import compcomm
 
-from fsdp_models import batch, full_params, loss_of, make_model, shard
+from fsdp_models import NEEDS_FSDP_SEAMS, batch, full_params, loss_of, make_model, shard
 from rankpool import caught, group
 from reference import assert_close, reference_allreduce, reference_reduce_scatter
+
+pytestmark = NEEDS_FSDP_SEAMS
 
 SHARDS = {"2x2": ((0, 1), (2, 3))}  # HSDP: the shard groups (one per replica)
 REPLICAS = {"2x2": ((0, 2), (1, 3))}

@@ -14,8 +14,10 @@ import compcomm
 from compcomm.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 from compcomm.optim.base import COMPRESSED
 
-from fsdp_models import batch, full_params, loss_of, make_model, shard
+from fsdp_models import NEEDS_FSDP_SEAMS, batch, full_params, loss_of, make_model, shard
 from rankpool import caught, group
+
+pytestmark = NEEDS_FSDP_SEAMS
 
 OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}
 FREEZE = 2

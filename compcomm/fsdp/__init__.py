@@ -109,7 +109,9 @@ def compress(
     docstring for the numerics. Call it on every rank, before the first backward.
 
     `backend`: the compcomm transport over the group that is compressed (a name or a Backend
-    over that group; default gloo for CPU parameters, nccl for CUDA ones). `intra` (HSDP only):
+    over that group; default gloo for CPU parameters, nccl for CUDA ones). The ranks first agree
+    on the arguments over the default (every rank can build it, whatever it was given), so with
+    CUDA parameters the model's groups need NCCL whatever `backend` is. `intra` (HSDP only):
     None leaves FSDP's collectives inside a replica on FSDP's process group; "shm" moves them to
     compcomm's shared-memory backend (CPU parameters, each replica's ranks on one host).
     `grad_scaler`: the GradScaler (e.g. FSDP's ShardedGradScaler) whose scaled loss the backward

@@ -8,6 +8,7 @@ all-reduces across replicas inside FSDP, where no seam reaches.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,3 +165,28 @@ def _parameter_records(module: FSDPModule) -> list[Any]:
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
     return [record for group in groups for record in getattr(group, "fsdp_params", ())]
+
+
+def grad_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors that require gradients in a forward's `output`, at any depth of tensors,
+    dicts, lists, tuples (NamedTuples too) and dataclass instances: where FSDP2 looks for the
+    outputs it hooks its pre-backward to. Written here because torch's helper for it is private
+    and only in torch 2.13 and later."""
+    found: list[torch.Tensor] = []
+    todo, seen = [output], set()
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+            continue
+        if id(item) in seen:  # a structure that holds itself
+            continue
+        seen.add(id(item))
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            todo += [getattr(item, field.name) for field in dataclasses.fields(item)]
+        elif isinstance(item, dict):
+            todo += list(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo += list(item)
+    return found

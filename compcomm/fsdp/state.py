@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._common_utils import collect_grad_tensors
 
 from .. import schedules
 from ..agreement import CallSpec, all_sum, raise_agreed
@@ -39,6 +38,7 @@ from ..optim.shards import register
 from .modules import (
     ShardedModule,
     check_called_over,
+    grad_tensors,
     holds_unreduced_gradients,
     unsharded_gradients_dropped,
     unsharded_parameters,
@@ -420,7 +420,7 @@ class CompressionState:
         a leaf (a parameter returned as it is) lives on past this forward, and would gather a
         hook at each one."""
         if torch.is_grad_enabled():
-            for t in collect_grad_tensors(output):
+            for t in grad_tensors(output):
                 if t.grad_fn is not None:
                     t.register_hook(self._gradient_arrived)
 

@@ -3,9 +3,17 @@ compcomm.fsdp and of the optimizers on sharded parameters."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from rankpool import group
+
+NEEDS_FSDP_SEAMS = pytest.mark.skipif(
+    not hasattr(FSDPModule, "set_reduce_scatter_unused_params"),
+    reason=f"compcomm.fsdp needs FSDPModule.set_reduce_scatter_unused_params, which torch {torch.__version__} lacks "
+    "(torch 2.11 lacks it, 2.13 has it): compress refuses such a torch, saying so",
+)
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
