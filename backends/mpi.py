@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from array import array
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -139,12 +140,23 @@ class MPIBackend(Backend):
             cuda_aware = bool(query_cuda_aware(MPI))
         self.cuda_aware = bool(cuda_aware)
         self.staging = PinnedPool()
-        self._float16 = self._mpi_type("FLOAT16_T")
-        self._bfloat16 = self._mpi_type("BFLOAT16_T")
+        self._float16 = self._mpi_type("FLOAT16_T", one=0x3C00)
+        self._bfloat16 = self._mpi_type("BFLOAT16_T", one=0x3F80)
 
-    def _mpi_type(self, name: str):
+    def _mpi_type(self, name: str, one: int):
+        """MPI's 16-bit float datatype `name` if this MPI library sums it, else None (then the
+        sum goes through fp32). mpi4py can name a datatype that the library it runs on lacks
+        (Open MPI 4.1's FLOAT16_T: MPI_ERR_TYPE at the first all-reduce), so a local sum of
+        1 + 1 (`one`: 1.0's bits in that format; 2.0's are 0x4000 in both) tries it first."""
         t = getattr(self.MPI, name, None)
-        return None if t is None or t == self.MPI.DATATYPE_NULL else t
+        if t is None or t == self.MPI.DATATYPE_NULL:
+            return None
+        term, total = array("H", [one]), array("H", [one])
+        try:
+            self.MPI.SUM.Reduce_local([term, t], [total, t])
+        except self.MPI.Exception:
+            return None
+        return t if total[0] == 0x4000 else None
 
     def _channel_key(self) -> Hashable:
         return ("mpi", _SameObject(self.comm))
