@@ -110,7 +110,8 @@ def test_frozen_peer_makes_every_live_rank_raise_within_the_timeout(tmp_path):
         assert r["after"]["seconds"] < 0.5
         queued, in_flight, fresh = r["queued"], r["in_flight"], r["fresh"]
         assert queued["raised"] == "RuntimeError" and "unusable" in queued["message"], queued
-        assert "within 4s" in queued["message"] and 4.0 <= queued["seconds"] < 5.5
+        # its clock starts a moment after the call it queued behind, whose 4 s it waits out (3.998 s seen)
+        assert "within 4s" in queued["message"] and 3.9 <= queued["seconds"] < 5.5
         assert in_flight["raised"] == "RuntimeError" and "within 4s" in in_flight["message"], in_flight
         assert 4.0 <= in_flight["seconds"] < 6.0
         assert fresh["raised"] == "RuntimeError" and "unusable" in fresh["message"] and fresh["seconds"] < 0.5

@@ -1,5 +1,6 @@
-"""GPU paths: the nccl backend, and the mpi backend with CUDA tensors (staged, and direct when
-MPI is CUDA-aware), each bit for bit against the CPU path. Skipped where CUDA is missing.
+"""GPU paths: the nccl backend, the mpi backend with CUDA tensors (staged, and direct when MPI is
+CUDA-aware), and the training layers on CUDA (the DDP hook, the optimizers, DiLoCo, the
+reduce-scatter of compcomm.fsdp), each against the CPU path. Skipped where CUDA is missing.
 
 NCCL runs 2 spawned ranks on 2 GPUs (world size 1 on a single GPU); MPI runs `mpirun -n 2`
 (both ranks may share one GPU). One launch each for the whole module.
@@ -42,6 +43,13 @@ def mpi_ranks(tmp_path_factory) -> list[dict]:
     return launch(mpirun_python(2) + [str(PROGRAMS / "cuda_checks.py"), "mpi", str(out)], out, "mpi_", 2, TIMEOUT_S)
 
 
+@pytest.fixture(scope="module")
+def training_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("cuda_training")
+    cmd = mpirun_python(2) + [str(PROGRAMS / "cuda_training_checks.py"), str(out)]
+    return launch(cmd, out, "", 2, TIMEOUT_S)
+
+
 def test_nccl_backend_on_current_device(nccl_ranks):
     assert [r["world_size"] for r in passed(nccl_ranks, "backend")] == [len(nccl_ranks)] * len(nccl_ranks)
 
@@ -74,3 +82,25 @@ def test_mpi_cuda_aware_direct(mpi_ranks):
     if not mpi_ranks[0]["detected"]["cuda_aware"]:
         pytest.skip("this MPI does not report CUDA-awareness (MPIX_Query_cuda_support is 0 or absent)")
     assert all(r["steps"] == 54 for r in passed(mpi_ranks, "aware"))
+
+
+@pytest.mark.mpi
+def test_ddp_hook_on_cuda_gives_the_cpu_gradients_bitwise(training_ranks):
+    for r in passed(training_ranks, "ddp_hook"):
+        assert r["steps"] == 6 and r["buckets"] >= 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam", "DiLoCo"])
+def test_optimizer_on_cuda_follows_the_cpu_run_and_resumes_bitwise(training_ranks, kind):
+    assert all(r["relative_gap"] <= 1e-4 for r in passed(training_ranks, kind))
+
+
+@pytest.mark.mpi
+def test_reduce_scatter_on_cuda_gives_the_cpu_shards_bitwise(training_ranks):
+    assert all(r["steps"] == 6 for r in passed(training_ranks, "reduce_scatter"))
+
+
+@pytest.mark.mpi
+def test_hsdp_of_cuda_parameters_over_a_gloo_replicate_group_is_refused_naming_nccl(training_ranks):
+    passed(training_ranks, "hsdp_needs_nccl")
