@@ -15,6 +15,8 @@ its own), one after the other in the same processes (METHODS below; `--methods` 
     ddp_adamw_bf16       DDP + AdamW + torch's bf16_compress_hook
     ddp_adamw_powersgd   DDP + AdamW + torch's PowerSGD hook, rank 4, error feedback, warm start.
                          In ONE DDP bucket: with 2+ buckets the PowerSGD hook deadlocks on gloo.
+                         On a machine with a GPU the hook fails on this CPU training (torch 2.11 and
+                         2.13 synchronize a CUDA device with the CPU one): run with CUDA_VISIBLE_DEVICES=
     ddp_sgd              DDP + SGD with momentum (the uncompressed baseline of the 1-bit hook)
     ddp_sgd_onebit       DDP + SGD with momentum + compcomm.ddp.onebit_hook
     ddp_sgd_onebit_propagate  the same hook with nonfinite="propagate" (for GradScaler: each
