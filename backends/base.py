@@ -104,8 +104,22 @@ class Backend(ABC):
         RuntimeError for a backend whose group is gone (`check_current`)."""
         self.check_current()
         if async_op:
-            return ordering.submit(self.channels, fn, *args)
+            return ordering.submit(self.channels, self._on_device(fn), *args)
         return ordering.run(self.channels, fn, *args)
+
+    def _on_device(self, fn: Callable) -> Callable:
+        """`fn` run with this backend's CUDA device current: async calls run on a worker thread,
+        whose current device is device 0 whatever the caller set (it is per thread), so on any
+        other GPU the kernels and buffers made for "cuda" would land on GPU 0."""
+        device = self.device
+        if device.type != "cuda":
+            return fn
+
+        def on_device(*args: Any) -> Any:
+            with torch.cuda.device(device):
+                return fn(*args)
+
+        return on_device
 
     def check_current(self) -> None:
         """RuntimeError when this backend's group was made under a default process group that

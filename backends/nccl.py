@@ -9,8 +9,9 @@ from .torch_dist import TorchDistBackend
 
 
 class NcclBackend(TorchDistBackend):
-    """Collectives on a NCCL process group (`group=None`: the default group), on the current
-    CUDA device (`torch.cuda.set_device(local_rank)` before building it)."""
+    """Collectives on a NCCL process group (`group=None`: the default group), on the CUDA device
+    current when it is built (`torch.cuda.set_device(local_rank)` first). Fixed then: the
+    current device is a thread's own, and async calls run on a worker thread, whose is device 0."""
 
     name = "nccl"
     device_type = "cuda"
@@ -28,7 +29,8 @@ class NcclBackend(TorchDistBackend):
                 "this torch build has no NCCL: install a CUDA build of torch, or use backend='gloo' or backend='mpi'"
             )
         super().__init__(group)
+        self._device = torch.device("cuda", torch.cuda.current_device())
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
+        return self._device

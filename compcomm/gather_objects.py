@@ -17,7 +17,9 @@ from .backends import Backend
 
 
 def all_gather_object(obj: Any, be: Backend) -> list[Any]:
-    """Every rank's `obj` (anything torch.save takes), in rank order, on every rank."""
+    """Every rank's `obj` (anything torch.save takes), in rank order, on every rank, its tensors
+    on the CPU: loaded where they were saved, rank r's CUDA tensors would land on GPU r in every
+    process (a context and a copy on each peer's GPU, or an error where a process sees one GPU)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     raw = buf.getvalue()
@@ -31,7 +33,8 @@ def all_gather_object(obj: Any, be: Backend) -> list[Any]:
     be.all_gather(send.to(be.device), recv)
     rows = recv.cpu()
     return [
-        torch.load(io.BytesIO(rows[r, : sizes[r]].numpy().tobytes()), weights_only=False) for r in range(be.world_size)
+        torch.load(io.BytesIO(rows[r, : sizes[r]].numpy().tobytes()), map_location="cpu", weights_only=False)
+        for r in range(be.world_size)
     ]
 
 

@@ -66,6 +66,10 @@ def test_nccl_nonfinite_everywhere(nccl_ranks):
     assert all(r["raised"] == "NonFiniteError" for r in passed(nccl_ranks, "nonfinite"))
 
 
+def test_nccl_async_calls_stay_on_each_ranks_own_gpu(nccl_ranks):
+    passed(nccl_ranks, "async_device")
+
+
 @pytest.mark.mpi
 def test_mpi_cuda_staged_through_reused_pinned_buffers(mpi_ranks):
     for r in passed(mpi_ranks, "staged"):
@@ -88,6 +92,11 @@ def test_mpi_cuda_aware_direct(mpi_ranks):
 def test_ddp_hook_on_cuda_gives_the_cpu_gradients_bitwise(training_ranks):
     for r in passed(training_ranks, "ddp_hook"):
         assert r["steps"] == 6 and r["buckets"] >= 2
+
+
+@pytest.mark.mpi
+def test_ddp_hook_resumes_on_cuda_from_a_gathered_state_dict_of_cpu_tensors(training_ranks):
+    assert all(r["steps"] == 6 for r in passed(training_ranks, "ddp_checkpoint"))
 
 
 @pytest.mark.mpi

@@ -171,7 +171,7 @@ def grad_tensors(output: Any) -> list[torch.Tensor]:
     """The tensors that require gradients in a forward's `output`, at any depth of tensors,
     dicts, lists, tuples (NamedTuples too) and dataclass instances: where FSDP2 looks for the
     outputs it hooks its pre-backward to. Written here because torch's helper for it is private
-    and only in torch 2.13 and later."""
+    and missing from older torch (2.11)."""
     found: list[torch.Tensor] = []
     todo, seen = [output], set()
     while todo:

@@ -122,12 +122,30 @@ def nccl_rank(out_dir: str) -> None:
     def check_nonfinite():
         return {"raised": nonfinite_everywhere(nccl, rank, world)}
 
+    def check_async_on_own_device():
+        """An async call runs on a worker thread, whose current CUDA device is device 0: its
+        buffers must still be on this rank's GPU (on GPU 0 they paired with no peer's)."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        inputs = [make_input(rank, 0, n, "float32").to(device) for n in (1001, 70001)]
+        copies = [x.clone() for x in inputs]
+        in_turn = [compcomm.ErrorFeedback() for _ in inputs]
+        at_once = [compcomm.ErrorFeedback() for _ in inputs]
+        compcomm.compressed_allreduce_coalesced(inputs, in_turn, backend=nccl, async_op=True).wait()
+        compcomm.compressed_allreduce_coalesced(copies, at_once, backend=nccl)
+        expect([raw(x) for x in inputs] == [raw(x) for x in copies], "the async call differs from the blocking one")
+        expect(nccl.device == device, f"the backend's device {nccl.device} is not this rank's {device}")
+        others = [d for d in range(torch.cuda.device_count()) if d != device.index]
+        used = [d for d in others if torch.cuda.memory_allocated(d) > 0]
+        expect(not used, f"memory allocated on other GPUs {used}")
+        return {"other_gpus": len(others)}
+
     run_checks(
         {
             "backend": check_backend,
             "parity": check_parity,
             "bytes_sent": check_bytes_sent,
             "nonfinite": check_nonfinite,
+            "async_device": check_async_on_own_device,
         },
         os.path.join(out_dir, f"nccl_rank{rank}.json"),
     )

@@ -100,13 +100,18 @@ def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 # -- the DDP hook ----------------------------------------------------------------------------------
 
 
-def hook_gradients(device: torch.device, group: dist.ProcessGroup, backend) -> tuple[list[bytes], OnebitHookState]:
-    """Each step's averaged gradients under DDP with onebit_hook (exact for 2 steps, then 1-bit)."""
+def hook_gradients(
+    device: torch.device, group: dist.ProcessGroup, backend, steps_run: range = range(STEPS), resume: dict | None = None
+) -> tuple[list[bytes], OnebitHookState]:
+    """Each step's averaged gradients under DDP with onebit_hook (exact for 2 steps, then 1-bit),
+    from a fresh state or from the state dict `resume`."""
     model = DDP(ExactNet().to(device), process_group=group, bucket_cap_mb=0.0005)
     state = OnebitHookState(process_group=group, start_iter=2, backend=backend)
+    if resume is not None:
+        state.load_state_dict(resume)
     model.register_comm_hook(state, onebit_hook)
     steps = []
-    for step in range(STEPS):
+    for step in steps_run:
         model.zero_grad(set_to_none=True)
         model(inputs(step, device)).backward()
         steps.append(b"".join(raw(p.grad) for p in model.parameters()))
@@ -123,6 +128,31 @@ def check_ddp_hook(cuda_group: dist.ProcessGroup, cpu_group: dist.ProcessGroup) 
     errors = [t for ef in state.error_feedback.values() for t in (ef.worker_error, ef.server_error)]
     on_device(errors, "the hook's error feedback")
     return {"steps": len(same), "buckets": len(state.error_feedback)}
+
+
+def check_ddp_checkpoint(cuda_group: dist.ProcessGroup) -> dict:
+    """The hook's gathered state dict (one file for every rank) holds CPU tensors, and a run
+    resumed from it on the GPU reduces as the uninterrupted one, bit for bit."""
+    half = STEPS // 2
+    first, state = hook_gradients(DEVICE, cuda_group, "mpi", range(half))
+    gathered = state.gathered_state_dict()
+    stray = [tuple(t.shape) for t in tensors_in(gathered) if t.device.type != "cpu"]
+    expect(not stray, f"the gathered state dict holds tensors of shapes {stray} off the CPU")
+    uninterrupted, _ = hook_gradients(DEVICE, cuda_group, "mpi")
+    resumed, _ = hook_gradients(DEVICE, cuda_group, "mpi", range(half, STEPS), resume=gathered)
+    expect(first == uninterrupted[:half], "the first steps differ between two runs")
+    expect(resumed == uninterrupted[half:], "the run resumed from the gathered state dict differs")
+    return {"steps": STEPS}
+
+
+def tensors_in(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_in(v)]
+    return []
 
 
 # -- the optimizers --------------------------------------------------------------------------------
@@ -237,6 +267,7 @@ def main(out: str) -> None:
     cpu_group = dist.new_group(list(range(WORLD)), backend="gloo")
     checks: dict[str, Callable[[], dict | None]] = {
         "ddp_hook": lambda: check_ddp_hook(dist.group.WORLD, cpu_group),
+        "ddp_checkpoint": lambda: check_ddp_checkpoint(dist.group.WORLD),
         **{kind: (lambda kind=kind: check_optimizer(kind)) for kind in ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")},
         "DiLoCo": lambda: check_optimizer("DiLoCo"),
         "reduce_scatter": check_reduce_scatter,
