@@ -131,7 +131,7 @@ def check_ddp_hook(cuda_group: dist.ProcessGroup, cpu_group: dist.ProcessGroup) 
 
 
 def check_ddp_checkpoint(cuda_group: dist.ProcessGroup) -> dict:
-    """The hook's gathered state dict (one file for every rank) holds CPU tensors, and a run
+    """The hook's gathered state dict (one file for every rank) holds CPU tensors only, and a run
     resumed from it on the GPU reduces as the uninterrupted one, bit for bit."""
     half = STEPS // 2
     first, state = hook_gradients(DEVICE, cuda_group, "mpi", range(half))
