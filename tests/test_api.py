@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -180,29 +182,28 @@ def test_async_op_matches_sync_and_reports_errors_at_wait(pool):
     assert all(r == {"same": True, "returned": True, "error": "NonFiniteError"} for r in pool.run(async_calls))
 
 
+def fresh_python(code: str) -> subprocess.CompletedProcess:
+    """`code` run by a new interpreter: imports as a fresh process sees them."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
 def test_every_documented_module_is_an_attribute_after_import_compcomm():
     """`import compcomm` then `compcomm.launch.mpirun(4)` (docs/guides/collective.md) raised
     AttributeError: launch was not imported with the package. A fresh interpreter, since this
     one's other tests import the submodules themselves."""
-    import subprocess
-    import sys
-
     code = (
         "import compcomm\n"
         "for name in ('backends', 'ddp', 'fsdp', 'launch', 'layout', 'optim'):\n"
         "    getattr(compcomm, name)\n"
         "print(compcomm.launch.mpirun.__name__)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = fresh_python(code)
     assert out.returncode == 0 and out.stdout.strip() == "mpirun", out.stderr[-2000:]
 
 
 def test_fsdp_on_a_torch_without_fsdp2s_seams_says_what_it_needs():
     """A torch whose FSDP2 lacks the custom collectives (`_fsdp_api`, as before they existed)
     raised a bare ImportError from deep inside compcomm.fsdp."""
-    import subprocess
-    import sys
-
     code = (
         "import sys\n"
         "sys.modules['torch.distributed.fsdp._fully_shard._fsdp_api'] = None  # as a torch without it\n"
@@ -212,7 +213,7 @@ def test_fsdp_on_a_torch_without_fsdp2s_seams_says_what_it_needs():
         "except ImportError as exc:\n"
         "    print(exc)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = fresh_python(code)
     assert out.returncode == 0 and "set_custom_reduce_scatter" in out.stdout and "torch 2.13" in out.stdout, (
         out.stdout + out.stderr[-2000:]
     )
@@ -222,9 +223,6 @@ def test_fsdp_imports_without_torch_private_helpers_missing_from_older_torch():
     """compcomm.fsdp imported `collect_grad_tensors` from torch's private `_common_utils`, which
     torch 2.11 lacks: `import compcomm.fsdp` raised a bare ImportError there (seen on a GPU
     machine's torch 2.11), instead of compress saying what that torch lacks."""
-    import subprocess
-    import sys
-
     code = (
         "import torch.distributed.fsdp._common_utils as private\n"
         "if hasattr(private, 'collect_grad_tensors'):\n"
@@ -232,7 +230,7 @@ def test_fsdp_imports_without_torch_private_helpers_missing_from_older_torch():
         "import compcomm.fsdp\n"
         "print('imported')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = fresh_python(code)
     assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-2000:]
 
 
