@@ -680,6 +680,21 @@ def test_unknown_backend_on_one_rank_raises_on_every_rank(pool):
     assert all(r is not None and r[0] == "ValueError" and "rank 3: unknown backend 'nope'" in r[1] for r in results)
 
 
+def no_parameters_on_one_rank():
+    """Rank 3 passes no parameters: torch's Optimizer raised there before DiLoCo's agreement,
+    and the other ranks waited in it until the group's timeout."""
+    model = make_model()
+    params = [] if rank_of(WORLD) == 3 else list(model.parameters())
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    return caught(DiLoCo, params, inner, sync_every=4, backend=gloo())
+
+
+def test_no_parameters_on_one_rank_raises_on_every_rank(pool):
+    results = pool.run(no_parameters_on_one_rank)
+    assert all(r is not None and r[0] == "ValueError" and "rank 3: " in r[1] for r in results), results
+    assert "empty parameter list" in results[0][1], results
+
+
 def save_on_four() -> bytes:
     _, opt = trained(3)
     buf = io.BytesIO()

@@ -175,11 +175,17 @@ class DiLoCo(torch.optim.Optimizer):
         rotate: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        super().__init__(params, {})
-        mine = [p for group in self.param_groups for p in group["params"]]
+        try:
+            super().__init__(params, {})
+            no_params = None
+        except (TypeError, ValueError) as exc:  # e.g. an empty list on this rank alone: raised below, everywhere
+            no_params = exc
+        mine = [p for group in getattr(self, "param_groups", ()) for p in group["params"]]
         trained = [i for i, p in enumerate(mine) if p.requires_grad]  # the synced: frozen ones stay as they are
-        be, failure = resolve_for_call(backend, mine[0])
+        be, failure = resolve_for_call(backend, mine[0] if mine else None)
         try:  # a bad argument on one rank is raised on every rank, not left to hang the others
+            if no_params is not None:
+                raise no_params
             overlap = _checked_arguments(
                 inner, mine, sync_every, fragments, start_iter, bucket_bytes, passes, passes_until, overlap_steps
             )
