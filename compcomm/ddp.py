@@ -144,6 +144,7 @@ class OnebitHookState:
         self._backend_arg = backend
         self._backends: dict[str, Backend] = {}
         self._numbers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its number
+        self._numbered = 0  # numbers given: `_numbers` forgets freed parameters, their numbers stay taken
         self._params: list[tuple[tuple[int, ...], str]] = []  # number -> (shape, dtype)
         self._params_loaded = False  # `_params` came whole from a checkpoint: no parameter beyond them
         self._buckets: dict[Key, ErrorFeedback] = {}
@@ -221,7 +222,7 @@ class OnebitHookState:
         the same answer."""
         number = self._numbers.get(p)
         if number is None:
-            number = len(self._numbers)
+            number, self._numbered = self._numbered, self._numbered + 1
             self._numbers[p] = number
         if number >= len(self._params):
             if self._params_loaded or number > len(self._params):
@@ -241,13 +242,16 @@ class OnebitHookState:
 
     def _parts(self, params: list[torch.Tensor]) -> tuple[Key, list[Key]]:
         """The bucket's key and the known buckets it is reduced as: itself, or the known buckets
-        that exactly make it up. An unknown bucket becomes known; known ones it overlaps are dropped."""
+        that exactly make it up while they hold errors (laid out in their own order, so kept, at
+        the price of gathering the bucket's pieces into them at each call). An unknown bucket
+        becomes known; known ones it overlaps are dropped."""
         key = tuple(self._number(p) for p in params)
         if key in self._buckets:
             return key, [key]
         found = list(dict.fromkeys(self._owner.get(number) for number in key))
         owners = [k for k in found if k is not None]
-        if len(owners) == len(found) and sum(len(k) for k in owners) == len(key):
+        made_of_them = len(owners) == len(found) and sum(len(k) for k in owners) == len(key)
+        if made_of_them and any(self._buckets[k].initialized for k in owners):
             return key, owners
         for old in owners:
             del self._buckets[old]
@@ -326,7 +330,7 @@ class OnebitHookState:
         self.iter, self.start_iter, self._params = iteration, start_iter, params
         self._params_loaded = bool(params)
         if not params:  # a state saved before any backward knows no parameter: the numbering starts over
-            self._numbers = WeakIdKeyDictionary()
+            self._numbers, self._numbered = WeakIdKeyDictionary(), 0
         self._loss_scale.load(scale)
         self._buckets, self._spares, self._pending = buckets, {}, []
         self._owner = {number: key for key in buckets for number in key}

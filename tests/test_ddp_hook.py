@@ -128,9 +128,9 @@ def test_warmup_iterations_equal_plain_ddp_bitwise(pool, members):
 # ------------------------------------------------------------------ compressed = compressed_allreduce
 
 
-def compressed_vs_reference(start_iter: int, steps: int) -> dict:
+def compressed_vs_reference(start_iter: int, steps: int, bucket_mb: float = BUCKET_MB) -> dict:
     rank = dist.get_rank()
-    ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+    ddp = DDP(make_net(), bucket_cap_mb=bucket_mb)
     rec = {"state": OnebitHookState(start_iter=start_iter), "log": []}
     ddp.register_comm_hook(rec, recording_hook)
     params = train(ddp, sgd(ddp), range(steps), rank)
@@ -165,6 +165,15 @@ def test_compressed_buckets_equal_compressed_allreduce_per_bucket(pool, start_it
         assert res["state_buckets"] == res["later"]  # the pre-rebuild bucket's errors were dropped
     for step in range(6):
         assert len({res["params"][step] for res in results}) == 1, f"ranks differ after step {step}"
+
+
+def test_a_bucket_the_rebuild_only_reorders_is_reduced_in_its_new_order(pool):
+    """DDP's rebuild keeps a one-bucket model's bucket and reorders its parameters: the hook took
+    it for the pre-rebuild bucket and reduced a reordered copy of it at every iteration (a
+    gather and a scatter of the whole bucket), though that bucket held no errors yet."""
+    for rank, res in enumerate(pool.run(compressed_vs_reference, 2, 4, 25.0)):
+        assert res["mismatches"] == [], f"rank {rank}: buckets differ from the reference: {res['mismatches']}"
+        assert res["first"] == res["later"] == res["state_buckets"] == 1, res
 
 
 # ------------------------------------------------------------------ sub-group and explicit backends
@@ -363,6 +372,30 @@ def test_a_live_state_loaded_with_a_smaller_models_state_is_refused_at_every_bac
     for failures in pool.run(live_state_loads_a_smaller_models):
         for failure in failures:
             assert failure is not None and failure[0] == "ValueError" and "another model" in failure[1], failures
+
+
+def a_layer_replaced_under_a_live_state() -> tuple[list[tuple[str, str] | None], bytes]:
+    """A layer of a trained model replaced (the old one freed), the model wrapped in DDP again
+    with the same hook state: the state numbered the new layer's parameters by how many it
+    still knew, the numbers of parameters it held already, and the second backward raised a
+    KeyError inside DDP's reducer (DDP unusable after)."""
+    rank = dist.get_rank()
+    ddp, state = hooked(start_iter=1)
+    train(ddp, sgd(ddp), range(3), rank)
+    model = ddp.module
+    del ddp
+    torch.manual_seed(1)
+    model.head = torch.nn.Linear(16, 4)  # its parameters were the first the state numbered
+    gc.collect()
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+    ddp.register_comm_hook(state, onebit_hook)
+    return [caught(lambda: loss_of(ddp, rank, step).backward()) for step in range(3, 6)], raw(model)
+
+
+def test_a_layer_replaced_under_a_live_state_gets_numbers_of_its_own(pool):
+    results = pool.run(a_layer_replaced_under_a_live_state)
+    assert all(failures == [None] * 3 for failures, _ in results), results
+    assert len({params for _, params in results}) == 1
 
 
 def states_of_different_models_loaded() -> tuple[str, str] | None:
