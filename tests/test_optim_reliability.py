@@ -162,6 +162,37 @@ def trained(name: str, steps: int) -> tuple[torch.nn.Module, OnebitOptimizer]:
     return model, opt
 
 
+def lr_changed_on_one_rank(name: str) -> tuple[list[tuple[str, str] | None], bytes]:
+    """Rank 1's learning rate set apart after the first steps (a scheduler or a hand-set lr
+    gone wrong on one rank): only the first step compared the settings, and the parameters
+    drifted apart silently. Refused at every step until it agrees again, nothing changed."""
+    rank = rank_of(4)
+    model = make_model()
+    if name == "zeroone":
+        be = compcomm.backends.get("gloo", group=group(4))
+        opt: OnebitOptimizer = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=2, backend=be)
+    else:
+        opt = make_optimizer(name, model, 4, 2)
+    failures = []
+    for step in range(5):
+        if step == 2 and rank == 1:
+            opt.param_groups[0]["lr"] = 0.05
+        if step == 4 and rank == 1:
+            opt.param_groups[0]["lr"] = 1e-2  # agreeing again
+        backward(model, rank, step)
+        failures.append(caught(opt.step))
+    return failures, raw(model)
+
+
+@pytest.mark.parametrize("name", [*OPTIMIZERS, "zeroone"])
+def test_a_setting_changed_on_one_rank_after_the_first_step_is_refused_at_every_step(pool, name):
+    results = pool.run(lr_changed_on_one_rank, name)
+    for failures, _ in results:
+        assert failures[:2] == [None, None] and failures[4] is None, failures
+        assert all(f is not None and f[0] == "ValueError" and "param_groups[0].lr" in f[1] for f in failures[2:4])
+    assert len({params for _, params in results}) == 1
+
+
 def from_rank0(obj):
     """Rank 0's `obj` on every rank, through a file's bytes (what a shared checkpoint file gives)."""
     import torch.distributed as dist

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import math
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -347,6 +348,19 @@ class OnebitOptimizer(torch.optim.Optimizer):
             **_hyperparameters(self.param_groups if groups is None else groups),
         }
 
+    def _settings_key(self) -> float:
+        """A digest (< 2^20) of the settings as they are now, but for tensors (a mask: compared at
+        the first step only), which each step's verdict compares across ranks: a learning rate
+        changed on one rank after the first step would let the parameters drift apart unseen."""
+        plain = {**self._schedule(), "bucket_bytes": self.bucket_bytes, "overlap": bool(self.overlap)}
+        plain.update(_hyperparameters(self.param_groups, tensors=False))
+        return float(zlib.crc32(repr(sorted(plain.items())).encode()) % (1 << 20))
+
+    def _refuse_differing_settings(self, be: Backend) -> None:
+        """The ValueError naming the setting that differs, raised on every rank (each rank's
+        verdict found the digests apart; a collective)."""
+        agree_on_values(self._settings(), be, self._settings_differ)
+
     @property
     def _settings_differ(self) -> str:
         return (
@@ -573,11 +587,11 @@ def _check_mask(mask: Any, params: list[torch.Tensor]) -> None:
             )
 
 
-def _hyperparameters(groups: list[dict[str, Any]]) -> dict[str, Any]:
+def _hyperparameters(groups: list[dict[str, Any]], tensors: bool = True) -> dict[str, Any]:
     """The groups' settings as compared across ranks, named `param_groups[i].key`: plain values
     (numbers, strings, None, and sequences of them, as tuples) as they are, and tensors (an
-    `exp_avg_mask`) by shape, dtype and a digest of their bytes; the parameters and their names,
-    and objects that other code may have added, are left out."""
+    `exp_avg_mask`) by shape, dtype and a digest of their bytes, unless `tensors` is False; the
+    parameters and their names, and objects that other code may have added, are left out."""
 
     def plain(v: Any) -> bool:
         if isinstance(v, (tuple, list)):
@@ -593,5 +607,5 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> dict[str, Any]:
         f"param_groups[{i}].{k}": compared(v)
         for i, group in enumerate(groups)
         for k, v in group.items()
-        if k not in ("params", "param_names") and (plain(v) or torch.is_tensor(v))
+        if k not in ("params", "param_names") and (plain(v) or (tensors and torch.is_tensor(v)))
     }

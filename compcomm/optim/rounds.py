@@ -74,6 +74,10 @@ class Payloads(Protocol):
 
     def _payload_shows_nonfinite(self, kind: str) -> bool: ...
 
+    def _settings_key(self) -> float: ...
+
+    def _refuse_differing_settings(self, be: Backend) -> None: ...
+
 
 @dataclass
 class Launch:
@@ -358,17 +362,25 @@ class GradientRounds:
     def _verdict(self, scale: float | None, found_inf: bool) -> bool:
         """The step's one all-reduce: is some rank's gradient non-finite? did some rank change its
         gradients after backward (or skip backward's hooks), so that every rank must send again?
-        does some rank hold a sparse gradient (refused on every rank)? and, if the buckets are not
-        laid out yet, do the ranks see the same order of readiness? Returns the first answer."""
+        does some rank hold a sparse gradient (refused on every rank)? do the ranks hold the same
+        settings now (a learning rate changed on one rank: refused on every rank)? and, if the
+        buckets are not laid out yet, do the ranks see the same order of readiness? Returns the
+        first answer."""
         rnd, t = self.round, self.owner.step_count + 1
         stale = rnd is None or rnd.t != t or rnd.scale != scale or rnd.versions != self._versions(self.grads())
         order = self._ready_order()
         key = self._order_key(order)
         kind = self.owner._kind(t)
         this_rank = found_inf or (not self.owner._payload_shows_nonfinite(kind) and self.locally_nonfinite())
+        settings = self.owner._settings_key()
         flags = [float(this_rank), float(stale), float(self._sparse()), float(self._missed_under_scaler)]
-        nonfinite, restart, sparse, missed, keys, squares = all_sum([*flags, key, key * key], self.backend)
+        sums = all_sum([*flags, key, key * key, settings, settings * settings], self.backend)
+        nonfinite, restart, sparse, missed, keys, squares = sums[:6]
         self._refuse(sparse, missed)
+        n = self.backend.world_size
+        if sums[6] != n * settings or sums[7] != n * settings * settings:  # not the same everywhere
+            self.cancel()
+            self.owner._refuse_differing_settings(self.backend)
         if self.layout is None:
             self._lay_out_if_agreed(order, keys, squares)
         if restart or self.round is None:
