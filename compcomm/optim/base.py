@@ -337,23 +337,22 @@ class OnebitOptimizer(torch.optim.Optimizer):
         step makes (subclasses); step 1 and `load_state_dict` check that every rank has the same."""
         return {}
 
-    def _settings(self, groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def _settings(self, groups: list[dict[str, Any]] | None = None, tensors: bool = True) -> dict[str, Any]:
         """What every rank must hold alike: the schedule, the bucketing and overlap (which decide
         the collectives of a backward), and the hyperparameters of `groups` (default: this
-        optimizer's; a checkpoint's, before it is loaded)."""
+        optimizer's; a checkpoint's, before it is loaded), their tensors unless `tensors` is False."""
         return {
             **self._schedule(),
             "bucket_bytes": self.bucket_bytes,
             "overlap": bool(self.overlap),
-            **_hyperparameters(self.param_groups if groups is None else groups),
+            **_hyperparameters(self.param_groups if groups is None else groups, tensors),
         }
 
     def _settings_key(self) -> float:
         """A digest (< 2^20) of the settings as they are now, but for tensors (a mask: compared at
         the first step only), which each step's verdict compares across ranks: a learning rate
         changed on one rank after the first step would let the parameters drift apart unseen."""
-        plain = {**self._schedule(), "bucket_bytes": self.bucket_bytes, "overlap": bool(self.overlap)}
-        plain.update(_hyperparameters(self.param_groups, tensors=False))
+        plain = self._settings(tensors=False)
         return float(zlib.crc32(repr(sorted(plain.items())).encode()) % (1 << 20))
 
     def _refuse_differing_settings(self, be: Backend) -> None:
