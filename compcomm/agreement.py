@@ -48,7 +48,7 @@ import torch
 from .backends import Backend
 from .backends.base import AGREED
 from .backends.ordering import Channel
-from .error_feedback import DROPPED, ErrorFeedback
+from .error_feedback import DROPPED, ErrorFeedback, Served
 from .errors import NonFiniteError
 from .layout import is_integer
 from .tensor_memory import Span, any_in, overlaps_itself, share_elements, span
@@ -266,10 +266,10 @@ def _check_apart_from_errors(spans: list[Span], efs: list[ErrorFeedback], outs: 
 
 
 def check_arguments(
-    tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, serves: Callable[[int], tuple[int, int, str]]
+    tensor: torch.Tensor, ef: ErrorFeedback, be: Backend, op: str, serves: Callable[[int], Served]
 ) -> None:
     """This rank's own checks of one tensor of a call (TypeError/ValueError); `ef` must hold
-    errors of the (numel, world_size, layout) that `serves(numel)` gives, or none yet."""
+    errors of the (numel, world_size, layout, rank) that `serves(numel)` gives, or none yet."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"compressed collectives take a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
@@ -342,13 +342,13 @@ def agree_on_call(
     schedule: str,
     sequence: int,
     measure: Callable[[int], Measured],
-    serves: Callable[[int], tuple[int, int, str]],
+    serves: Callable[[int], Served],
     fold: bool = True,
 ) -> Agreement:
     """Phase 0 of `spec` over `be` for `schedule`, the call numbered `sequence` on the group.
 
     `measure(i)` runs the schedule's local pass over tensor i (after `check_arguments`, with the
-    ErrorFeedback serving `serves(numel)`: numel, world size and layout); with `fold`, the first
+    ErrorFeedback serving `serves(numel)`: numel, world size, layout and rank); with `fold`, the first
     tensor's rows travel in the headers' all-to-all as far as the agreed room holds. Returns the
     agreement, or raises the agreed error on every rank of `be` with nothing modified."""
     calls, headers, failure = _check_call(spec, be, schedule, sequence, serves)
@@ -365,7 +365,7 @@ def agree_on_call(
 
 
 def agree_on_arguments(
-    spec: CallSpec, be: Backend, schedule: str, sequence: int, serves: Callable[[int], tuple[int, int, str]]
+    spec: CallSpec, be: Backend, schedule: str, sequence: int, serves: Callable[[int], Served]
 ) -> np.ndarray:
     """The first half of phase 0 in two halves, for a schedule that sends its rows while it
     measures them (`Backend.all_to_all_as_produced`): this rank's checks and every rank's digest
@@ -416,7 +416,7 @@ def previous_row_width(be: Backend) -> int:
 
 
 def _check_call(
-    spec: CallSpec, be: Backend, schedule: str, sequence: int, serves: Callable[[int], tuple[int, int, str]]
+    spec: CallSpec, be: Backend, schedule: str, sequence: int, serves: Callable[[int], Served]
 ) -> tuple[np.ndarray, np.ndarray, Exception | None]:
     """This rank's checks of the call: its CALL records, its headers (digests, and the code of
     the error the checks raised, if any) and that error."""

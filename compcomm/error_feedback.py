@@ -21,6 +21,8 @@ from .layout import chunk_size, is_integer, padded_size
 _KEYS = ("worker_error", "server_error", "numel", "world_size")
 ALLREDUCE, REDUCE_SCATTER = "allreduce", "reduce_scatter"
 LAYOUTS = (ALLREDUCE, REDUCE_SCATTER)
+Served = tuple[int, int, str, int]
+"""What an ErrorFeedback's calls serve: (elements, world size, layout, this rank among them)."""
 """How the worker error lines up with the tensor. An allreduce pads the N elements at the end to
 M = ceil(N / 8n) * 8n and keeps a server error of C = M / n; a reduce-scatter cuts the tensor into
 n rows of L = N / n elements, each padded to ceil(L / 8) * 8 (also M in all), and keeps no server
@@ -34,8 +36,10 @@ class ErrorFeedback:
     `server_error` (fp32, (C,)) what the code of its served chunk of the average left out (None
     for a reduce-scatter, which has no server side; see `LAYOUTS`). Both are None until the
     first successful call, which sizes them for its (numel, world size) and records its
-    `layout`; using the instance for another numel, world size or collective is a ValueError,
-    because the carried errors would belong to other elements. Checkpoint it with `state_dict()`.
+    `layout` and this process's `rank` among those ranks; using the instance for another numel,
+    world size or collective, or on another rank (a state loaded from another rank's file), is a
+    ValueError, because the carried errors would belong to other elements. Checkpoint it with
+    `state_dict()`.
 
     `tag` names the reduced tensor in each call's header, so that ranks pairing different
     ErrorFeedbacks in one call (async calls submitted in different orders) raise a ValueError
@@ -65,6 +69,7 @@ class ErrorFeedback:
         self.numel: int | None = None
         self.world_size: int | None = None
         self.layout: str | None = None
+        self.rank: int | None = None  # this process's rank among world_size when the errors were made
         self._server_max: float | None = None  # max |server_error|, valid while `_server_seen` says so
         self._server_seen: tuple[weakref.ref[torch.Tensor], int | None] | None = None
         self.double_buffer = double_buffer
@@ -140,6 +145,7 @@ class ErrorFeedback:
             "numel": None,
             "world_size": None,
             "layout": ALLREDUCE if held else None,
+            "rank": None,
             "_server_max": None,
             "double_buffer": True,
             "tag": "",
@@ -177,11 +183,18 @@ class ErrorFeedback:
         """A 32-bit digest of `tag`, carried in every call's header."""
         return zlib.crc32(self.tag.encode())
 
-    def mismatch(self, numel: int, world_size: int, layout: str = ALLREDUCE) -> str | None:
-        """Why this state cannot serve a call of (numel, world_size) with `layout`, or None if it can."""
+    def mismatch(self, numel: int, world_size: int, layout: str = ALLREDUCE, rank: int | None = None) -> str | None:
+        """Why this state cannot serve a call of (numel, world_size) with `layout` on `rank`
+        (None: any rank), or None if it can."""
         if not self.initialized:
             return None
         if (self.numel, self.world_size, self.layout) == (numel, world_size, layout):
+            if rank is not None and self.rank is not None and self.rank != rank:
+                return (
+                    f"this ErrorFeedback holds the errors of rank {self.rank} of {world_size}, not of rank {rank}: "
+                    "each rank carries its own errors, so a state saved on one rank does not resume another; "
+                    "load each rank's own state_dict() (one file per rank) or reset() it"
+                )
             return self._unfit_buffer(numel, world_size, layout)
         if self.layout != layout:
             return (
@@ -398,6 +411,7 @@ class ErrorFeedback:
         if self.server_error is not None and source.server_error is not None:
             self.server_error.copy_(source.server_error)
         self.numel, self.world_size, self.layout = source.numel, source.world_size, source.layout
+        self.rank = source.rank
         self._note_server_max(source._known_server_max())
         return self
 
@@ -446,20 +460,22 @@ class ErrorFeedback:
     def reset(self) -> None:
         """Forget the carried errors (the next call starts from zero)."""
         self.worker_error = self.server_error = None
-        self.numel = self.world_size = self.layout = None
+        self.numel = self.world_size = self.layout = self.rank = None
         self._server_max = None
         self._spare = self._spare_server = None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's errors and what they belong to: `worker_error`, `server_error`, `numel`,
-        `world_size` (and `layout` for a reduce-scatter). They differ across ranks: save one file
-        per rank. The tensors hold this moment's values, which a later call may write over: save
+        `world_size`, `rank` (and `layout` for a reduce-scatter). They differ across ranks: save
+        one file per rank (another rank's state loads, and its next call is refused on every
+        rank). The tensors hold this moment's values, which a later call may write over: save
         them (or clone them) before the next call."""
         state: dict[str, Any] = {
             "worker_error": self.worker_error,
             "server_error": self.server_error,
             "numel": self.numel,
             "world_size": self.world_size,
+            "rank": self.rank,
         }
         if self.layout == REDUCE_SCATTER:
             state["layout"] = REDUCE_SCATTER
@@ -470,9 +486,10 @@ class ErrorFeedback:
 
         A ValueError, with this instance unchanged, for anything `state_dict()` cannot have
         produced: missing keys, tensors of another shape or rank or not floating point,
-        non-finite values, non-zero padding. Floating-point errors of another dtype are
-        converted to fp32 (a float64 value beyond fp32's range is refused). A never-used
-        instance's state (all None) resets this one.
+        non-finite values, non-zero padding, a rank outside the world size. Floating-point
+        errors of another dtype are converted to fp32 (a float64 value beyond fp32's range is
+        refused). A never-used instance's state (all None) resets this one. A state without a
+        `rank` (saved before states recorded it) serves any rank.
         """
         if not isinstance(state, Mapping) or any(key not in state for key in _KEYS):
             raise ValueError(
@@ -487,6 +504,9 @@ class ErrorFeedback:
         if layout not in LAYOUTS:
             raise ValueError(f"ErrorFeedback state: layout must be one of {LAYOUTS}, got {layout!r}")
         numel, world = _count("numel", numel, 0), _count("world_size", world, 1)
+        rank = state.get("rank")
+        if rank is not None and not (is_integer(rank) and 0 <= rank < world):
+            raise ValueError(f"ErrorFeedback state: rank must be None or an integer in [0, {world}), got {rank!r}")
         worker = _error_tensor("worker_error", worker, padded_size(numel, world))
         if layout == REDUCE_SCATTER:
             if numel % world:
@@ -501,6 +521,7 @@ class ErrorFeedback:
             raise ValueError("ErrorFeedback state: worker_error is not zero on the padding")
         self.worker_error, self.server_error = worker, server
         self.numel, self.world_size, self.layout, self._server_max = numel, world, layout, None
+        self.rank = None if rank is None else int(rank)
 
 
 def _fits(t: object, shape: tuple[int, ...], device: torch.device, avoid: set[int]) -> bool:

@@ -151,6 +151,8 @@ def bad_call(case: str) -> tuple[tuple[str, str] | None, bool]:
             out = torch.empty(11)
         elif case == "numel":
             x, out = make_input(be.rank, 1, 44), torch.empty(11)
+        elif case == "another-rank":  # rank 2's state_dict(), loaded on rank 1
+            ef.load_state_dict({**ef.state_dict(), "rank": 2})
     failure = caught(compcomm.compressed_reduce_scatter, out, x, ef, backend=be)
     untouched = torch.equal(ef.worker_error, before) and bool((out == 7.0).all() or out.numel() != 10)
     return failure, untouched
@@ -163,6 +165,7 @@ def bad_call(case: str) -> tuple[tuple[str, str] | None, bool]:
         ("indivisible", "ValueError", "multiple of 4"),
         ("output", "ValueError", "one row of the input"),
         ("numel", "ValueError", "40-element tensor"),
+        ("another-rank", "ValueError", "errors of rank 2 of 4, not of rank 1"),
     ],
 )
 def test_bad_call_raises_on_every_rank_and_changes_nothing(pool, case, error, words):

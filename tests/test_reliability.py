@@ -273,6 +273,50 @@ def test_an_error_state_edited_on_one_rank_is_refused_on_every_rank(pool, case, 
     assert all(r["kept"] for r in results)
 
 
+def another_ranks_state(source: int) -> dict:
+    """Two calls, then a resume from rank `source`'s state_dict() (the save-on-rank-0 habit, or
+    each rank's own file with source -1) into a fresh ErrorFeedback, and a third call."""
+    import torch.distributed as dist
+
+    rank = rank_of()
+    ef = compcomm.ErrorFeedback(tag="resumed")
+    for step in range(2):
+        compcomm.compressed_allreduce(seeded(rank, step=step), ef, backend="gloo")
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(
+        states, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ef.state_dict().items()}
+    )
+    resumed = compcomm.ErrorFeedback(tag="resumed")
+    resumed.load_state_dict(states[rank if source < 0 else source])
+    before, t = snapshot(resumed), seeded(rank, step=2)
+    original = t.clone()
+    error = caught(compcomm.compressed_allreduce, t, resumed, backend="gloo")
+    uninterrupted = seeded(rank, step=2)
+    compcomm.compressed_allreduce(uninterrupted, ef, backend="gloo")
+    return {
+        "error": error,
+        "kept": error is None or (unchanged(resumed, before) and torch.equal(t, original)),
+        "resumed exactly": error is not None or (bits(t) == bits(uninterrupted) and unchanged(resumed, snapshot(ef))),
+        "rank": states[rank]["rank"],
+    }
+
+
+@pytest.mark.parametrize("source", [-1, 0, 2])
+def test_another_ranks_error_state_is_refused_on_every_rank(pool, source):
+    """An ErrorFeedback records the rank whose errors it holds: another rank's state, loaded
+    (rank 0's file on every rank, or rank 2's), is a ValueError on every rank at its next call,
+    nothing changed; each rank's own state resumes bit for bit. Before, another rank's state of
+    the same size loaded and the call went on with the wrong errors (wrong sums, silently)."""
+    results = pool.run(another_ranks_state, source)
+    assert [r["rank"] for r in results] == list(range(len(results)))
+    assert all(r["kept"] and r["resumed exactly"] for r in results), results
+    if source < 0:
+        assert all(r["error"] is None for r in results), results
+    else:
+        assert all(r["error"] is not None and r["error"][0] == "ValueError" for r in results), results
+        assert all("rank" in r["error"][1] for r in results), results
+
+
 def coalesced(bad: bool) -> dict:
     """One agreement for several tensors: a NaN in the last leaves the first untouched."""
     rank = rank_of()
@@ -522,6 +566,8 @@ def test_tensors_that_require_grad(pool):
         },
         {"worker_error": torch.zeros(8, device="meta"), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
         {"worker_error": torch.zeros(8).to_sparse(), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
+        {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": 8, "world_size": 1, "rank": 1},
+        {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": 8, "world_size": 1, "rank": True},
     ],
     ids=[
         "empty",
@@ -539,6 +585,8 @@ def test_tensors_that_require_grad(pool):
         "beyond-fp32",
         "meta",
         "sparse",  # raised aten's NotImplementedError
+        "rank-beyond-world",
+        "rank-bool",
     ],
 )
 @pytest.mark.filterwarnings("ignore:compcomm. an ErrorFeedback made at:RuntimeWarning")  # one per case, on purpose
@@ -562,6 +610,24 @@ def test_load_state_dict_takes_numpy_counts():
     assert unchanged(fresh, snapshot(ef)) and type(fresh.numel) is int
     with pytest.raises(ValueError, match="world_size must be an integer"):
         compcomm.ErrorFeedback().load_state_dict({**state, "world_size": True})
+    fresh.load_state_dict({**state, "rank": np.int64(0)})
+    assert type(fresh.rank) is int
+
+
+def test_a_state_saved_without_its_rank_serves_any_rank():
+    """States saved before ErrorFeedback recorded its rank (no "rank" key) load and resume."""
+    ef = compcomm.ErrorFeedback()
+    compcomm.compressed_allreduce(seeded(0), ef, backend="local")
+    state = ef.state_dict()
+    assert state["rank"] == 0
+    del state["rank"]
+    old = compcomm.ErrorFeedback()
+    old.load_state_dict(state)
+    assert old.rank is None
+    a, b = seeded(1), seeded(1)
+    compcomm.compressed_allreduce(a, ef, backend="local")
+    compcomm.compressed_allreduce(b, old, backend="local")
+    assert bits(a) == bits(b) and old.rank == 0
 
 
 def test_only_the_error_states_own_bytes_are_refused():

@@ -76,7 +76,7 @@ class _Module:
         if self.replicas is None:
             world, layout, across = self.shard.world_size, REDUCE_SCATTER, "its shard group"
         else:  # over a hierarchical backend, the errors are of the part this rank reduces across nodes
-            _, world, layout = schedules.serves(self.replicas)(1)
+            _, world, layout, _ = schedules.serves(self.replicas)(1)
             across = "the replicas of its shard"
         if errors.world_size != world or errors.layout != layout:
             raise ValueError(

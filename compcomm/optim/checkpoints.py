@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..backends import Backend
-from ..error_feedback import ErrorFeedback
+from ..error_feedback import ErrorFeedback, Served
 from ..gather_objects import agree_on_values, all_gather_object
 from ..layout import is_integer
 from .buckets import BucketLayout
@@ -117,11 +117,11 @@ def agree_on_position(position: dict[str, Any], be: Backend) -> None:
     )
 
 
-def error_feedback_problem(saved: list[Any], served: list[tuple[int, int, str]], remedy: str) -> str | None:
+def error_feedback_problem(saved: list[Any], served: list[Served], remedy: str) -> str | None:
     """Why a checkpoint's error-feedback states cannot load (None if every one can): each is
     loaded into a fresh ErrorFeedback first, so that a refused one (malformed, non-finite) is
     found, and agreed, before anything is loaded, and must hold the errors of what its bucket's
-    calls serve here (`served[b]`: elements, ranks, layout; see `schedules.serves`), which
+    calls serve here (`served[b]`: elements, ranks, layout, rank; see `schedules.serves`), which
     another layout of the same ranks (flat, hierarchical) splits otherwise; `remedy` says what to
     do then."""
     if not isinstance(saved, list) or len(saved) != len(served):

@@ -18,6 +18,7 @@ import torch
 
 from ..agreement import CallSpec
 from ..backends import Backend, HierarchicalBackend
+from ..error_feedback import Served
 from . import flat, hierarchical
 from .reduce_scatter import reduce_scatter as _reduce_scatter
 
@@ -29,9 +30,9 @@ def allreduce(spec: CallSpec, be: Backend) -> list[torch.Tensor]:
     return flat.allreduce(spec, be)
 
 
-def serves(be: Backend) -> Callable[[int], tuple[int, int, str]]:
+def serves(be: Backend) -> Callable[[int], Served]:
     """What the ErrorFeedback of a numel-element tensor holds after an allreduce over `be`:
-    (elements, ranks, layout), for checking saved errors before they are loaded."""
+    (elements, ranks, layout, this rank), for checking saved errors before they are loaded."""
     if isinstance(be, HierarchicalBackend):
         return lambda numel: hierarchical.part_of(be, numel)
     return flat.serves(be)

@@ -59,7 +59,7 @@ from ..agreement import (
 )
 from ..backends import Backend
 from ..backends.rank_order import sum_in_rank_order
-from ..error_feedback import ALLREDUCE, ErrorFeedback
+from ..error_feedback import ALLREDUCE, ErrorFeedback, Served
 from ..errors import largest_magnitude
 from ..layout import chunk_size, real_count
 
@@ -161,10 +161,10 @@ def _calls(
     ]
 
 
-def serves(be: Backend) -> Callable[[int], tuple[int, int, str]]:
+def serves(be: Backend) -> Callable[[int], Served]:
     """What the ErrorFeedback of a numel-element tensor holds after a call over `be`:
-    (elements, ranks, layout)."""
-    return lambda numel: (numel, be.world_size, ALLREDUCE)
+    (elements, ranks, layout, this rank)."""
+    return lambda numel: (numel, be.world_size, ALLREDUCE, be.rank)
 
 
 def _scan(spec: CallSpec, i: int, n: int) -> Scanned:
@@ -338,9 +338,11 @@ class FlatCall:
         coder = codec.codec_for(device)
         if self.x_prime is not None:  # the scan wrote the worker error's new state
             server, previous = into.take_x_prime(source, self.x_prime, self.scale, numel, n)
+            into.rank = be.rank
             received = self._phase1(lambda: None)
         else:
             worker, maybe_server, worker_out = into.follow(source, numel, n, device)
+            into.rank = be.rank
             assert maybe_server is not None  # an allreduce's errors have a server side
             server = previous = maybe_server
 

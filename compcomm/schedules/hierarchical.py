@@ -42,7 +42,7 @@ from ..agreement import CallSpec, Measured, agree_on_call, raise_agreed
 from ..backends.hierarchical import HierarchicalBackend
 from ..backends.ordering import Channel
 from ..backends.rank_order import sum_in_rank_order
-from ..error_feedback import ALLREDUCE
+from ..error_feedback import ALLREDUCE, Served
 from ..layout import chunk_size, real_count
 from . import flat
 
@@ -59,10 +59,10 @@ _ACROSS_NODES = (
 )
 
 
-def part_of(be: HierarchicalBackend, numel: int) -> tuple[int, int, str]:
-    """(elements, ranks, layout) of the part of a `numel`-element tensor this rank reduces
-    across nodes: what its ErrorFeedback serves."""
-    return real_count(be.intra.rank, numel, be.intra.world_size), be.inter.world_size, ALLREDUCE
+def part_of(be: HierarchicalBackend, numel: int) -> Served:
+    """(elements, ranks, layout, rank) of the part of a `numel`-element tensor this rank reduces
+    across nodes: what its ErrorFeedback serves (the rank is its node's, among the nodes)."""
+    return real_count(be.intra.rank, numel, be.intra.world_size), be.inter.world_size, ALLREDUCE, be.inter.rank
 
 
 def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:

@@ -37,7 +37,7 @@ import torch
 from .. import codec
 from ..agreement import Agreement, CallSpec, Measured, agree_on_call, exchange_rows
 from ..backends import Backend
-from ..error_feedback import REDUCE_SCATTER, ErrorFeedback
+from ..error_feedback import REDUCE_SCATTER, ErrorFeedback, Served
 from ..errors import largest_magnitude
 from . import flat
 
@@ -79,7 +79,7 @@ def prepare(spec: CallSpec, be: Backend) -> list[ShardCall]:
         "reduce_scatter",
         be.sequence_number(),
         measure,
-        lambda numel: _rows(numel, n),
+        lambda numel: _rows(numel, n, be.rank),
     )
     return [
         ShardCall(spec, i, be, agreement, flat_input, rows, scales, spec.reduced_exactly(i))
@@ -87,14 +87,14 @@ def prepare(spec: CallSpec, be: Backend) -> list[ShardCall]:
     ]
 
 
-def _rows(numel: int, n: int) -> tuple[int, int, str]:
-    """What the ErrorFeedback of a `numel`-element input serves; ValueError when the input does
-    not split into n rows."""
+def _rows(numel: int, n: int, rank: int) -> Served:
+    """What the ErrorFeedback of a `numel`-element input serves on `rank`; ValueError when the
+    input does not split into n rows."""
     if numel % n:
         raise ValueError(
             f"a reduce-scatter over {n} ranks needs an input whose numel is a multiple of {n}, got {numel}"
         )
-    return numel, n, REDUCE_SCATTER
+    return numel, n, REDUCE_SCATTER, rank
 
 
 def _check_shapes(tensor: torch.Tensor, output: torch.Tensor | None, n: int) -> None:
@@ -185,6 +185,7 @@ class ShardCall:
         length = numel // n
         into = self.spec.into(self.index)
         worker, _, worker_out = into.follow(self.spec.error_feedbacks[self.index], numel, n, device, REDUCE_SCATTER)
+        into.rank = self.be.rank
         rows_in, rows_out = worker.view(n, -1), worker_out.view(n, -1)
         coder = codec.codec_for(device)
         for j in range(n):
