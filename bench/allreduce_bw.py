@@ -209,7 +209,7 @@ def check_args(args) -> list[str]:
 def print_header(args, n: int, label: str) -> None:
     print(
         f"# compcomm allreduce_bw: {label}, world size {n}, backend {args.backend}, dtype {args.dtype}, "
-        f"iters {args.iters}, warmup {args.warmup}, op mean"
+        f"iters {args.iters}, warmup {max(1, args.warmup)}, op mean"
     )
     print(codec_line())
     if emulation.label():
@@ -293,7 +293,7 @@ def measure(op: str, be, x: torch.Tensor, exact: torch.Tensor, args, size: int, 
         "time_min_us": float(times.min()) * 1e6,
         "time_max_us": float(times.max()) * 1e6,
         "iters": args.iters,
-        "warmup": max(1, args.warmup),  # the first call, which measures the error, always runs
+        "warmup": max(1, args.warmup),  # the first call, which measures the error, always runs (-w 0 too)
         "peak_transient_bytes": None if math.isnan(peak) else int(peak),
         **emulation.record_fields(),
     }

@@ -74,8 +74,12 @@ def launch_label(world: int) -> str:
 
 def mpirun_needed(nprocs: int) -> str | None:
     """None under mpirun; elsewhere, what to tell a user who asked for --backend mpi: the mpirun
-    command that runs this very command line on `nprocs` local ranks, or how to get an mpirun."""
-    if launch.launcher() == "mpirun":
+    command that runs this very command line on `nprocs` local ranks (as many as torchrun
+    started, under torchrun), or how to get an mpirun."""
+    how = launch.launcher()
+    if how == "torchrun":
+        nprocs = int(os.environ["WORLD_SIZE"])
+    if how == "mpirun":
         return None
     try:
         command = " ".join([*launch.mpirun(nprocs), *sys.argv])

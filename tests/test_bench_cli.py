@@ -164,6 +164,26 @@ def test_allreduce_bw_records_one_name_per_dtype_and_the_untimed_calls_that_ran(
     assert bw.measure("compressed", be, x, x.clone(), args, 256)["warmup"] == 1
 
 
+def test_allreduce_bw_header_says_the_untimed_calls_that_run(capsys):
+    """With -w 0 the header said "warmup 0" while the records said 1 (the call that measures
+    the error always runs)."""
+    bw = bench_scripts.load("allreduce_bw")
+    args = bw.build_parser().parse_args(["-w", "0"])
+    bw.check_args(args)
+    bw.print_header(args, 2, "test")
+    assert "warmup 1," in capsys.readouterr().out
+
+
+def test_the_mpi_hint_under_a_launcher_names_the_ranks_it_started(monkeypatch):
+    """--backend mpi under torchrun printed an mpirun line for --nprocs' default (4), not for
+    the ranks torchrun had started."""
+    ranks = bench_scripts.load("ranks")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    why = ranks.mpirun_needed(4)
+    assert why is not None and " -n 3 " in why, why
+
+
 def test_allreduce_bw_rows_stay_within_the_sizes_asked_for():
     bw = bench_scripts.load("allreduce_bw")
     assert bw.sweep_sizes(1, 8, 2, 4) == [4, 8]
