@@ -144,6 +144,9 @@ class CallSpec:
     rank: what its `backend=` argument raised (`resolve_for_call`; the call then runs on the
     default transport only to refuse it), or a caller's own check (`compcomm.fsdp`: a module
     whose gradients changed layout).
+    `owner` is the rank the error feedback records and checks (`ErrorFeedback.rank`) where it is
+    not this process's rank in the schedule's group: a composite's rank among all its ranks,
+    since the node's ranks reduce different parts over the same group across nodes.
     """
 
     tensors: list[torch.Tensor]
@@ -157,6 +160,7 @@ class CallSpec:
     formed: list[tuple[torch.Tensor | None, float]] | None = None
     limits: list[float] | None = None
     refused: Exception | None = None
+    owner: int | None = None
 
     @classmethod
     def of(
@@ -180,6 +184,10 @@ class CallSpec:
             if isinstance(ef, ErrorFeedback) and isinstance(tensor, torch.Tensor):
                 DROPPED.count_call(ef, tensor.numel())
         return spec
+
+    def owner_over(self, be: Backend) -> int:
+        """The rank the error feedback of a call over `be` records (see `owner`)."""
+        return be.rank if self.owner is None else self.owner
 
     def into(self, i: int) -> ErrorFeedback:
         """Where tensor i's errors after the call go: its output ErrorFeedback, or its own."""

@@ -69,7 +69,7 @@ class ErrorFeedback:
         self.numel: int | None = None
         self.world_size: int | None = None
         self.layout: str | None = None
-        self.rank: int | None = None  # this process's rank among world_size when the errors were made
+        self.rank: int | None = None  # the rank whose errors these are (`CallSpec.owner`)
         self._server_max: float | None = None  # max |server_error|, valid while `_server_seen` says so
         self._server_seen: tuple[weakref.ref[torch.Tensor], int | None] | None = None
         self.double_buffer = double_buffer
@@ -191,9 +191,9 @@ class ErrorFeedback:
         if (self.numel, self.world_size, self.layout) == (numel, world_size, layout):
             if rank is not None and self.rank is not None and self.rank != rank:
                 return (
-                    f"this ErrorFeedback holds the errors of rank {self.rank} of {world_size}, not of rank {rank}: "
-                    "each rank carries its own errors, so a state saved on one rank does not resume another; "
-                    "load each rank's own state_dict() (one file per rank) or reset() it"
+                    f"this ErrorFeedback holds the errors of rank {self.rank}, not of rank {rank}: each rank "
+                    "carries its own errors, so a state saved or used on another rank does not serve this one; "
+                    "load this rank's own state_dict() (one file per rank) or reset() it"
                 )
             return self._unfit_buffer(numel, world_size, layout)
         if self.layout != layout:
@@ -486,7 +486,7 @@ class ErrorFeedback:
 
         A ValueError, with this instance unchanged, for anything `state_dict()` cannot have
         produced: missing keys, tensors of another shape or rank or not floating point,
-        non-finite values, non-zero padding, a rank outside the world size. Floating-point
+        non-finite values, non-zero padding, a negative rank. Floating-point
         errors of another dtype are converted to fp32 (a float64 value beyond fp32's range is
         refused). A never-used instance's state (all None) resets this one. A state without a
         `rank` (saved before states recorded it) serves any rank.
@@ -505,8 +505,8 @@ class ErrorFeedback:
             raise ValueError(f"ErrorFeedback state: layout must be one of {LAYOUTS}, got {layout!r}")
         numel, world = _count("numel", numel, 0), _count("world_size", world, 1)
         rank = state.get("rank")
-        if rank is not None and not (is_integer(rank) and 0 <= rank < world):
-            raise ValueError(f"ErrorFeedback state: rank must be None or an integer in [0, {world}), got {rank!r}")
+        if rank is not None and not (is_integer(rank) and rank >= 0):
+            raise ValueError(f"ErrorFeedback state: rank must be None or an integer >= 0, got {rank!r}")
         worker = _error_tensor("worker_error", worker, padded_size(numel, world))
         if layout == REDUCE_SCATTER:
             if numel % world:

@@ -244,30 +244,35 @@ def test_an_error_feedback_of_a_flat_call_is_refused_by_a_hierarchical_one_sayin
     assert "Over a hierarchical backend an ErrorFeedback holds this rank's part" in results[0][1]
 
 
-def another_nodes_state(layout: str) -> dict:
-    """Two calls, then each rank resumes from the state of the rank with its place on the other
-    node (the same part of the tensor, the other node's errors) and makes a third call."""
+def another_ranks_state(layout: str, node_peer: bool) -> dict:
+    """Two calls, then each rank resumes from another rank's state and makes a third call: the
+    rank with its place on the other node (`node_peer`: the same part of the tensor, the other
+    node's errors), or the next rank of its own node (another part, of the same size where the
+    parts are even: the save-on-LOCAL_RANK-0 habit)."""
     from compcomm.gather_objects import all_gather_object
 
     be = _backends[layout]
     ef = compcomm.ErrorFeedback(tag="resumed")
     for step in range(2):
-        compcomm.compressed_allreduce(make_input(be.rank, step, 1001), ef, backend=be)
+        compcomm.compressed_allreduce(make_input(be.rank, step, 1056), ef, backend=be)
     states = all_gather_object(ef.state_dict(), be)
     k = be.intra.world_size
     resumed = compcomm.ErrorFeedback(tag="resumed")
-    resumed.load_state_dict(states[(be.rank + k) % be.world_size])
-    t = make_input(be.rank, 2, 1001)
+    node, local = divmod(be.rank, k)
+    source = (be.rank + k) % be.world_size if node_peer else node * k + (local + 1) % k
+    resumed.load_state_dict(states[source])
+    t = make_input(be.rank, 2, 1056)
     original = t.clone()
     return {"error": caught(compcomm.compressed_allreduce, t, resumed, backend=be), "kept": torch.equal(t, original)}
 
 
+@pytest.mark.parametrize("node_peer", [True, False])
 @pytest.mark.parametrize("layout", ["2x2", "2x3/shm"])
-def test_another_nodes_error_state_is_refused_on_every_rank(six, layout):
+def test_another_ranks_error_state_is_refused_on_every_rank(six, layout, node_peer):
     """Over a hierarchical backend an ErrorFeedback holds its node's errors of this rank's part:
-    the state of the rank holding the same part on another node is refused on every rank (it
-    loaded and gave wrong sums before)."""
-    results = six.run(another_nodes_state, layout, ranks=ranks_of(layout))
+    the state of the rank holding the same part on another node, or another part of the same
+    size on this node, is refused on every rank (it loaded and gave wrong sums before)."""
+    results = six.run(another_ranks_state, layout, node_peer, ranks=ranks_of(layout))
     assert all(r["error"] is not None and r["error"][0] == "ValueError" and r["kept"] for r in results), results
 
 

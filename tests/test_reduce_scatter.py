@@ -165,7 +165,7 @@ def bad_call(case: str) -> tuple[tuple[str, str] | None, bool]:
         ("indivisible", "ValueError", "multiple of 4"),
         ("output", "ValueError", "one row of the input"),
         ("numel", "ValueError", "40-element tensor"),
-        ("another-rank", "ValueError", "errors of rank 2 of 4, not of rank 1"),
+        ("another-rank", "ValueError", "errors of rank 2, not of rank 1"),
     ],
 )
 def test_bad_call_raises_on_every_rank_and_changes_nothing(pool, case, error, words):

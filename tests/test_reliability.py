@@ -566,7 +566,7 @@ def test_tensors_that_require_grad(pool):
         },
         {"worker_error": torch.zeros(8, device="meta"), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
         {"worker_error": torch.zeros(8).to_sparse(), "server_error": torch.zeros(8), "numel": 8, "world_size": 1},
-        {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": 8, "world_size": 1, "rank": 1},
+        {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": 8, "world_size": 1, "rank": -1},
         {"worker_error": torch.zeros(8), "server_error": torch.zeros(8), "numel": 8, "world_size": 1, "rank": True},
     ],
     ids=[
@@ -585,7 +585,7 @@ def test_tensors_that_require_grad(pool):
         "beyond-fp32",
         "meta",
         "sparse",  # raised aten's NotImplementedError
-        "rank-beyond-world",
+        "rank-negative",
         "rank-bool",
     ],
 )

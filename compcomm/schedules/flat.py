@@ -91,7 +91,9 @@ def prepare(spec: CallSpec, be: Backend) -> list[FlatCall]:
     if be.sends_row_by_row(previous_row_width(be)):
         return _prepare_streaming(spec, be)
     scanned: dict[int, Scanned] = {}
-    agreement = agree_on_call(spec, be, "allreduce", be.sequence_number(), _measure(spec, be, scanned), serves(be))
+    agreement = agree_on_call(
+        spec, be, "allreduce", be.sequence_number(), _measure(spec, be, scanned), _serves(spec, be)
+    )
     return _calls(spec, be, agreement, scanned, None)
 
 
@@ -104,7 +106,7 @@ def _prepare_streaming(spec: CallSpec, be: Backend) -> list[FlatCall]:
     phase 0b agrees on the bounds (s_r, max |e_s|) and on any rank's failed scan. A rejected call
     has sent signs that no server uses and changes nothing. A first tensor reduced exactly
     takes the ordinary phase 1 (its rows are the tensor itself: there is no scan to overlap)."""
-    calls = agree_on_arguments(spec, be, "allreduce", be.sequence_number(), serves(be))
+    calls = agree_on_arguments(spec, be, "allreduce", be.sequence_number(), _serves(spec, be))
     scanned: dict[int, Scanned] = {}
     if spec.reduced_exactly(0):
         agreement = agree_on_measures(spec, be, calls, _measure(spec, be, scanned))
@@ -165,6 +167,11 @@ def serves(be: Backend) -> Callable[[int], Served]:
     """What the ErrorFeedback of a numel-element tensor holds after a call over `be`:
     (elements, ranks, layout, this rank)."""
     return lambda numel: (numel, be.world_size, ALLREDUCE, be.rank)
+
+
+def _serves(spec: CallSpec, be: Backend) -> Callable[[int], Served]:
+    """`serves(be)` with the rank the call's error feedback records (`CallSpec.owner`)."""
+    return lambda numel: (numel, be.world_size, ALLREDUCE, spec.owner_over(be))
 
 
 def _scan(spec: CallSpec, i: int, n: int) -> Scanned:
@@ -338,11 +345,11 @@ class FlatCall:
         coder = codec.codec_for(device)
         if self.x_prime is not None:  # the scan wrote the worker error's new state
             server, previous = into.take_x_prime(source, self.x_prime, self.scale, numel, n)
-            into.rank = be.rank
+            into.rank = self.spec.owner_over(be)
             received = self._phase1(lambda: None)
         else:
             worker, maybe_server, worker_out = into.follow(source, numel, n, device)
-            into.rank = be.rank
+            into.rank = self.spec.owner_over(be)
             assert maybe_server is not None  # an allreduce's errors have a server side
             server = previous = maybe_server
 

@@ -61,8 +61,9 @@ _ACROSS_NODES = (
 
 def part_of(be: HierarchicalBackend, numel: int) -> Served:
     """(elements, ranks, layout, rank) of the part of a `numel`-element tensor this rank reduces
-    across nodes: what its ErrorFeedback serves (the rank is its node's, among the nodes)."""
-    return real_count(be.intra.rank, numel, be.intra.world_size), be.inter.world_size, ALLREDUCE, be.inter.rank
+    across nodes: what its ErrorFeedback serves (the rank is this one's among all the ranks:
+    the node's ranks reduce different parts across the same nodes)."""
+    return real_count(be.intra.rank, numel, be.intra.world_size), be.inter.world_size, ALLREDUCE, be.rank
 
 
 def allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
@@ -115,6 +116,7 @@ def _allreduce(spec: CallSpec, be: HierarchicalBackend) -> list[torch.Tensor]:
             outputs=[_own_part(be, out) for out in outs],  # decoded there as phase 2 arrives
             formed=formed,
             limits=spec.limits,
+            owner=be.rank,
         )
         try:
             calls = flat.prepare(across, be.inter)
