@@ -157,6 +157,12 @@ class Backend(ABC):
     def device(self) -> torch.device:
         """The device whose buffers the collectives take (cpu, or this rank's CUDA device)."""
 
+    def world_ranks(self) -> list[int] | None:
+        """The members' ranks in the launch's whole world (torch's default group, MPI's
+        COMM_WORLD), in this group's order, for messages that name ranks; None where they are
+        this group's own (the whole world, a group of its first ranks, one process)."""
+        return None
+
     def serves(self, device: torch.device) -> bool:
         """Whether tensors on `device` can go through this backend."""
         return device.type == self.device.type

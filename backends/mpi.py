@@ -172,6 +172,11 @@ class MPIBackend(Backend):
     def rank(self) -> int:
         return self._rank
 
+    def world_ranks(self) -> list[int] | None:
+        world = self.MPI.COMM_WORLD.Get_group()
+        ranks = list(self.comm.Get_group().Translate_ranks(list(range(self._size)), world))
+        return None if ranks == list(range(self._size)) else ranks
+
     @property
     def world_size(self) -> int:
         return self._size

@@ -78,6 +78,7 @@ from .torch_dist import (
     made_before_this_world,
     made_under_a_destroyed_group,
     require_member,
+    world_ranks_of,
 )
 from .waiting import timeout_seconds
 
@@ -166,6 +167,9 @@ class ShmBackend(Backend):
 
     def _channel_key(self) -> Hashable:
         return self._key
+
+    def world_ranks(self) -> list[int] | None:
+        return world_ranks_of(self.group)
 
     def check_current(self) -> None:
         """Its rank and size are those of the default group it was built under: refused once that

@@ -63,6 +63,9 @@ class TorchDistBackend(Backend):
         """One private group per set of member ranks (and per initialization of torch.distributed)."""
         return self._group_facts().key
 
+    def world_ranks(self) -> list[int] | None:
+        return world_ranks_of(self.group)
+
     def check_current(self) -> None:
         """A backend over the default group (group=None) follows it when it is made again; one
         over a group made under a destroyed default group is refused."""
@@ -186,6 +189,12 @@ class _GroupFacts(NamedTuple):
 def group_key(kind: str, group: dist.ProcessGroup | None) -> GroupKey:
     """The key of `kind`'s transport over `group` (None: the default group), as of now."""
     return GroupKey(kind, dist.group.WORLD, tuple(dist.get_process_group_ranks(group or dist.group.WORLD)))
+
+
+def world_ranks_of(group: dist.ProcessGroup | None) -> list[int] | None:
+    """`Backend.world_ranks` of a backend over `group` (None: the default group)."""
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return None if ranks is None or ranks == list(range(len(ranks))) else ranks
 
 
 def made_under_a_destroyed_group(name: str) -> RuntimeError:

@@ -366,7 +366,7 @@ def agree_on_call(
     memory = _group_memory(be.channel)
     with _refusal_noted(spec):
         everyone, early = _exchange(headers, be, first_rows, memory.fold_room if fold else None)
-    _raise_if_rejected(everyone, calls, failure, be)
+    _raise_if_rejected(everyone, calls, failure, be, spec.owner is None)
     if fold:
         _remember_rows(memory, calls, first_rows, be.world_size)
     return Agreement(everyone, early)
@@ -382,7 +382,7 @@ def agree_on_arguments(
     calls, headers, failure = _check_call(spec, be, schedule, sequence, serves)
     with _refusal_noted(spec):
         everyone, _ = _exchange(headers, be, None, None)
-    _raise_if_rejected(everyone, calls, failure, be)
+    _raise_if_rejected(everyone, calls, failure, be, spec.owner is None)
     return calls
 
 
@@ -393,7 +393,7 @@ def agree_on_measures(spec: CallSpec, be: Backend, calls: np.ndarray, measure: C
     headers = _headers(calls)
     failure, first_rows = _measure(spec, headers, measure)
     everyone = _all_gather_records(headers, be)
-    _raise_if_rejected(everyone, calls, failure, be)
+    _raise_if_rejected(everyone, calls, failure, be, spec.owner is None)
     _remember_rows(_group_memory(be.channel), calls, first_rows, be.world_size)
     return Agreement(everyone, None)
 
@@ -547,21 +547,25 @@ def _all_gather_records(records: np.ndarray, be: Backend) -> np.ndarray:
     return recv.cpu().numpy().view(records.dtype).reshape(be.world_size, len(records))
 
 
-def _raise_if_rejected(headers: np.ndarray, calls: np.ndarray, failure: Exception | None, be: Backend) -> None:
-    """Raise the same error on every rank if any rank's call is invalid or would overflow."""
+def _raise_if_rejected(
+    headers: np.ndarray, calls: np.ndarray, failure: Exception | None, be: Backend, in_world: bool
+) -> None:
+    """Raise the same error on every rank if any rank's call is invalid or would overflow.
+    `in_world`: name the ranks with their world ranks too (a user's call, not the inner group of
+    a composite, whose ranks' messages are agreed again over groups that map otherwise)."""
     first = headers[:, 0]
     bad = np.flatnonzero(first["code"])
     if bad.size:
         rank = int(bad[0])
         message = gather_messages(str(failure) if failure else "", be)[rank]
-        raise _agreed(ERRORS[int(first["code"][rank]) - 1](f"rank {rank}: {message}")) from failure
+        raise _agreed(ERRORS[int(first["code"][rank]) - 1](f"{rank_named(be, rank, in_world)}: {message}")) from failure
     if (headers["digest"] != headers["digest"][:1]).any():
         raise ValueError(_disagreement(_all_gather_records(calls[:1] if headers.shape[1] == 1 else calls, be)))
     finite = np.isfinite(headers["scale"]) & np.isfinite(headers["server_max"])
     if not finite.all():
         raise NonFiniteError(
-            f"non-finite values (NaN/Inf) in the input or error state of rank(s) "
-            f"{np.flatnonzero(~finite.all(axis=1)).tolist()}; nothing was reduced and no "
+            f"non-finite values (NaN/Inf) in the input or error state of "
+            f"{ranks_named(be, np.flatnonzero(~finite.all(axis=1)).tolist(), in_world)}; nothing was reduced and no "
             "error state changed"
         )
     for i in range(headers.shape[1]):
@@ -678,6 +682,19 @@ def agreed_failure(failure: BaseException | None, be: Backend, context: str = ""
     message = gather_messages(f"{own}{failure or ''}", be)[first]
     ranks = f"rank(s) {failed} failed; " if len(failed) > 1 else ""
     return _agreed(ERRORS[int(codes[first, 0]) - 1](f"{context}{ranks}{message}"))
+
+
+def rank_named(be: Backend, rank: int, in_world: bool) -> str:
+    """ "rank r" of `be`'s group, with its rank in the whole world where that differs and
+    `in_world` (a sub-group's messages otherwise name positions the user never numbered)."""
+    world = be.world_ranks() if in_world else None
+    return f"rank {rank}" if world is None else f"rank {rank} (world rank {world[rank]})"
+
+
+def ranks_named(be: Backend, ranks: list[int], in_world: bool) -> str:
+    """ "rank(s) [...]" of `be`'s group, as `rank_named`."""
+    world = be.world_ranks() if in_world else None
+    return f"rank(s) {ranks}" if world is None else f"rank(s) {ranks} (world rank(s) {[world[r] for r in ranks]})"
 
 
 def _agreed(error: Exception) -> Exception:

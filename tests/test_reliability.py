@@ -317,6 +317,35 @@ def test_another_ranks_error_state_is_refused_on_every_rank(pool, source):
         assert all("rank" in r["error"][1] for r in results), results
 
 
+def failure_on_a_subgroup(case: str) -> tuple | None:
+    """A failure on world rank 3, rank 2 of the sub-group of world ranks 1, 2 and 3."""
+    import torch.distributed as dist
+
+    rank = rank_of()
+    group = dist.new_group([1, 2, 3])
+    if rank == 0:
+        return None
+    t = seeded(rank)
+    if rank == 3:
+        t = t.double() if case == "dtype" else t.index_fill_(0, torch.tensor([5]), float("nan"))
+    be = compcomm.backends.get("gloo", group=group)
+    return caught(compcomm.compressed_allreduce, t, compcomm.ErrorFeedback(), backend=be)
+
+
+@pytest.mark.parametrize(
+    "case, kind, words",
+    [
+        ("dtype", "TypeError", "rank 2 (world rank 3): compressed collectives take float32"),
+        ("nan", "NonFiniteError", "error state of rank(s) [2] (world rank(s) [3])"),
+    ],
+)
+def test_an_agreed_error_on_a_subgroup_names_the_world_rank_too(pool, case, kind, words):
+    """The ranks an agreed error names are positions in the call's group; on a sub-group they
+    are now given with their world ranks (HSDP's messages named two groups' positions alone)."""
+    results = pool.run(failure_on_a_subgroup, case)[1:]
+    assert all(r is not None and r[0] == kind and words in r[1] for r in results), results
+
+
 def coalesced(bad: bool) -> dict:
     """One agreement for several tensors: a NaN in the last leaves the first untouched."""
     rank = rank_of()

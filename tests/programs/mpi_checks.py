@@ -145,6 +145,16 @@ def check_split() -> dict:
     per_rank = WORLD.allgather(outputs[-1])
     expect(per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3], "ranks of one group differ")
     expect(per_rank[0] != per_rank[2], "the two groups gave the same result: not reduced separately")
+    t = make_input(RANK, 3, numel, "float32", seed=11)
+    if RANK % 2:
+        t[0] = float("nan")
+    try:
+        compcomm.compressed_allreduce(t, compcomm.ErrorFeedback(), backend=be)
+        named = ""
+    except compcomm.NonFiniteError as exc:
+        named = str(exc)
+    world = f" (world rank(s) [{2 * color + 1}])" if color else ""  # group 0's ranks are the world's
+    expect(f"of rank(s) [1]{world};" in named, f"the refusal names the ranks: {named!r}")
     sub.Free()
     return {"group": color, "sub_rank": RANK % 2}
 
