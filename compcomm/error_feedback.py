@@ -21,12 +21,13 @@ from .layout import chunk_size, is_integer, padded_size
 _KEYS = ("worker_error", "server_error", "numel", "world_size")
 ALLREDUCE, REDUCE_SCATTER = "allreduce", "reduce_scatter"
 LAYOUTS = (ALLREDUCE, REDUCE_SCATTER)
-Served = tuple[int, int, str, int]
-"""What an ErrorFeedback's calls serve: (elements, world size, layout, this rank among them)."""
 """How the worker error lines up with the tensor. An allreduce pads the N elements at the end to
 M = ceil(N / 8n) * 8n and keeps a server error of C = M / n; a reduce-scatter cuts the tensor into
 n rows of L = N / n elements, each padded to ceil(L / 8) * 8 (also M in all), and keeps no server
 error (each row has one owner, which decodes it exactly)."""
+Served = tuple[int, int, str, int]
+"""What an ErrorFeedback's calls serve: (elements, world size, layout, the rank whose errors
+they are: this one's in the call's group, or among a composite's ranks, `CallSpec.owner`)."""
 
 
 class ErrorFeedback:
@@ -36,7 +37,7 @@ class ErrorFeedback:
     `server_error` (fp32, (C,)) what the code of its served chunk of the average left out (None
     for a reduce-scatter, which has no server side; see `LAYOUTS`). Both are None until the
     first successful call, which sizes them for its (numel, world size) and records its
-    `layout` and this process's `rank` among those ranks; using the instance for another numel,
+    `layout` and the `rank` whose errors they are; using the instance for another numel,
     world size or collective, or on another rank (a state loaded from another rank's file), is a
     ValueError, because the carried errors would belong to other elements. Checkpoint it with
     `state_dict()`.
