@@ -91,6 +91,21 @@ def sweep_sizes(lo: int, hi: int, factor: float, elem: int) -> list[int]:
     return sizes
 
 
+def memory_problem(max_bytes: int, elem: int, ranks_here: int, physical: int) -> str | None:
+    """Why the largest size cannot fit in this host's memory, or None: each rank holds at least
+    the input and the copy it reduces in the tensor's dtype, and the exact mean and the two
+    worker-error buffers in fp32, so that a size no host could hold is a usage error before any
+    rank starts, not an allocator's failure on every rank after the smaller sizes ran."""
+    need = ranks_here * max_bytes * (2 + 3 * 4 / elem)
+    if need <= physical:
+        return None
+    return (
+        f"--max-bytes {human(max_bytes)} needs at least {human(need)} of memory on this host ({ranks_here} "
+        f"rank(s), each holding the input, its copy, the exact mean and two error buffers), more than its "
+        f"{human(physical)}: take a smaller --max-bytes"
+    )
+
+
 def rate_argument(text: str) -> str:
     """argparse type of --link-rate: the rate as written (it labels the outlook's row), once
     `parse_rate` reads it, so that a bad one is refused before the sweep, not after it."""
@@ -508,6 +523,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         build_parser().error(str(exc))
     check_args(args)
+    if args.backend != "nccl":  # the tensors live in this host's memory
+        ranks_here = args.nprocs if launched_world() is None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        problem = memory_problem(args.max_bytes, DTYPES[args.dtype].itemsize, ranks_here, physical)
+        if problem:
+            raise SystemExit(problem)
     if args.plot:  # fail before the sweep, not after it
         try:
             import matplotlib  # noqa: F401

@@ -174,6 +174,16 @@ def test_allreduce_bw_header_says_the_untimed_calls_that_run(capsys):
     assert "warmup 1," in capsys.readouterr().out
 
 
+def test_allreduce_bw_refuses_a_size_no_host_could_hold_before_any_rank_starts():
+    """-e 1000G started 4 ranks, ran the smaller sizes and failed on every rank with the
+    allocator's error; it is a usage error at once now."""
+    bw = bench_scripts.load("allreduce_bw")
+    with pytest.raises(SystemExit, match="needs at least .* of memory on this host"):
+        bw.main(["-b", "1000G", "-e", "1000G"])
+    assert bw.memory_problem(2**30, 4, 4, 64 * 2**30) is None
+    assert "needs at least 32 GiB" in bw.memory_problem(2**30, 2, 4, 16 * 2**30)  # bf16: 2 + 3 x 2 copies
+
+
 def test_the_mpi_hint_under_a_launcher_names_the_ranks_it_started(monkeypatch):
     """--backend mpi under torchrun printed an mpirun line for --nprocs' default (4), not for
     the ranks torchrun had started."""
