@@ -154,8 +154,8 @@ class GradientRounds:
     def _lay_out_if_agreed(self, order: list[int], keys: float, squares: float) -> None:
         """Lay out in `order` if every rank saw it (the sums of a key and its square match n
         copies of this rank's), else in the reverse parameter order everywhere."""
-        key, n = self._order_key(order), self.backend.world_size
-        self.lay_out(order if keys == n * key and squares == n * key * key else None)
+        agreed = _same_on_every_rank(self._order_key(order), keys, squares, self.backend.world_size)
+        self.lay_out(order if agreed else None)
 
     # ----------------------------------------------------------------- gradients
 
@@ -375,10 +375,9 @@ class GradientRounds:
         settings = self.owner._settings_key()
         flags = [float(this_rank), float(stale), float(self._sparse()), float(self._missed_under_scaler)]
         sums = all_sum([*flags, key, key * key, settings, settings * settings], self.backend)
-        nonfinite, restart, sparse, missed, keys, squares = sums[:6]
+        nonfinite, restart, sparse, missed, keys, squares, settings_sum, settings_squares = sums
         self._refuse(sparse, missed)
-        n = self.backend.world_size
-        if sums[6] != n * settings or sums[7] != n * settings * settings:  # not the same everywhere
+        if not _same_on_every_rank(settings, settings_sum, settings_squares, self.backend.world_size):
             self.cancel()
             self.owner._refuse_differing_settings(self.backend)
         if self.layout is None:
@@ -411,3 +410,10 @@ class GradientRounds:
             if launch.errors is not None:
                 layout.keep(b, launch.errors)
         return rnd.clock.timing()
+
+
+def _same_on_every_rank(value: float, total: float, squares: float, n: int) -> bool:
+    """Whether every one of the n ranks holds `value`, from the sums over ranks of it and of its
+    square (n equal values are the only ones giving both n v and n v^2; exact for the small
+    integers the keys are)."""
+    return total == n * value and squares == n * value * value

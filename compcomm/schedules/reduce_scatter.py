@@ -79,7 +79,7 @@ def prepare(spec: CallSpec, be: Backend) -> list[ShardCall]:
         "reduce_scatter",
         be.sequence_number(),
         measure,
-        lambda numel: _rows(numel, n, be.rank),
+        lambda numel: _rows(numel, n, spec.owner_over(be)),
     )
     return [
         ShardCall(spec, i, be, agreement, flat_input, rows, scales, spec.reduced_exactly(i))
@@ -185,7 +185,7 @@ class ShardCall:
         length = numel // n
         into = self.spec.into(self.index)
         worker, _, worker_out = into.follow(self.spec.error_feedbacks[self.index], numel, n, device, REDUCE_SCATTER)
-        into.rank = self.be.rank
+        into.rank = self.spec.owner_over(self.be)
         rows_in, rows_out = worker.view(n, -1), worker_out.view(n, -1)
         coder = codec.codec_for(device)
         for j in range(n):
