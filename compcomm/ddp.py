@@ -37,6 +37,8 @@ from another model is refused at the first backward after the load, on every ran
 
 DDP's `join()`: a rank out of inputs runs the hook with zeros outside any backward; its
 iteration ends at its last bucket, with `iter` kept where the ranks still training failed.
+Reentrant activation checkpointing runs a checkpointed part's backward nested in the outer one:
+its buckets belong to the outer backward, whose end ends the iteration.
 
 Every collective goes through a compcomm backend in submission order, asynchronously: the hook
 returns at once and the bucket is reduced while backward computes the next ones. Errors are
@@ -102,6 +104,12 @@ _NONFINITE = ("raise", "propagate")
 Key = tuple[int, ...]
 
 
+class _BackwardEnd:
+    """The end of a backward, queued on autograd's engine: the queued callback alone holds it,
+    so it is freed with a backward that stopped before its callbacks ran (an exception in it),
+    and the state's weak reference to it then tells the next backward from a nested one."""
+
+
 class OnebitHookState:
     """What `onebit_hook` carries between iterations: the iteration count, the parameters'
     numbering, and one ErrorFeedback per DDP bucket.
@@ -153,6 +161,7 @@ class OnebitHookState:
         self._owner: dict[int, Key] = {}  # number -> its bucket's key
         self._in_flight: list[torch.futures.Future] = []  # this iteration's collectives
         self._backward: int | None = None  # autograd's id of the backward being reduced
+        self._end: weakref.ref[_BackwardEnd] | None = None  # that backward's end, queued on autograd's engine
         self._iter_before: int = 0  # `iter` when that backward began: where a failed one leaves it
         self._failure: Exception | None = None  # what that backward must raise when it ends
         self._watched: set[int] | None = None  # ids of the parameters whose optimizer it waits to see
@@ -459,6 +468,12 @@ class OnebitHookState:
         (which waits for every bucket's future) only when the last bucket is ready, so ours
         queues the end from inside the queue: it then runs after DDP's.
 
+        A bucket reduced in a backward nested in this one's (reentrant activation checkpointing
+        runs the checkpointed part's backward inside a node of the outer one, as a graph task of
+        its own) belongs to it: it comes while this backward's end is still queued. A backward
+        that stopped on an exception before its end ran freed its queued end with it, so the
+        next one starts afresh (`_BackwardEnd`).
+
         Outside any backward, DDP's `join()` is matching the collectives of the ranks still
         training, with zeros, for a rank out of inputs: that iteration begins at its first
         bucket too, but has no backward to raise from; its last bucket ends it
@@ -467,13 +482,38 @@ class OnebitHookState:
         joined = task < 0
         if joined:
             task = _JOINED
-        if task != self._backward:
-            self._backward, self._failure, self._iter_before = task, None, self.iter
+        if task != self._backward and (joined or self._end is None or self._end() is None):
+            self._failure, self._iter_before = None, self.iter
             self._loss_scale.new_backward()
             if not joined:
-                engine = torch.autograd.Variable._execution_engine
-                engine.queue_callback(lambda: engine.queue_callback(self._end_of_backward))
+                self._queue_end(_BackwardEnd())
+        self._backward = task
         return joined
+
+    def _queue_end(self, end: _BackwardEnd) -> None:
+        """Queue `end` on the graph task running now, to run after DDP's own callback."""
+        self._end = weakref.ref(end)
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(lambda: self._end_of_graph_task(end)))
+
+    def _end_of_graph_task(self, end: _BackwardEnd) -> None:
+        """The graph task `end` was queued on has finished. A task nested in a node of another
+        (the checkpointed part's backward: that node is still running) hands `end` to the outer
+        task once the node is done (its post hook runs in the outer task); the outermost ends the
+        backward. Raising at a nested task's end would stop the outer backward before DDP saw its
+        last buckets, which leaves DDP unusable."""
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            node.register_hook(lambda grad_inputs, grad_outputs: self._hand_over(end))
+            return
+        self._end = None
+        self._end_of_backward()
+
+    def _hand_over(self, end: _BackwardEnd) -> None:
+        """Queue `end` on the graph task running now, if it is still this state's backward's
+        (a graph kept with retain_graph runs its nodes' hooks again in later backwards)."""
+        if self._end is not None and self._end() is end:
+            self._queue_end(end)
 
     def _refuse(self, exc: Exception, buffer: torch.Tensor, last: bool, joined: bool) -> torch.futures.Future:
         """Refuse this iteration from this bucket on, with `exc` (unless it already failed): the

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 import compcomm
 import compcomm.ddp
@@ -510,6 +511,74 @@ def test_a_never_used_state_loaded_into_a_live_one_starts_over(pool):
 
 def test_state_without_errors_loads_on_any_rank(pool):
     assert pool.run(warmup_state_loads_anywhere) == [2] * 4
+
+
+# ------------------------------------------------------------------ reentrant activation checkpointing
+
+
+class Checkpointed(Net):
+    """Net (its head `width` wide, the first 4 outputs used) with one layer, `segment`, run under
+    reentrant activation checkpointing: that layer's gradients come from a backward nested in
+    the outer one (a graph task of its own, run inside a node of the outer one)."""
+
+    def __init__(self, segment: str | None, width: int = 4) -> None:
+        super().__init__()
+        self.segment, self.head = segment, torch.nn.Linear(16, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def layer(name: str, h: torch.Tensor) -> torch.Tensor:
+            f = getattr(self, name)
+            return checkpoint(f, h, use_reentrant=True) if name == self.segment else f(h)
+
+        return layer("head", torch.tanh(layer("mid", torch.tanh(layer("inp", x)))))[:, :4]
+
+
+def another_models_state_under_checkpointing(segment: str | None) -> tuple[list, bytes, int]:
+    """Another model's state (a head of another width) resumed: three backwards refused, then
+    the state mended (a fresh state loaded) and three steps trained, one with a NaN on rank 1;
+    `segment` (or no layer) checkpointed. DDP runs with static_graph, its way with reentrant
+    checkpoints."""
+    rank = dist.get_rank()
+
+    def model(width: int) -> DDP:
+        torch.manual_seed(0)
+        return DDP(Checkpointed(segment, width), bucket_cap_mb=BUCKET_MB, static_graph=True)
+
+    saved = model(4)
+    saved_state = OnebitHookState(start_iter=1)
+    saved.register_comm_hook(saved_state, onebit_hook)
+    train(saved, sgd(saved), range(3), rank)
+    ddp, state = model(5), OnebitHookState(start_iter=1)
+    state.load_state_dict(roundtrip(saved_state.state_dict()))
+    ddp.register_comm_hook(state, onebit_hook)
+    opt, failures = sgd(ddp), []
+    for step in range(6):
+        if step == 3:
+            state.load_state_dict(OnebitHookState(start_iter=1).state_dict())  # mended
+        opt.zero_grad(set_to_none=True)
+        failures.append(caught(lambda: loss_of(ddp, rank, step, poison=step == 4 and rank == 1).backward()))
+        if failures[-1] is None:
+            opt.step()
+    return failures, raw(ddp.module), state.iter
+
+
+@pytest.mark.parametrize("segment", ["mid", "head"])
+def test_a_refused_backward_under_reentrant_checkpointing_leaves_ddp_usable(pool, segment):
+    """The hook took a bucket reduced in the checkpointed layer's nested backward for a new
+    backward: it ended the iteration there, raising a refusal recorded before it at that nested
+    backward's end, which stopped the outer one before DDP saw its last buckets; every later
+    backward then failed inside DDP ("Expected to have finished reduction in the prior
+    iteration"; found by a probe). Now the iteration ends with the outer backward: each refusal
+    and the NaN raise from backward() on every rank, and the run is bit for bit the one without
+    checkpointing."""
+    plain = pool.run(another_models_state_under_checkpointing, None)
+    for (failures, params, iteration), (_, expected, _) in zip(
+        pool.run(another_models_state_under_checkpointing, segment), plain
+    ):
+        assert all(f is not None and f[0] == "ValueError" and "another model" in f[1] for f in failures[:3]), failures
+        assert failures[4] is not None and failures[4][0] == "NonFiniteError", failures
+        assert failures[3] is None and failures[5] is None, failures
+        assert iteration == 2 and params == expected
 
 
 # ------------------------------------------------------------------ errors are collective
