@@ -84,7 +84,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import schedules
-from .agreement import agreed_failure, raise_agreed
+from .agreement import FLOAT_DTYPES, agreed_failure, raise_agreed
 from .allreduce import compressed_allreduce
 from .backends import Backend, check_backend_argument
 from .backends.registry import falling_back, over_group
@@ -401,6 +401,7 @@ class OnebitHookState:
                 return self._refused(buffer, last and joined)
         self._watch_optimizer(params)
         try:
+            _check_bucket(buffer)
             key, parts = self._parts(params)
             if last and self._params_loaded and len(self._numbers) < len(self._params):
                 raise ValueError(
@@ -408,7 +409,7 @@ class OnebitHookState:
                     f"{len(self._params)}: the state belongs to another model; resume with the same model and "
                     "DDP settings"
                 )
-        except ValueError as exc:  # another model's state: the same on every rank (see _number)
+        except (TypeError, ValueError) as exc:  # the same on every rank (DDP's buckets; see _number)
             return self._refuse(exc, buffer, last, joined)
         compress = self.iter >= self.start_iter
         if compress:
@@ -653,6 +654,22 @@ def _check_buckets(buckets: dict[Key, ErrorFeedback], numels: list[int], be: Bac
                 f"the state's bucket {list(key)} holds errors of other calls than it makes here "
                 f"({why.split(';')[0]}): saved for other parameters, over another backend or another split of the ranks"
             )
+
+
+def _check_bucket(buffer: torch.Tensor) -> None:
+    """TypeError unless the 1-bit allreduce can take this bucket once `start_iter` is reached, so
+    that such a model is refused at its first backward rather than after the warm-up."""
+    if buffer.layout != torch.strided:
+        raise TypeError(
+            "compcomm.ddp.onebit_hook reduces dense gradients, and DDP handed it a bucket of sparse ones "
+            "(an nn.Embedding(sparse=True)?): make them dense, or keep that module out of the hooked DDP model"
+        )
+    if buffer.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"compcomm.ddp.onebit_hook compresses float32, float16 or bfloat16 gradients from start_iter on, "
+            f"and DDP handed it a bucket of {str(buffer.dtype).replace('torch.', '')} ones: train in one of those "
+            "dtypes (refused from the first backward, not after the warm-up)"
+        )
 
 
 def _failure(future: torch.futures.Future) -> Exception | None:

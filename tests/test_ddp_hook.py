@@ -513,6 +513,30 @@ def test_state_without_errors_loads_on_any_rank(pool):
     assert pool.run(warmup_state_loads_anywhere) == [2] * 4
 
 
+def unsupported_gradients(kind: str) -> tuple[list, int]:
+    """Two backwards of a float64 model, or of one with a sparse embedding, in the warm-up."""
+    torch.manual_seed(0)
+    if kind == "float64":
+        model, x = make_net().double(), torch.randn(16, 8, dtype=torch.float64)
+    else:
+        model, x = torch.nn.Sequential(torch.nn.Embedding(10, 8, sparse=True), Net()), torch.arange(16) % 10
+    ddp, state = DDP(model, bucket_cap_mb=BUCKET_MB), OnebitHookState(start_iter=2)
+    ddp.register_comm_hook(state, onebit_hook)
+    return [caught(lambda: ddp(x).sum().backward()) for _ in range(2)], state.iter
+
+
+@pytest.mark.parametrize(("kind", "says"), [("float64", "bucket of float64 ones"), ("sparse", "sparse ones")])
+def test_gradients_the_compression_cannot_take_are_refused_from_the_first_backward(pool, kind, says):
+    """A float64 model trained through the whole warm-up, then every rank raised the compressed
+    call's TypeError at start_iter; sparse gradients raised "all_reduce needs a contiguous
+    tensor" (from a probe). Both are refused at the first backward, on every rank, DDP usable."""
+    results = pool.run(unsupported_gradients, kind)
+    for failures, iteration in results:
+        assert all(f is not None and f[0] == "TypeError" and says in f[1] for f in failures), failures
+        assert iteration == 0
+    assert len({tuple(r[0]) for r in results}) == 1, "ranks raised different errors"
+
+
 # ------------------------------------------------------------------ reentrant activation checkpointing
 
 
