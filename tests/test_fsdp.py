@@ -1010,6 +1010,43 @@ def test_the_backward_after_a_nonfinite_one_starts_from_fresh_gradients(pool, ac
         assert r["fresh"], r
 
 
+def detour_taken_by_one_replica() -> dict:
+    """HSDP 2x2: `Detour`'s middle module run by replica 0 and not by replica 1 (its forward's
+    `step` 0 runs it), then by both, twice."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    model, mesh = Detour(), DeviceMesh.from_group(group(SHARDS["2x2"][rank // 2]), "cpu")
+    for layer in (model.first, model.middle, model.last, model):
+        fully_shard(layer, mesh=mesh)
+    state = compcomm.fsdp.compress(model, start_iter=1, replicate_group=group(REPLICAS["2x2"][rank % 2]))
+    failure = caught(lambda: model(batch(rank, 0), 0 if rank < 2 else 1).backward())
+    model.reset_iter_state()  # as FSDP asks after any exception in backward
+    model.zero_grad()
+    after = []
+    for step in (1, 2):
+        model(batch(rank, step), 0).backward()
+        torch.optim.SGD(model.parameters(), lr=0.05).step()
+        model.zero_grad()
+        after.append([p.to_local().detach().numpy().tobytes() for p in model.parameters()])
+    return {"failure": failure, "iteration": state.iteration, "after": after}
+
+
+def test_hsdp_a_module_one_replica_skips_is_refused_on_every_rank(pool):
+    """The replica that skipped the middle module reduces it at the end of the backward, the
+    other in its place: their averages across replicas pair different modules. Every rank
+    raises the same ValueError (FSDP2's own HSDP hangs there; from a probe), and after FSDP's
+    reset_iter_state the replicas train on, bitwise equal."""
+    res = pool.run(detour_taken_by_one_replica)
+    assert all(r["failure"] is not None and r["failure"][0] == "ValueError" for r in res), [r["failure"] for r in res]
+    assert "ranks passed tensors of different sizes" in res[0]["failure"][1]
+    assert len({r["failure"][1] for r in res}) == 1, "ranks raised different errors"
+    assert all(r["iteration"] == 2 for r in res)
+    assert res[0]["after"] == res[2]["after"] and res[1]["after"] == res[3]["after"]
+
+
 @pytest.mark.parametrize("where", ["input", "first"])
 @pytest.mark.parametrize("hsdp", [False, True])
 def test_nonfinite_raises_on_every_rank_and_training_goes_on(pool, hsdp, where):
