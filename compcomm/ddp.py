@@ -505,15 +505,17 @@ class OnebitHookState:
         last buckets, which leaves DDP unusable."""
         node = torch._C._current_autograd_node()
         if node is not None:
-            node.register_hook(lambda grad_inputs, grad_outputs: self._hand_over(end))
+            held = [end]  # given up at the first run: a graph kept with retain_graph runs it again
+            node.register_hook(lambda grad_inputs, grad_outputs: self._hand_over(held))
             return
         self._end = None
         self._end_of_backward()
 
-    def _hand_over(self, end: _BackwardEnd) -> None:
-        """Queue `end` on the graph task running now, if it is still this state's backward's
-        (a graph kept with retain_graph runs its nodes' hooks again in later backwards)."""
-        if self._end is not None and self._end() is end:
+    def _hand_over(self, held: list[_BackwardEnd]) -> None:
+        """Queue the end in `held` on the graph task running now, once, if it is still this
+        state's backward's: the hook then holds it no longer, and the outer task alone does."""
+        end = held.pop() if held else None
+        if end is not None and self._end is not None and self._end() is end:
             self._queue_end(end)
 
     def _refuse(self, exc: Exception, buffer: torch.Tensor, last: bool, joined: bool) -> torch.futures.Future:
