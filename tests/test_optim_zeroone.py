@@ -55,6 +55,51 @@ def test_identical_after_every_synchronized_step_and_local_between(pool, dtype):
     assert len({results[0][0][s] for s in range(STEPS)}) == STEPS
 
 
+FROZEN = {  # when the first layer's weight has requires_grad=False, by step t
+    "at the freeze step": lambda t: t == SCHEDULE["var_freeze_step"],
+    "from the start to past it": lambda t: t <= SCHEDULE["var_freeze_step"] + 2,
+    "between syncs": lambda t: 22 <= t <= 25,  # a local step at 21 moved it, a sync at 24
+}
+
+
+def trained_with_a_layer_frozen(when: str) -> tuple[list[bytes], list[str], list[float], list[bool]]:
+    rank = rank_of(4)
+    model = make_model()
+    opt = make_zeroone(model)
+    weight, frozen = model[0].weight, FROZEN[when]
+    params, kinds, norms, kept = [], [], [], []
+    for step in range(STEPS):
+        t = step + 1
+        weight.requires_grad_(not frozen(t))
+        before = weight.detach().clone()
+        backward(model, rank, step)
+        opt.step()
+        params.append(raw(model))
+        kinds.append(opt._kind(t))
+        norms.append(float(weight.norm()))
+        kept.append(torch.equal(before, weight) or not frozen(t))
+    return params, kinds, norms, kept
+
+
+@pytest.mark.parametrize("when", list(FROZEN))
+def test_a_layer_frozen_for_some_steps_trains_on_and_syncs(pool, when):
+    """A weight frozen at the freeze step, or from the start until after it, then trained: its
+    first local step raised KeyError: 'lr_sum' (and its weights at the last sync were zeros, so
+    a sync would have wiped it). A weight frozen after local steps had moved it was left out of
+    the next sync, so the ranks' weights differed after it (from a probe). Now every sync leaves
+    every rank bitwise equal, a frozen weight moves only where a sync averages its local steps,
+    and none is wiped."""
+    results = pool.run(trained_with_a_layer_frozen, when)
+    kinds = results[0][1]
+    for step, kind in enumerate(kinds):
+        if kind != "local":
+            assert len({r[0][step] for r in results}) == 1, f"ranks differ after the {kind} step {step + 1}"
+    for _, _, norms, kept in results:
+        assert min(norms) > 0.5 * norms[0], norms
+        moved = [t for t, ok in enumerate(kept, 1) if not ok]
+        assert moved == ([24] if when == "between syncs" else []), moved
+
+
 def intervals() -> tuple[list[str], int, int]:
     model = make_model()
     opt = ZeroOneAdam(model.parameters(), backend="local", **SCHEDULE)

@@ -133,14 +133,17 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _entries(self, values: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict, dict]]:
+    def _entries(
+        self, values: Sequence[torch.Tensor], also: Callable[[dict], bool] | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict, dict]]:
         """(parameter, its value, its group, its state) for every parameter that is trained:
-        one with requires_grad=False gets no update at all (no weight decay), as in torch.optim.
-        The value has the shape of the parameter's local part (`updates.local`)."""
+        one with requires_grad=False gets no update at all (no weight decay), as in torch.optim,
+        unless `also(its state)` says otherwise. The value has the shape of the parameter's
+        local part (`updates.local`)."""
         i = 0
         for group in self.param_groups:
             for p in group["params"]:
-                if p.requires_grad:
+                if p.requires_grad or (also is not None and p in self.state and also(self.state[p])):
                     yield p, values[i].view_as(local(p)), group, self.state[p]
                 i += 1
 

@@ -56,6 +56,23 @@ from .checkpoints import EXTRA_KEY, fp32_problem
 from .updates import Denominators, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
 
 
+def _since_sync(p: torch.Tensor, state: dict[str, Any]) -> None:
+    """Phase 2 keeps, per parameter, its weights at the last sync (w_s) and the learning rates
+    summed since (L). They are set at the freeze step for the parameters trained then; one first
+    trained after it (frozen until then, so alike on every rank) starts them here, from its
+    weights as they are."""
+    if "lr_sum" not in state:
+        state["sync_weight"].copy_(master_weight(p, state))
+        state["lr_sum"] = 0.0
+
+
+def _moved_since_sync(state: dict[str, Any]) -> bool:
+    """Whether local steps moved a parameter since the last sync (L > 0): its weights differ
+    across ranks until a sync averages them, also where it is frozen now. One frozen since
+    the last sync stays as it is (no step moves a frozen parameter)."""
+    return state.get("lr_sum", 0.0) > 0
+
+
 class ZeroOneAdam(OnebitOptimizer):
     """0/1 Adam: adaptive variance freezing, 1-bit gradients, then 1-bit synchronization of
     local steps at growing intervals (the math: `compcomm.optim.zeroone`'s module docstring).
@@ -181,7 +198,13 @@ class ZeroOneAdam(OnebitOptimizer):
     def _payload(
         self, t: int, kind: str, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor, out: torch.Tensor
     ) -> None:
-        if kind != COMPRESSED or not p.requires_grad:
+        frozen = not p.requires_grad
+        if frozen and kind == COMPRESSED and t > self.var_freeze_step and _moved_since_sync(self.state.get(p, {})):
+            # a sync of a parameter frozen since local steps moved it: w_r - w_s, no step now
+            state = self.state[p]
+            torch.sub(master_weight(p, state), state["sync_weight"], out=out)
+            return
+        if kind != COMPRESSED or frozen:
             out.copy_(g)
             return
         state = self._moments(p)
@@ -190,6 +213,7 @@ class ZeroOneAdam(OnebitOptimizer):
             mask_(torch.div(g, denom, out=out), p, group, masked)
             return
         # a sync: w_r - w_s, this step's local update included
+        _since_sync(p, state)
         self._local_step(t, master_weight(p, state), state["exp_avg"], g, group, p, self._scratch_like(p), out)
         out.sub_(state["sync_weight"])
 
@@ -223,7 +247,9 @@ class ZeroOneAdam(OnebitOptimizer):
                 self.var_counter, self.var_interval = 0, 2 * self.var_interval
 
     def _phase2(self, t: int, kind: str, values: Sequence[torch.Tensor]) -> None:
-        for p, value, group, state in self._entries(values):
+        for p, value, group, state in self._entries(values, also=_moved_since_sync if kind != LOCAL else None):
+            state = self._moments(p)  # a parameter first trained now has none yet
+            _since_sync(p, state)
             w = master_weight(p, state)
             if kind == LOCAL:
                 self._local_step(t, w, state["exp_avg"], value, group, p, state["exp_avg"], None)
@@ -231,7 +257,7 @@ class ZeroOneAdam(OnebitOptimizer):
             else:
                 denom, masked = self._denominator(p, group, self.var_updates)
                 u = mask_(value, p, group, masked)
-                lr_sum = state["lr_sum"] + group["lr"]
+                lr_sum = state["lr_sum"] + (group["lr"] if p.requires_grad else 0.0)
                 torch.add(state["sync_weight"], u, out=w)
                 if lr_sum > 0:
                     torch.mul(u, denom, out=state["exp_avg"]).mul_(-(1 - group["betas"][0] ** t) / lr_sum)
