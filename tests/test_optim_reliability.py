@@ -162,10 +162,12 @@ def trained(name: str, steps: int) -> tuple[torch.nn.Module, OnebitOptimizer]:
     return model, opt
 
 
-def lr_changed_on_one_rank(name: str) -> tuple[list[tuple[str, str] | None], bytes]:
+def lr_changed_on_one_rank(name: str, what: str = "lr") -> tuple[list[tuple[str, str] | None], bytes]:
     """Rank 1's learning rate set apart after the first steps (a scheduler or a hand-set lr
     gone wrong on one rank): only the first step compared the settings, and the parameters
-    drifted apart silently. Refused at every step until it agrees again, nothing changed."""
+    drifted apart silently. Refused at every step until it agrees again, nothing changed.
+    `what="frozen"`: rank 1 freezes the first layer's weight instead (requires_grad=False, a
+    freeze that depends on the rank), which was not compared at all (from a probe)."""
     rank = rank_of(4)
     model = make_model()
     if name == "zeroone":
@@ -175,21 +177,25 @@ def lr_changed_on_one_rank(name: str) -> tuple[list[tuple[str, str] | None], byt
         opt = make_optimizer(name, model, 4, 2)
     failures = []
     for step in range(5):
-        if step == 2 and rank == 1:
-            opt.param_groups[0]["lr"] = 0.05
-        if step == 4 and rank == 1:
-            opt.param_groups[0]["lr"] = 1e-2  # agreeing again
+        if rank == 1 and step in (2, 4):  # set apart, then agreeing again
+            if what == "lr":
+                opt.param_groups[0]["lr"] = 0.05 if step == 2 else 1e-2
+            else:
+                model[0].weight.requires_grad_(step == 4)
         backward(model, rank, step)
         failures.append(caught(opt.step))
     return failures, raw(model)
 
 
+@pytest.mark.parametrize(
+    ("what", "says"), [("lr", "param_groups[0].lr"), ("frozen", "param_groups[0] parameters frozen")]
+)
 @pytest.mark.parametrize("name", [*OPTIMIZERS, "zeroone"])
-def test_a_setting_changed_on_one_rank_after_the_first_step_is_refused_at_every_step(pool, name):
-    results = pool.run(lr_changed_on_one_rank, name)
+def test_a_setting_changed_on_one_rank_after_the_first_step_is_refused_at_every_step(pool, name, what, says):
+    results = pool.run(lr_changed_on_one_rank, name, what)
     for failures, _ in results:
         assert failures[:2] == [None, None] and failures[4] is None, failures
-        assert all(f is not None and f[0] == "ValueError" and "param_groups[0].lr" in f[1] for f in failures[2:4])
+        assert all(f is not None and f[0] == "ValueError" and says in f[1] for f in failures[2:4]), failures
     assert len({params for _, params in results}) == 1
 
 

@@ -343,12 +343,15 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def _settings(self, groups: list[dict[str, Any]] | None = None, tensors: bool = True) -> dict[str, Any]:
         """What every rank must hold alike: the schedule, the bucketing and overlap (which decide
         the collectives of a backward), and the hyperparameters of `groups` (default: this
-        optimizer's; a checkpoint's, before it is loaded), their tensors unless `tensors` is False."""
+        optimizer's, with which of their parameters are frozen, which a rank alone could change;
+        a checkpoint's, before it is loaded), their tensors unless `tensors` is False."""
+        live = groups is None
         return {
             **self._schedule(),
             "bucket_bytes": self.bucket_bytes,
             "overlap": bool(self.overlap),
             **_hyperparameters(self.param_groups if groups is None else groups, tensors),
+            **(_frozen(self.param_groups) if live else {}),
         }
 
     def _settings_key(self) -> float:
@@ -587,6 +590,17 @@ def _check_mask(mask: Any, params: list[torch.Tensor]) -> None:
                 f"exp_avg_mask must be a tensor broadcastable to each parameter of "
                 f"its group, got {getattr(mask, 'shape', mask)} for {tuple(p.shape)}"
             )
+
+
+def _frozen(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The positions, per group, of the parameters with requires_grad=False: a parameter frozen
+    on some ranks only is updated on the others, and the parameters drift apart unseen."""
+    return {
+        f"param_groups[{i}] parameters frozen (requires_grad=False)": tuple(
+            j for j, p in enumerate(group["params"]) if not p.requires_grad
+        )
+        for i, group in enumerate(groups)
+    }
 
 
 def _hyperparameters(groups: list[dict[str, Any]], tensors: bool = True) -> dict[str, Any]:
