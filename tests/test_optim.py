@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -481,6 +482,13 @@ def test_a_freeze_step_that_differs_after_a_resume_raises_on_every_rank(pool, na
 def test_invalid_hyperparameters_raise_value_error(cls, kw):
     with pytest.raises(ValueError):
         cls(torch.nn.Linear(2, 2).parameters(), **kw)
+
+
+def test_a_tensor_learning_rate_is_refused_for_being_a_tensor():
+    """torch's AdamW takes a tensor lr; these optimizers take numbers, and said that
+    tensor(0.0010) "must be a finite number", which it is (from a probe)."""
+    with pytest.raises(ValueError, match=re.escape("invalid lr: tensor(0.0010) (a Tensor is not taken: must be")):
+        OnebitAdam(torch.nn.Linear(2, 2).parameters(), lr=torch.tensor(1e-3))
 
 
 def test_invalid_param_group_and_dtype_raise_value_error():

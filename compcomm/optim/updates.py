@@ -28,7 +28,8 @@ def check_range(
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
         lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
-        raise ValueError(f"invalid {name}: {value!r} (must be a finite number in {lo}{low}, {high}{hi})")
+        kind = f"a {type(value).__name__} is not taken: " if torch.is_tensor(value) or isinstance(value, bool) else ""
+        raise ValueError(f"invalid {name}: {value!r} ({kind}must be a finite number in {lo}{low}, {high}{hi})")
 
 
 def check_count(name: str, value: Any, low: int) -> None:
