@@ -201,7 +201,10 @@ class CallSpec:
         if limit is None:
             return False
         if not is_integer(limit) or limit < 0:
-            raise ValueError(f"min_compress_bytes must be None or a number of bytes >= 0, got {limit!r}")
+            raise ValueError(
+                f"min_compress_bytes must be None or an integer number of bytes >= 0, "
+                f"got {type(limit).__name__} {limit!r}"
+            )
         tensor = self.tensors[i]
         return tensor.numel() * tensor.element_size() < limit
 

@@ -163,6 +163,7 @@ def rejected(
 BAD_CALLS = {
     "threshold_differs": ({}, {2: 0}),
     "threshold_invalid": ({}, {1: -5}),
+    "threshold_float": ({}, {1: 96.0}),  # said "a number of bytes >= 0, got 96.0" (from a probe)
     "nan": ({}, {}, 3),
     "overflow": ({}, {}, None, torch.float16, 3e4, "sum"),  # each rank's values fit fp16, the sum not
     "numel_differs": ({0: 5_000_000}, {}),
@@ -184,6 +185,7 @@ def test_bad_calls_raise_everywhere_and_change_nothing(pool, case):
     expected = {
         "threshold_differs": ("ValueError", "min_compress_bytes"),
         "threshold_invalid": ("ValueError", "min_compress_bytes must be"),
+        "threshold_float": ("ValueError", "an integer number of bytes >= 0, got float 96.0"),
         "nan": ("NonFiniteError", "non-finite"),
         "overflow": ("NonFiniteError", "overflow"),
         "numel_differs": ("ValueError", "not 5000000 elements"),
