@@ -394,9 +394,10 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, world: in
             r["bytes_reduction_vs_fp32_adam"] = by["adam"]["bytes_sent"] / r["bytes_sent"]
     if "zeroone" in by and "onebit_adam" in by:
         summary["onebit_adam_bytes_over_zeroone_bytes"] = by["onebit_adam"]["bytes_sent"] / by["zeroone"]["bytes_sent"]
-    warm = args.warmup
+    warm = freeze_step(args) / args.steps  # the warm-up as run: --warmup of the steps, at least one
     summary["expected_onebit_reduction_at_warmup"] = 1.0 / (warm + (1 - warm) / 32)
     return {
+        "diverged": [r["name"] for r in results if not math.isfinite(r["final_val_loss"])],
         "task": TASKS[args.task],
         "world_size": world,
         "backend": "gloo",
@@ -470,6 +471,14 @@ def print_report(report: dict[str, Any]) -> None:
         )
     for k, v in report["summary"].items():
         print(f"{k}: {v:.3f}")
+    if report["diverged"]:
+        warm = freeze_step(argparse.Namespace(**report["args"]))
+        print(
+            f"WARNING: {', '.join(report['diverged'])} diverged (a non-finite final validation loss), so the gaps "
+            f"involving them are nan. The warm-up ran {warm} of {report['args']['steps']} steps; the 1-bit "
+            "optimizers estimate their second moment there, and too short a one can make them diverge: "
+            "run more --steps, or a larger --warmup."
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

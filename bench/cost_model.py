@@ -132,6 +132,11 @@ def extrapolate(numel: int) -> list[str]:
     return rows
 
 
+def size_label(size: int) -> str:
+    """`size` bytes in MiB, or KiB below one MiB (a 64 KiB run read "0 MiB")."""
+    return f"{size / 2**20:g} MiB" if size >= 2**20 else f"{size / 2**10:g} KiB"
+
+
 def compare(record: dict, p: dict, cores: int) -> list[str]:
     n, numel, k = record["world_size"], record["numel"], record.get("ranks_per_host", 1)
     share = core_share(record, cores)
@@ -143,7 +148,7 @@ def compare(record: dict, p: dict, cores: int) -> list[str]:
         if part + "_s" in record and part in pred:
             got, want = record[part + "_s"], pred[part]
             rows.append(
-                f"| {n // k}x{k} | {record['size_bytes'] >> 20} MiB | {part} | {got * 1e3:.2f} | "
+                f"| {n // k}x{k} | {size_label(record['size_bytes'])} | {part} | {got * 1e3:.2f} | "
                 f"{want * 1e3:.2f} | {(want - got) / got:+.0%} |"
             )
     return rows
@@ -203,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     base = max(calibration, key=lambda r: r["numel"])
+    if base["world_size"] < 2:
+        ap.error(
+            f"--calibrate needs a run on at least 2 ranks (its latency is per peer step): {args.calibrate} ran on 1"
+        )
     p = calibrate(base, args.cores, loopback)
     latency = ""
     if latency_run is not None:

@@ -107,6 +107,17 @@ def test_cost_model_names_a_file_it_cannot_use(tmp_path, capsys):
     assert "bw.json" in err and "numel" in err and "allreduce_bw.py" in err, err
 
 
+def test_cost_model_refuses_a_calibration_on_one_rank_and_labels_small_sizes(tmp_path, capsys):
+    """A one-rank phases run (phases.py --nprocs 1) crashed the fit with ZeroDivisionError, and
+    a 64 KiB row read "0 MiB" (from a probe)."""
+    model = bench_scripts.load("cost_model")
+    phases = json.loads((ROOT / "bench" / "results" / "phases_2h_1gbit.json").read_text())
+    alone = str(tmp_path / "one.json")
+    (tmp_path / "one.json").write_text(json.dumps([{**r, "world_size": 1} for r in phases]))
+    assert "needs a run on at least 2 ranks" in _refused(model.main, ["--calibrate", alone], capsys)
+    assert model.size_label(64 * 1024) == "64 KiB" and model.size_label(100 * 2**20) == "100 MiB"
+
+
 def test_cost_model_refuses_zero_cores(capsys):
     model = bench_scripts.load("cost_model")
     phases = str(ROOT / "bench" / "results" / "phases_2h_1gbit.json")

@@ -52,6 +52,20 @@ def test_an_explicit_scaler_is_kept():
     assert cv.parse_args(["--local-step-scaler", "40"]).local_step_scaler == 40
 
 
+def test_a_diverged_run_is_said_and_the_expected_reduction_follows_the_warmup_as_run(capsys):
+    """--steps 4 runs a warm-up of one step, not 0.15 x 4: the expected byte reduction said 5.66x
+    beside the 3.66x the run had, and a 1-bit run that diverged there (a nan final loss) went
+    by with its nan gap and no word (from a probe)."""
+    cv = _load_module()
+    runs = [("adam", 3.0, 3200), ("onebit_adam", float("nan"), 875)]
+    results = [{"name": name, "final_val_loss": loss, "bytes_sent": sent} for name, loss, sent in runs]
+    report = cv.summarize(results, cv.parse_args(["--steps", "4"]), 2)
+    assert report["diverged"] == ["onebit_adam"]
+    assert abs(report["summary"]["expected_onebit_reduction_at_warmup"] - 1 / (0.25 + 0.75 / 32)) < 1e-12
+    cv.print_report(report)
+    assert "WARNING: onebit_adam diverged" in capsys.readouterr().out
+
+
 def test_diloco_takes_adams_learning_rate_unless_given_its_own():
     cv = _load_module()
     assert cv.diloco_inner_lr(cv.parse_args(["--lr-adam", "6e-3"])) == 6e-3
