@@ -56,14 +56,18 @@ from .checkpoints import EXTRA_KEY, fp32_problem
 from .updates import Denominators, check_count, decoupled_step_, mask_, master_weight, store_, update_moments
 
 
-def _since_sync(p: torch.Tensor, state: dict[str, Any]) -> None:
+def _synced_now(p: torch.Tensor, state: dict[str, Any]) -> None:
     """Phase 2 keeps, per parameter, its weights at the last sync (w_s) and the learning rates
-    summed since (L). They are set at the freeze step for the parameters trained then; one first
-    trained after it (frozen until then, so alike on every rank) starts them here, from its
-    weights as they are."""
+    summed since (L): its weights as they are now become w_s, and L starts over."""
+    state["sync_weight"].copy_(master_weight(p, state))
+    state["lr_sum"] = 0.0
+
+
+def _since_sync(p: torch.Tensor, state: dict[str, Any]) -> None:
+    """w_s and L are set at the freeze step for the parameters trained then; one first trained
+    after it (frozen until then, so alike on every rank) starts them here, from its weights."""
     if "lr_sum" not in state:
-        state["sync_weight"].copy_(master_weight(p, state))
-        state["lr_sum"] = 0.0
+        _synced_now(p, state)
 
 
 def _moved_since_sync(state: dict[str, Any]) -> bool:
@@ -238,8 +242,7 @@ class ZeroOneAdam(OnebitOptimizer):
             decoupled_step_(w, group, state["exp_avg"], denom, group["lr"] / (1 - beta1**t))
             store_(p, w)
             if t == self.var_freeze_step:
-                state["sync_weight"].copy_(w)
-                state["lr_sum"] = 0.0
+                _synced_now(p, state)
         if kind == EXACT:
             self.var_updates = refreshes
             self.var_counter += 1
@@ -263,8 +266,7 @@ class ZeroOneAdam(OnebitOptimizer):
                     torch.mul(u, denom, out=state["exp_avg"]).mul_(-(1 - group["betas"][0] ** t) / lr_sum)
                 else:  # no step since the last sync moved w: u holds carried errors, no momentum
                     state["exp_avg"].zero_()
-                state["sync_weight"].copy_(w)
-                state["lr_sum"] = 0.0
+                _synced_now(p, state)
             store_(p, w)
         self._between_syncs = kind == LOCAL
         self.local_counter += 1

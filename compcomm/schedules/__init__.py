@@ -35,7 +35,7 @@ def serves(be: Backend) -> Callable[[int], Served]:
     (elements, ranks, layout, this rank), for checking saved errors before they are loaded."""
     if isinstance(be, HierarchicalBackend):
         return lambda numel: hierarchical.part_of(be, numel)
-    return flat.serves(be)
+    return flat.serves(be, be.rank)
 
 
 def reduce_scatter(spec: CallSpec, be: Backend) -> list[torch.Tensor]:

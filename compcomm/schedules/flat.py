@@ -92,7 +92,7 @@ def prepare(spec: CallSpec, be: Backend) -> list[FlatCall]:
         return _prepare_streaming(spec, be)
     scanned: dict[int, Scanned] = {}
     agreement = agree_on_call(
-        spec, be, "allreduce", be.sequence_number(), _measure(spec, be, scanned), serves(be, spec.owner)
+        spec, be, "allreduce", be.sequence_number(), _measure(spec, be, scanned), serves(be, spec.owner_over(be))
     )
     return _calls(spec, be, agreement, scanned, None)
 
@@ -106,7 +106,7 @@ def _prepare_streaming(spec: CallSpec, be: Backend) -> list[FlatCall]:
     phase 0b agrees on the bounds (s_r, max |e_s|) and on any rank's failed scan. A rejected call
     has sent signs that no server uses and changes nothing. A first tensor reduced exactly
     takes the ordinary phase 1 (its rows are the tensor itself: there is no scan to overlap)."""
-    calls = agree_on_arguments(spec, be, "allreduce", be.sequence_number(), serves(be, spec.owner))
+    calls = agree_on_arguments(spec, be, "allreduce", be.sequence_number(), serves(be, spec.owner_over(be)))
     scanned: dict[int, Scanned] = {}
     if spec.reduced_exactly(0):
         agreement = agree_on_measures(spec, be, calls, _measure(spec, be, scanned))
@@ -163,10 +163,9 @@ def _calls(
     ]
 
 
-def serves(be: Backend, owner: int | None = None) -> Callable[[int], Served]:
+def serves(be: Backend, rank: int) -> Callable[[int], Served]:
     """What the ErrorFeedback of a numel-element tensor holds after a call over `be`:
-    (elements, ranks, layout, the rank it records: this one's, or `owner`, see `CallSpec.owner`)."""
-    rank = be.rank if owner is None else owner
+    (elements, ranks, layout, the rank it records: `CallSpec.owner_over(be)`)."""
     return lambda numel: (numel, be.world_size, ALLREDUCE, rank)
 
 
